@@ -1,0 +1,112 @@
+"""What crosses from the scheduler to the workers (StepPlan) and back (StepResult).
+
+These are the only scheduler types the workers import. They hold plain ints, lists and
+numpy arrays so a plan pickles in microseconds and no Python object exists per token.
+
+The protocol is a diff. A worker keeps, per sequence id, its block table and the token ids
+it has seen (for penalties). A sequence's state is created by a `NewSeq` entry and dropped
+when its id appears in `StepPlan.dropped_seq_ids`; in between each plan only says what changed.
+
+A worker executes a plan in this order:
+  1. drop the state of `dropped_seq_ids` (finished, aborted, or preempted since last plan);
+  2. `swap_out` pairs (GPU block -> CPU block), then `swap_in` pairs (CPU -> GPU),
+     then `copies` (GPU src -> GPU dst, copy-on-write), every layer, K and V;
+  3. create state for `new_seqs`, append `appended_blocks`, replace `replaced_tables`;
+  4. run the forward pass over the batch (`seq_ids` order), writing KV at the slots given
+     by each sequence's block table and positions `start_pos[i] .. start_pos[i]+query_lens[i]-1`;
+  5. sample one token for every sequence with `do_sample[i]`, in batch order (rank 0 returns
+     them in a StepResult).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scheduler.sampling_params import SamplingParams
+
+_EMPTY_PAIRS = np.zeros((0, 2), dtype=np.int64)
+
+
+def empty_pairs() -> np.ndarray:
+    """A [0, 2] int64 array: no swap or copy pairs."""
+    return _EMPTY_PAIRS.copy()
+
+
+@dataclass(slots=True)
+class NewSeq:
+    """A sequence the workers hold no state for: first schedule, or resume after preemption.
+
+    `computed_token_ids` are the tokens whose KV is already in the cache when this step
+    starts (a prefix-cache hit, or everything computed before a swap-out): exactly
+    `start_pos` of them. Later tokens arrive through `StepPlan.input_ids` as they are computed,
+    so a worker's token history for the sequence is always `computed_token_ids` followed by
+    every token it was given to compute.
+    """
+
+    seq_id: int
+    request_id: str
+    seq_index: int  # which of the request's n samples; seeded sampling mixes it into the seed
+    prompt_len: int  # tokens [0, prompt_len) of the history are the prompt (for penalties)
+    computed_token_ids: list[int]
+    block_table: list[int]  # the whole table, GPU block ids
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step of work for every tensor-parallel rank.
+
+    Batch order: sequences in decode come first, then prefill chunks. `input_ids` is the
+    concatenation of each scheduled sequence's tokens to compute, in batch order.
+    Invariants: len(seq_ids) == len(query_lens) == len(start_pos) == len(do_sample);
+    input_ids.size == query_lens.sum(); every id in seq_ids has state on the worker after
+    step 3 above; a block table covers at least start_pos + query_lens tokens.
+    """
+
+    step_id: int
+    seq_ids: np.ndarray  # int64 [B]
+    query_lens: np.ndarray  # int32 [B] tokens computed this step
+    start_pos: np.ndarray  # int32 [B] tokens already in the KV cache before this step
+    input_ids: np.ndarray  # int64 [sum(query_lens)]
+    do_sample: np.ndarray  # bool [B] sample after this step (the chunk reaches the last token)
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    appended_blocks: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> new ids
+    replaced_tables: dict[int, list[int]] = field(default_factory=dict)  # after copy-on-write
+    dropped_seq_ids: list[int] = field(default_factory=list)
+    swap_out: np.ndarray = field(default_factory=empty_pairs)  # int64 [k, 2] (gpu, cpu)
+    swap_in: np.ndarray = field(default_factory=empty_pairs)  # int64 [k, 2] (cpu, gpu)
+    copies: np.ndarray = field(default_factory=empty_pairs)  # int64 [k, 2] (src gpu, dst gpu)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_empty(self) -> bool:
+        """No forward pass; the plan may still carry drops and swaps."""
+        return self.num_seqs == 0
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Rank 0's answer to a StepPlan: one sampled token per sequence with do_sample, in batch order.
+
+    `logprobs` is the chosen token's log-probability (of the processed distribution, as
+    vLLM reports it) for every sampled sequence, filled when any sequence in the step asked
+    for logprobs, else None. `top_token_ids` / `top_logprobs` are [S, K] with K the largest
+    `logprobs` requested in the step (a sequence that asked for fewer reads its first few).
+    """
+
+    step_id: int
+    seq_ids: np.ndarray  # int64 [S]
+    token_ids: np.ndarray  # int64 [S]
+    logprobs: np.ndarray | None = None  # float32 [S]
+    top_token_ids: np.ndarray | None = None  # int64 [S, K]
+    top_logprobs: np.ndarray | None = None  # float32 [S, K]
+    forward_seconds: float = 0.0  # time rank 0 spent executing the plan (for overhead metrics)

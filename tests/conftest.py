@@ -1,0 +1,37 @@
+"""Session-wide test settings: offline Hugging Face, one model cache, Triton's interpreter on CPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Before anything imports transformers or defines a Triton kernel.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("QWEN3_SERVE_CACHE", str(Path.home() / ".cache" / "qwen3-serve"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Triton kernels run on CPU tensors only under the interpreter; it must be set before
+    # any @triton.jit function is defined, hence here, at the top of the first conftest.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    """The embedded qwen3-tiny checkpoint directory (written on first use)."""
+    from workers.tiny_model import resolve_model
+
+    return resolve_model("qwen3-tiny")

