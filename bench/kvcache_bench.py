@@ -1,0 +1,175 @@
+"""Block-bookkeeping cost of KVCacheManager on a replayed serving trace (no model, no torch).
+
+Trace (seed fixed): 256 concurrent requests, prompts uniform 100-1024 tokens, half of them
+starting with one shared 256-token system prompt, outputs uniform 100-1024 tokens, block
+size 16, token ids uniform in [100, 150000). A finished request is freed and replaced by the
+next one until --requests have been admitted.
+
+Reports:
+  decode step   us per step of allocate_slots(seq, tokens, 1) for every running request
+  admission     us per new request: lookup_prefix + allocate_slots of its whole prompt
+  context sweep us per decode step for 256 requests at a fixed short and long context
+  8k prompt     us to look up and allocate an 8192-token prompt: cold (no hit) / warm (hit)
+
+Usage: python bench/kvcache_bench.py [--requests 768] [--repeats 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+
+import xxhash
+
+from kvcache import KVCacheManager
+
+BLOCK_SIZE = 16
+CONCURRENCY = 256
+SYSTEM_LEN = 256
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 150000) for _ in range(n)]
+
+
+def replay(num_requests: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    system = _tokens(rng, SYSTEM_LEN)
+    reqs = []
+    for i in range(num_requests):
+        plen = rng.randint(100, 1024)
+        prompt = (system + _tokens(rng, plen - SYSTEM_LEN)) if i % 2 == 0 and plen > SYSTEM_LEN else _tokens(rng, plen)
+        reqs.append((prompt, rng.randint(100, 1024), _tokens(rng, 1024)))
+    m = KVCacheManager(num_gpu_blocks=CONCURRENCY * 2048 // BLOCK_SIZE + 64, num_cpu_blocks=0,
+                       block_size=BLOCK_SIZE)
+    running: dict[int, list] = {}  # seq id -> [tokens, remaining outputs, output pool]
+    admit_us: list[float] = []
+    step_us: list[float] = []
+    next_req = 0
+    perf = time.perf_counter
+
+    def admit() -> None:
+        nonlocal next_req
+        prompt, out_len, outs = reqs[next_req]
+        toks = list(prompt)
+        t0 = perf()
+        prefix = m.lookup_prefix(toks)
+        alloc = m.allocate_slots(next_req, toks, len(toks) - len(prefix) * BLOCK_SIZE, prefix, admit=True)
+        admit_us.append((perf() - t0) * 1e6)
+        if alloc is None:
+            raise RuntimeError("benchmark pool too small")
+        running[next_req] = [toks, out_len, outs]
+        next_req += 1
+
+    while next_req < min(CONCURRENCY, num_requests):
+        admit()
+    while running:
+        for st in running.values():  # the sampled token arrives (not bookkeeping)
+            st[0].append(st[2][st[1] % 1024])
+        items = list(running.items())
+        t0 = perf()
+        for sid, st in items:
+            m.allocate_slots(sid, st[0], 1)
+        step_us.append((perf() - t0) * 1e6)
+        for sid, st in items:
+            st[1] -= 1
+            if st[1] == 0:
+                m.free(sid)
+                del running[sid]
+                if next_req < num_requests:
+                    admit()
+    m.check_invariants()
+    s = m.stats()
+    full = step_us
+    return {
+        "decode_step_us_median": statistics.median(full),
+        "decode_step_us_p99": sorted(full)[int(0.99 * (len(full) - 1))],
+        "decode_steps": len(full),
+        "admission_us_median": statistics.median(admit_us),
+        "admission_us_p99": sorted(admit_us)[int(0.99 * (len(admit_us) - 1))],
+        "prefix_hit_rate": s.prefix_hits / max(s.prefix_queries, 1),
+    }
+
+
+def context_sweep(context: int, steps: int, seed: int) -> float:
+    """Median us per decode step for 256 requests that each already hold `context` tokens."""
+    rng = random.Random(seed)
+    m = KVCacheManager(num_gpu_blocks=CONCURRENCY * ((context + steps) // BLOCK_SIZE + 2), num_cpu_blocks=0,
+                       block_size=BLOCK_SIZE)
+    toks = {}
+    for sid in range(CONCURRENCY):
+        toks[sid] = _tokens(rng, context)
+        m.allocate_slots(sid, toks[sid], context)
+    times = []
+    perf = time.perf_counter
+    for _ in range(steps):
+        for t in toks.values():
+            t.append(rng.randrange(100, 150000))
+        t0 = perf()
+        for sid, t in toks.items():
+            m.allocate_slots(sid, t, 1)
+        times.append((perf() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def prompt_8k(seed: int, repeats: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    cold, warm = [], []
+    for _ in range(repeats * 4):
+        m = KVCacheManager(num_gpu_blocks=2048, num_cpu_blocks=0, block_size=BLOCK_SIZE)
+        prompt = _tokens(rng, 8192)
+        t0 = time.perf_counter()
+        prefix = m.lookup_prefix(prompt)
+        m.allocate_slots(0, prompt, len(prompt) - len(prefix) * BLOCK_SIZE, prefix)
+        cold.append((time.perf_counter() - t0) * 1e6)
+        m.free(0)
+        again = list(prompt)  # same tokens, a new list: a full hit (all but the last block)
+        t0 = time.perf_counter()
+        prefix = m.lookup_prefix(again)
+        m.allocate_slots(1, again, len(again) - len(prefix) * BLOCK_SIZE, prefix)
+        warm.append((time.perf_counter() - t0) * 1e6)
+        assert len(prefix) == 511
+    return {"prompt8k_cold_us": statistics.median(cold), "prompt8k_warm_us": statistics.median(warm)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=768)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=str, default=None)
+    args = ap.parse_args()
+
+    runs = [replay(args.requests, args.seed) for _ in range(args.repeats)]
+    res = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    res["sweep_ctx128_us"] = statistics.median(context_sweep(128, 64, args.seed) for _ in range(args.repeats))
+    res["sweep_ctx8192_us"] = statistics.median(context_sweep(8192, 64, args.seed) for _ in range(args.repeats))
+    res.update(prompt_8k(args.seed, args.repeats))
+
+    rows = [
+        ("decode step, 256 running (median)", res["decode_step_us_median"], 200),
+        ("decode step, 256 running (p99)", res["decode_step_us_p99"], None),
+        ("admission lookup+allocate (median)", res["admission_us_median"], None),
+        ("admission lookup+allocate (p99)", res["admission_us_p99"], None),
+        ("decode step, 256 x 128-token context", res["sweep_ctx128_us"], 200),
+        ("decode step, 256 x 8192-token context", res["sweep_ctx8192_us"], 200),
+        ("8k prompt lookup+allocate, cold", res["prompt8k_cold_us"], 300),
+        ("8k prompt lookup+allocate, full hit", res["prompt8k_warm_us"], 300),
+    ]
+    print(f"{'metric':42s} {'us':>10s} {'target':>8s}")
+    for name, val, target in rows:
+        print(f"{name:42s} {val:10.1f} {('<= ' + str(target)) if target else '':>8s}")
+    print(f"decode steps per replay: {res['decode_steps']:.0f}; prefix hit rate: {res['prefix_hit_rate']:.3f}")
+    res["machine"] = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+                      "xxhash": xxhash.VERSION}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

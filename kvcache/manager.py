@@ -1,0 +1,547 @@
+"""KVCacheManager: per-sequence block tables over a GPU pool (with prefix caching) and a CPU
+swap pool, with fork + copy-on-write for parallel sampling and group swap out/in.
+
+Per-sequence state (invariants, checked by `check_invariants`):
+  - len(block_ids) == ceil(num_slots / block_size); token i's KV lives in
+    block_ids[i // block_size] at offset i % block_size;
+  - with prefix caching, block_hashes[i] is the chained hash of full block i and
+    len(block_hashes) == num_slots // block_size; on the GPU every full block carries it;
+  - a swapped-out sequence's block_ids are CPU block ids.
+Per-step cost is O(new tokens): decode touches at most one new block and hashes at most one
+full block, never the whole context.
+
+A block is entered into the prefix cache when its slots are allocated, before the forward
+pass writes its KV. That is safe because a sequence hitting it is in the same or a later
+step, and every layer writes the whole batch's KV before attending.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from kvcache.block_pool import BlockPool, KVCacheBlock
+from kvcache.hashing import (
+    ROOT_HASH,
+    BlockHash,
+    hash_block_tokens,
+    hash_packed_blocks,
+    pack_token_ids,
+)
+
+_xxh3_128 = xxhash.xxh3_128_digest
+
+
+@dataclass(slots=True)
+class Allocation:
+    """What one allocate_slots call changed in the sequence's GPU block table."""
+
+    new_block_ids: list[int]  # appended to the table, in order
+    copies: list[tuple[int, int]]  # copy-on-write (src, dst); dst replaced src in the table
+    # Read-only: a step that changes nothing returns one shared instance whose lists raise
+    # TypeError on mutation.
+
+
+class _FrozenList(list):
+    """An empty list that refuses mutation, so one 'nothing changed' Allocation can be shared."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("an Allocation's lists are read-only; copy them before changing them")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+
+
+# Most decode steps allocate nothing; sharing one result keeps them allocation-free.
+_NOTHING_NEW = Allocation(_FrozenList(), _FrozenList())
+
+
+@dataclass(slots=True)
+class KVCacheStats:
+    num_gpu_blocks: int
+    num_free_gpu_blocks: int
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    gpu_usage: float  # fraction of GPU blocks referenced by some sequence
+    cpu_usage: float
+    prefix_queries: int  # tokens queried (cumulative)
+    prefix_hits: int  # tokens hit (cumulative)
+    evictions: int  # cached blocks evicted (cumulative)
+
+
+@dataclass(slots=True)
+class _Seq:
+    block_ids: list[int]
+    num_slots: int
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    extra_key: bytes | None = None
+    swapped: bool = False
+
+
+@dataclass(slots=True)
+class _PrefixMemo:
+    """The hashes lookup_prefix computed, reused by the next allocate_slots of the same tokens."""
+
+    token_ids: list[int]  # a copy of the tokens hashed (full blocks only)
+    extra_key: bytes | None
+    packed: bytes
+    hashes: list[BlockHash]  # hashes[:k] where lookup stopped at the first miss
+
+
+def _same_tokens(memo_tokens: list[int], token_ids: Sequence[int], n: int) -> bool:
+    head = token_ids[:n]
+    if not isinstance(head, list):
+        head = list(head)
+    return (memo_tokens if len(memo_tokens) == n else memo_tokens[:n]) == head
+
+
+class KVCacheManager:
+    """Block tables of all sequences; the scheduler's only view of KV memory.
+
+    Ids returned are physical block ids in [0, num_gpu_blocks) (GPU) or [0, num_cpu_blocks)
+    (CPU); they are what the workers index with. There is no padding block id: tables are
+    padded and masked by length in the kernels.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
+        if num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be > 0, got {num_gpu_blocks}")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark is a fraction of GPU blocks in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark = watermark
+        self.watermark_blocks = math.ceil(watermark * num_gpu_blocks)
+        self.gpu_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
+        self._seqs: dict[int, _Seq] = {}
+        self._memo: _PrefixMemo | None = None
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        """Free GPU blocks, cached ones included (they are evictable)."""
+        return self.gpu_pool.free_block_queue.num_free_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_pool.free_block_queue.num_free_blocks
+
+    # ---- prefix caching -------------------------------------------------------------------
+
+    def lookup_prefix(self, token_ids: Sequence[int], extra_key: bytes | None = None) -> list[int]:
+        """GPU block ids of the longest cached full-block prefix of token_ids.
+
+        Never covers the last token (at most (len(token_ids) - 1) // block_size blocks), so a
+        request always has at least one token to compute. No side effects on blocks or stats.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        num_full = len(token_ids) // bs
+        tokens = list(token_ids[: num_full * bs])
+        packed = pack_token_ids(tokens)
+        max_hit = (len(token_ids) - 1) // bs
+        hashes: list[BlockHash] = []
+        hit: list[int] = []
+        cache = self.gpu_pool.cached_block_hash_to_block
+        xxh3, extra, nbytes = _xxh3_128, extra_key or b"", bs * 4
+        h = ROOT_HASH
+        for off in range(0, max_hit * nbytes, nbytes):
+            h = xxh3(h + packed[off : off + nbytes] + extra)
+            hashes.append(h)
+            entry = cache.get(h)
+            if entry is None:
+                break
+            # with several blocks under one hash, any of them holds the KV
+            hit.append(entry.block_id if type(entry) is KVCacheBlock else next(iter(entry)))
+        self._memo = _PrefixMemo(tokens, extra_key, packed, hashes)
+        return hit
+
+    def _full_block_hashes(
+        self, token_ids: Sequence[int], num_full: int, extra_key: bytes | None
+    ) -> list[BlockHash]:
+        """Chained hashes of the first num_full blocks, reusing lookup_prefix's work if it saw
+        the same tokens."""
+        bs = self.block_size
+        memo = self._memo
+        self._memo = None
+        n_tok = num_full * bs
+        if (
+            memo is not None
+            and memo.extra_key == extra_key
+            and len(memo.token_ids) >= n_tok
+            and _same_tokens(memo.token_ids, token_ids, n_tok)
+        ):
+            packed, hashes = memo.packed, memo.hashes[:num_full]
+        else:
+            packed, hashes = pack_token_ids(token_ids[:n_tok]), []
+        if len(hashes) < num_full:
+            parent = hashes[-1] if hashes else None
+            hash_packed_blocks(packed, bs, len(hashes), num_full, parent, extra_key, hashes)
+        return hashes
+
+    # ---- allocation -----------------------------------------------------------------------
+
+    def num_blocks_needed(
+        self, seq_id: int, num_new_tokens: int, prefix_block_ids: Sequence[int] = ()
+    ) -> int:
+        """Free GPU blocks allocate_slots(seq_id, ..., num_new_tokens, prefix_block_ids) takes:
+        new blocks + copy-on-write blocks + prefix blocks that sit in the free queue."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        bs = self.block_size
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            blocks = self.gpu_pool.blocks
+            revive = sum(1 for b in prefix_block_ids if blocks[b].ref_cnt == 0)
+            num_slots = len(prefix_block_ids) * bs + num_new_tokens
+            return -(-num_slots // bs) - len(prefix_block_ids) + revive
+        if seq.swapped:
+            raise ValueError(f"seq {seq_id} is swapped out; swap_in before allocating slots")
+        if prefix_block_ids:
+            raise ValueError(f"seq {seq_id} already has blocks; prefix_block_ids is only for a new seq")
+        num_slots = seq.num_slots
+        needed = -(-(num_slots + num_new_tokens) // bs) - len(seq.block_ids)
+        if num_new_tokens and num_slots % bs and self.gpu_pool.blocks[seq.block_ids[-1]].ref_cnt > 1:
+            needed += 1
+        return needed
+
+    def allocate_slots(
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        prefix_block_ids: Sequence[int] = (),
+        extra_key: bytes | None = None,
+        admit: bool = False,
+    ) -> Allocation | None:
+        """Reserve KV slots for the seq's next num_new_tokens tokens.
+
+        token_ids is the seq's whole known token list. Afterwards the seq has slots for
+        token_ids[:num_slots(seq_id)]: num_slots grows by num_new_tokens, plus, on the first
+        call, len(prefix_block_ids) * block_size tokens covered by the prefix blocks (which must
+        come from lookup_prefix of the same tokens and extra_key, with no allocation between).
+        Returns None and changes nothing when too few GPU blocks are free; with admit=True it
+        also refuses when fewer than the watermark would remain free.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return self._allocate_new(seq_id, token_ids, num_new_tokens, prefix_block_ids, extra_key, admit)
+        if seq.swapped:
+            raise ValueError(f"seq {seq_id} is swapped out; swap_in before allocating slots")
+        if prefix_block_ids:
+            raise ValueError(f"seq {seq_id} already has blocks; prefix_block_ids is only for a new seq")
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        bs = self.block_size
+        num_slots = seq.num_slots
+        total = num_slots + num_new_tokens
+        if total > len(token_ids):
+            raise ValueError(
+                f"seq {seq_id}: {num_slots} slots + {num_new_tokens} new tokens exceeds the "
+                f"{len(token_ids)} known token ids; pass the seq's whole token list"
+            )
+        table = seq.block_ids
+        pool = self.gpu_pool
+        if total <= len(table) * bs and (num_new_tokens == 0 or pool.blocks[table[-1]].ref_cnt == 1):
+            # the common decode step: the tokens fit in the last block, which this seq owns alone
+            seq.num_slots = total
+            if self.enable_prefix_caching and total // bs > len(seq.block_hashes):
+                self._cache_full_blocks(seq, token_ids)
+            return _NOTHING_NEW
+        num_new_blocks = -(-total // bs) - len(table)
+        cow = num_new_tokens > 0 and num_slots % bs != 0 and pool.blocks[table[-1]].ref_cnt > 1
+        needed = num_new_blocks + cow
+        free = pool.free_block_queue.num_free_blocks
+        if needed > free or (admit and free - needed < self.watermark_blocks):
+            return None
+        copies: list[tuple[int, int]] = []
+        if cow:
+            src = pool.blocks[table[-1]]
+            (dst,) = pool.get_new_blocks(1)
+            src.ref_cnt -= 1  # stays >= 1: another table still holds it
+            table[-1] = dst.block_id
+            copies.append((src.block_id, dst.block_id))
+        new_ids: list[int] = []
+        if num_new_blocks > 0:
+            new_ids = [b.block_id for b in pool.get_new_blocks(num_new_blocks)]
+            table.extend(new_ids)
+        seq.num_slots = total
+        if self.enable_prefix_caching and total // bs > len(seq.block_hashes):
+            self._cache_full_blocks(seq, token_ids)
+        return Allocation(new_ids, copies)
+
+    def _allocate_new(
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        prefix_block_ids: Sequence[int],
+        extra_key: bytes | None,
+        admit: bool,
+    ) -> Allocation | None:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if extra_key is not None and not isinstance(extra_key, bytes):
+            raise ValueError(f"extra_key must be bytes or None, got {type(extra_key).__name__}")
+        bs = self.block_size
+        num_prefix = len(prefix_block_ids)
+        total = num_prefix * bs + num_new_tokens
+        if total > len(token_ids):
+            raise ValueError(
+                f"seq {seq_id}: {num_prefix} prefix blocks + {num_new_tokens} new tokens need "
+                f"{total} token ids, got {len(token_ids)}"
+            )
+        pool = self.gpu_pool
+        hashes: list[BlockHash] = []
+        if num_prefix:
+            if not self.enable_prefix_caching:
+                raise ValueError("prefix_block_ids given but prefix caching is disabled")
+            if num_prefix > (len(token_ids) - 1) // bs:
+                raise ValueError(
+                    f"seq {seq_id}: {num_prefix} prefix blocks cover the last token; at most "
+                    f"{(len(token_ids) - 1) // bs} (use lookup_prefix)"
+                )
+        if self.enable_prefix_caching:
+            hashes = self._full_block_hashes(token_ids, total // bs, extra_key)
+            for i, bid in enumerate(prefix_block_ids):
+                if not 0 <= bid < self.num_gpu_blocks or pool.blocks[bid].block_hash != hashes[i]:
+                    raise ValueError(
+                        f"prefix block {bid} (position {i}) no longer holds this prompt's KV; "
+                        "call lookup_prefix right before allocate_slots"
+                    )
+        prefix_blocks = [pool.blocks[b] for b in prefix_block_ids]
+        num_new_blocks = -(-total // bs) - num_prefix
+        revive = sum(1 for b in prefix_blocks if b.ref_cnt == 0)
+        needed = num_new_blocks + revive
+        free = pool.free_block_queue.num_free_blocks
+        if needed > free or (admit and free - needed < self.watermark_blocks):
+            return None
+        pool.touch(prefix_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks)
+        new_ids = [b.block_id for b in new_blocks]
+        seq = _Seq(list(prefix_block_ids) + new_ids, total, hashes[:num_prefix], extra_key)
+        self._seqs[seq_id] = seq
+        if self.enable_prefix_caching:
+            self.prefix_queries += len(token_ids)
+            self.prefix_hits += num_prefix * bs
+            cache_block = pool.cache_block
+            for block, h in zip(new_blocks, hashes[num_prefix:]):
+                cache_block(block, h)
+            seq.block_hashes = hashes
+        return Allocation(new_ids, [])
+
+    def _cache_full_blocks(self, seq: _Seq, token_ids: Sequence[int]) -> None:
+        """Hash and cache the seq's blocks that became full since the last call."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        pool = self.gpu_pool
+        blocks = pool.blocks
+        table = seq.block_ids
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), seq.num_slots // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], seq.extra_key)
+            hashes.append(parent)
+            pool.cache_block(blocks[table[i]], parent)
+
+    # ---- per-seq queries ------------------------------------------------------------------
+
+    def num_slots(self, seq_id: int) -> int:
+        seq = self._seqs.get(seq_id)
+        return 0 if seq is None else seq.num_slots
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """The seq's live block table (GPU ids, or CPU ids while swapped); do not mutate."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"unknown seq {seq_id}")
+        return seq.block_ids
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def is_swapped(self, seq_id: int) -> bool:
+        seq = self._seqs.get(seq_id)
+        return seq is not None and seq.swapped
+
+    # ---- fork / free ----------------------------------------------------------------------
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """The child shares every block of the parent (ref_cnt += 1) and its hash chain; the
+        first write into a shared partially filled block copies it (allocate_slots)."""
+        parent = self._seqs.get(parent_seq_id)
+        if parent is None:
+            raise ValueError(f"cannot fork unknown seq {parent_seq_id}")
+        if child_seq_id in self._seqs:
+            raise ValueError(f"cannot fork into seq {child_seq_id}: it already exists")
+        pool = self.cpu_pool if parent.swapped else self.gpu_pool
+        pool.touch(pool.blocks[b] for b in parent.block_ids)
+        self._seqs[child_seq_id] = _Seq(
+            list(parent.block_ids), parent.num_slots, list(parent.block_hashes),
+            parent.extra_key, parent.swapped,
+        )
+
+    def free(self, seq_id: int) -> None:
+        """Release the seq's blocks tail-first so shared prefixes are evicted last.
+
+        Unknown ids are ignored (a request may be aborted before it was ever allocated).
+        """
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        pool = self.cpu_pool if seq.swapped else self.gpu_pool
+        blocks = pool.blocks
+        pool.free_blocks(blocks[b] for b in reversed(seq.block_ids))
+
+    # ---- swap -----------------------------------------------------------------------------
+
+    def _group(self, seq_ids: Sequence[int], swapped: bool) -> list[_Seq]:
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"duplicate seq ids in swap group {list(seq_ids)}")
+        group = []
+        for sid in seq_ids:
+            seq = self._seqs.get(sid)
+            if seq is None:
+                raise ValueError(f"unknown seq {sid} in swap group")
+            if seq.swapped != swapped:
+                state = "already swapped out" if seq.swapped else "not swapped out"
+                raise ValueError(f"seq {sid} is {state}")
+            group.append(seq)
+        return group
+
+    @staticmethod
+    def _distinct_blocks(group: list[_Seq]) -> list[int]:
+        return list(dict.fromkeys(b for seq in group for b in seq.block_ids))
+
+    def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
+        """Whether the CPU pool can hold every distinct GPU block of the group."""
+        group = self._group(seq_ids, swapped=False)
+        return len(self._distinct_blocks(group)) <= self.cpu_pool.num_free_blocks
+
+    def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
+        """Whether the group fits on the GPU with the watermark still free."""
+        group = self._group(seq_ids, swapped=True)
+        needed = len(self._distinct_blocks(group))
+        return self.gpu_pool.num_free_blocks - needed >= self.watermark_blocks
+
+    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Move a group to CPU: (gpu, cpu) per distinct GPU block; GPU refs released tail-first."""
+        group = self._group(seq_ids, swapped=False)
+        mapping = self._move(group, self.gpu_pool, self.cpu_pool, "swap_out", "CPU swap space")
+        for seq in group:
+            seq.swapped = True
+        return mapping
+
+    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Move a group back to GPU: (cpu, gpu) per distinct CPU block; full blocks re-cached."""
+        group = self._group(seq_ids, swapped=True)
+        mapping = self._move(group, self.cpu_pool, self.gpu_pool, "swap_in", "free GPU blocks")
+        pool = self.gpu_pool
+        for seq in group:
+            seq.swapped = False
+            for i, h in enumerate(seq.block_hashes):
+                block = pool.blocks[seq.block_ids[i]]
+                if block.block_hash is None:  # a block shared in the group is cached once
+                    pool.cache_block(block, h)
+        return mapping
+
+    def _move(
+        self, group: list[_Seq], src: BlockPool, dst: BlockPool, op: str, what: str
+    ) -> list[tuple[int, int]]:
+        distinct = self._distinct_blocks(group)
+        if len(distinct) > dst.num_free_blocks:
+            raise ValueError(
+                f"{op} needs {len(distinct)} blocks, only {dst.num_free_blocks} {what} are free; "
+                f"check can_{op} first"
+            )
+        new_blocks = dst.get_new_blocks(len(distinct))
+        remap: dict[int, KVCacheBlock] = {}
+        for old, new in zip(distinct, new_blocks):
+            new.ref_cnt = 0
+            remap[old] = new
+        for seq in group:
+            src.free_blocks(src.blocks[b] for b in reversed(seq.block_ids))
+            for b in seq.block_ids:
+                remap[b].ref_cnt += 1
+            seq.block_ids = [remap[b].block_id for b in seq.block_ids]
+        return [(old, remap[old].block_id) for old in distinct]
+
+    # ---- stats / invariants ---------------------------------------------------------------
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_gpu_blocks=self.num_gpu_blocks,
+            num_free_gpu_blocks=self.num_free_gpu_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            num_free_cpu_blocks=self.num_free_cpu_blocks,
+            gpu_usage=self.gpu_pool.usage(),
+            cpu_usage=self.cpu_pool.usage(),
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            evictions=self.gpu_pool.num_evictions,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first violation: every block is free xor referenced,
+        ref counts equal the number of tables holding the block, the cache map only points at
+        blocks whose hash matches, free counts add up, tables match num_slots."""
+        self.gpu_pool.check_invariants()
+        self.cpu_pool.check_invariants()
+        bs = self.block_size
+        refs = {False: [0] * self.num_gpu_blocks, True: [0] * self.num_cpu_blocks}
+        for sid, seq in self._seqs.items():
+            if len(seq.block_ids) != -(-seq.num_slots // bs):
+                raise AssertionError(
+                    f"seq {sid}: {len(seq.block_ids)} blocks for {seq.num_slots} slots"
+                )
+            counts = refs[seq.swapped]
+            for b in seq.block_ids:
+                if not 0 <= b < len(counts):
+                    raise AssertionError(f"seq {sid} holds out-of-range block id {b}")
+                counts[b] += 1
+            if self.enable_prefix_caching:
+                if len(seq.block_hashes) != seq.num_slots // bs:
+                    raise AssertionError(
+                        f"seq {sid}: {len(seq.block_hashes)} block hashes for "
+                        f"{seq.num_slots // bs} full blocks"
+                    )
+                if not seq.swapped:
+                    for i, h in enumerate(seq.block_hashes):
+                        if self.gpu_pool.blocks[seq.block_ids[i]].block_hash != h:
+                            raise AssertionError(
+                                f"seq {sid}: full block {seq.block_ids[i]} (position {i}) "
+                                "does not carry the seq's chained hash"
+                            )
+        for swapped, pool in ((False, self.gpu_pool), (True, self.cpu_pool)):
+            name = "CPU" if swapped else "GPU"
+            referenced = 0
+            for block, count in zip(pool.blocks, refs[swapped]):
+                if block.ref_cnt != count:
+                    raise AssertionError(
+                        f"{name} block {block.block_id}: ref_cnt {block.ref_cnt}, held by {count} tables"
+                    )
+                referenced += count > 0
+            if referenced + pool.num_free_blocks != pool.num_blocks:
+                raise AssertionError(
+                    f"{name}: {referenced} referenced + {pool.num_free_blocks} free != {pool.num_blocks}"
+                )

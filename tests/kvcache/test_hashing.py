@@ -1,0 +1,39 @@
+import struct
+
+import pytest
+import xxhash
+
+from kvcache import hash_block_tokens
+from kvcache.hashing import ROOT_HASH, hash_packed_blocks, pack_token_ids
+
+
+def test_hash_is_xxh3_128_over_parent_tokens_and_extra_key():
+    h0 = hash_block_tokens(None, [1, 2, 3, 4])
+    assert h0 == xxhash.xxh3_128_digest(bytes(16) + struct.pack("<4i", 1, 2, 3, 4))
+    h1 = hash_block_tokens(h0, [5, 6, 7, 8], b"salt")
+    assert h1 == xxhash.xxh3_128_digest(h0 + struct.pack("<4i", 5, 6, 7, 8) + b"salt")
+    assert len(h1) == 16 and ROOT_HASH == bytes(16)
+
+
+def test_hash_depends_on_parent_and_extra_key():
+    a = hash_block_tokens(None, [1, 2])
+    assert hash_block_tokens(a, [3, 4]) != hash_block_tokens(None, [3, 4])
+    assert hash_block_tokens(None, [1, 2], b"k") != a
+    assert hash_block_tokens(None, (1, 2)) == a
+
+
+def test_packed_chain_equals_block_by_block_chain():
+    tokens = list(range(100, 112))
+    out: list[bytes] = []
+    hash_packed_blocks(pack_token_ids(tokens), 4, 0, 3, None, b"e", out)
+    h = None
+    expected = []
+    for i in range(3):
+        h = hash_block_tokens(h, tokens[4 * i : 4 * i + 4], b"e")
+        expected.append(h)
+    assert out == expected
+
+
+def test_negative_token_id_is_a_value_error():
+    with pytest.raises(ValueError, match="token ids must fit in int32"):
+        hash_block_tokens(None, [-1 << 40])
