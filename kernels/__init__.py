@@ -1,0 +1,14 @@
+"""Paged-attention and fused kernels (Triton on CUDA, torch references on CPU) behind one dispatch point."""
+
+from kernels.ops import (
+    Backend,
+    compute_cos_sin_cache,
+    paged_attention,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+    write_kv,
+)
+
+__all__ = ["Backend", "compute_cos_sin_cache", "paged_attention", "rms_norm", "rotary_embedding",
+           "silu_and_mul", "write_kv"]

@@ -1,0 +1,139 @@
+"""The one dispatch point between the model and its kernels.
+
+`backend="auto"` runs Triton when the tensors are on CUDA and the torch reference otherwise.
+`"triton"` also accepts CPU tensors when `TRITON_INTERPRET=1` is set (how the kernel tests run
+without a GPU). `"flash_attn"` exists for `paged_attention` only.
+
+The Triton modules are imported on first use, not here: `TRITON_INTERPRET` is read when a
+`@triton.jit` function is defined, and a CPU-only process (the workers' CPU path) never needs them.
+Argument checks look at shapes and dtypes only, never at tensor values, so they cost no device
+sync and are safe inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from torch import Tensor
+
+from kernels import reference
+from kernels.reference import compute_cos_sin_cache
+
+Backend = Literal["auto", "triton", "flash_attn", "torch"]
+_BACKENDS = ("auto", "triton", "flash_attn", "torch")
+
+__all__ = ["Backend", "compute_cos_sin_cache", "paged_attention", "rms_norm", "rotary_embedding",
+           "silu_and_mul", "write_kv"]
+
+
+def _resolve(backend: str, t: Tensor, *, allow_flash: bool = False) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "flash_attn" and not allow_flash:
+        raise ValueError("backend 'flash_attn' exists only for paged_attention; "
+                         "use 'auto', 'triton' or 'torch' for this op")
+    if backend == "auto":
+        return "triton" if t.is_cuda else "torch"
+    if backend == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+                         "kernels are first used); use backend 'torch' or 'auto' on CPU")
+    return backend
+
+
+def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+             backend: Backend = "auto") -> None:
+    """Store `key`/`value` `[T, Hkv, D]` into the paged caches at `slot_mapping` (`-1` = skip)."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, Hkv, D]; got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"key/value must be [T, {k_cache.shape[2]}, {k_cache.shape[3]}] to match "
+                         f"the cache; got {tuple(key.shape)} and {tuple(value.shape)}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [T={key.shape[0]}]; got {tuple(slot_mapping.shape)}")
+    if _resolve(backend, key) == "torch":
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
+    from kernels.triton_kv import write_kv as triton_write_kv
+    triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                    query_start_loc: Tensor, seq_lens: Tensor, scale: float,
+                    max_query_len: int, max_seq_len: int, backend: Backend = "auto") -> Tensor:
+    """Causal paged attention over a mixed prefill/decode batch; returns `[T, Hq, D]` in q's dtype.
+
+    Query token j of sequence b (q_len_b tokens) sits at position `seq_lens[b] - q_len_b + j`;
+    this step's K/V must already be in the cache. Block-table entries past a sequence's
+    ceil(seq_len / block_size) blocks are never read. `max_query_len`/`max_seq_len` are upper
+    bounds the caller already knows (no device sync); pure-decode batches
+    (`max_query_len == 1`) with long contexts take the split-K path.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"q must be [T, Hq, D] and k/v caches [num_blocks, block_size, Hkv, D]; "
+                         f"got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of the cache's KV heads "
+                         f"({num_kv_heads}) and head_dim must match ({q.shape[2]} vs {head_dim})")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.dim() != 2 \
+            or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"for {num_seqs} sequences query_start_loc must be [{num_seqs + 1}] and "
+                         f"block_tables [{num_seqs}, max_blocks]; got "
+                         f"{tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}")
+    if max_query_len < 1 or max_seq_len < max_query_len:
+        raise ValueError(f"need 1 <= max_query_len <= max_seq_len; got {max_query_len}, {max_seq_len}")
+    chosen = _resolve(backend, q, allow_flash=True)
+    if chosen == "torch":
+        return reference.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                         seq_lens, scale)
+    if chosen == "flash_attn":
+        from kernels.flash_attn_backend import paged_attention as flash_paged_attention
+        return flash_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                     scale, max_query_len, max_seq_len)
+    from kernels.triton_attention import paged_attention as triton_paged_attention
+    return triton_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                  scale, max_query_len, max_seq_len)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
+             backend: Backend = "auto") -> Tensor | tuple[Tensor, Tensor]:
+    """Qwen3RMSNorm over the last dim; with `residual` returns `(norm(x + residual), x + residual)`."""
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm weight must be [{x.shape[-1]}] (x's last dim); "
+                         f"got {tuple(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    if _resolve(backend, x) == "torch":
+        return reference.rms_norm(x, weight, eps, residual)
+    from kernels.triton_fused import rms_norm as triton_rms_norm
+    return triton_rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor,
+                     backend: Backend = "auto") -> tuple[Tensor, Tensor]:
+    """NeoX/HF rotary embedding applied to q `[T, Hq, D]` and k `[T, Hkv, D]` in place; returns (q, k)."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q/k must be [T, H, D] with equal T and D; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}")
+    if positions.shape != (q.shape[0],) or cos_sin_cache.dim() != 2 \
+            or cos_sin_cache.shape[1] != q.shape[2]:
+        raise ValueError(f"positions must be [T={q.shape[0]}] and cos_sin_cache [max_pos, "
+                         f"{q.shape[2]}]; got {tuple(positions.shape)}, {tuple(cos_sin_cache.shape)}")
+    if _resolve(backend, q) == "torch":
+        return reference.rotary_embedding(positions, q, k, cos_sin_cache)
+    from kernels.triton_fused import rotary_embedding as triton_rotary_embedding
+    return triton_rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x: Tensor, backend: Backend = "auto") -> Tensor:
+    """`[..., 2I] -> silu(x[..., :I]) * x[..., I:]`."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dim (gate and up halves); got {x.shape[-1]}")
+    if _resolve(backend, x) == "torch":
+        return reference.silu_and_mul(x)
+    from kernels.triton_fused import silu_and_mul as triton_silu_and_mul
+    return triton_silu_and_mul(x)

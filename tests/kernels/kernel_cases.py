@@ -1,0 +1,173 @@
+"""Shared cases for the Triton-vs-reference tests, run on CPU (interpreter) and on CUDA.
+
+A paged batch is built so that any read the contract forbids shows up as NaN in the output:
+blocks no sequence uses ("holes"), block-table padding entries, and the slots past each
+sequence's length inside its last block are all filled with NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Tolerances (atol = rtol) per dtype: fp32 is exact arithmetic up to summation order; fp16/bf16
+# allow two units in the last place at |x| ~ 1 (the kernel rounds P to the input dtype before
+# P @ V, as flash attention does; the reference rounds once at the end).
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    q: Tensor
+    k_cache: Tensor
+    v_cache: Tensor
+    block_tables: Tensor
+    query_start_loc: Tensor
+    seq_lens: Tensor
+    max_query_len: int
+    max_seq_len: int
+    scale: float
+
+
+def make_paged_batch(q_and_seq_lens: list[tuple[int, int]], *, num_q_heads: int, num_kv_heads: int,
+                     head_dim: int, block_size: int, dtype: torch.dtype, device: str,
+                     share_first_block: bool = False, seed: int = 0) -> PagedBatch:
+    """A batch whose sequence b has query length q_lens[b] and seq_len seq_lens[b].
+
+    Physical blocks are a random permutation of a pool twice as large as needed (holes between
+    them); with `share_first_block` every sequence's first block is the same physical block
+    (prefix reuse). Table rows are padded to the longest sequence with a NaN-filled block id.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-s // block_size) for _, s in q_and_seq_lens]
+    num_blocks = 2 * sum(blocks_needed) + 2
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_needed) + 1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    nan_block = perm.pop()
+    table = torch.full((len(q_and_seq_lens), max_blocks), nan_block, dtype=torch.int32)
+    shared = perm.pop() if share_first_block else None
+    for b, (_, seq_len) in enumerate(q_and_seq_lens):
+        for i in range(blocks_needed[b]):
+            block = shared if (i == 0 and shared is not None) else perm.pop()
+            table[b, i] = block
+            rows = min(block_size, seq_len - i * block_size)
+            k_cache[block, :rows] = torch.randn(rows, num_kv_heads, head_dim, generator=gen).to(dtype)
+            v_cache[block, :rows] = torch.randn(rows, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q_lens = [q for q, _ in q_and_seq_lens]
+    starts = [0]
+    for q_len in q_lens:
+        starts.append(starts[-1] + q_len)
+    q = torch.randn(starts[-1], num_q_heads, head_dim, generator=gen).to(dtype)
+    return PagedBatch(
+        q=q.to(device), k_cache=k_cache.to(device), v_cache=v_cache.to(device),
+        block_tables=table.to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([s for _, s in q_and_seq_lens], dtype=torch.int32, device=device),
+        max_query_len=max(q_lens), max_seq_len=max(s for _, s in q_and_seq_lens),
+        scale=head_dim ** -0.5,
+    )
+
+
+def check_paged_attention(batch: PagedBatch, **triton_kwargs: int) -> None:
+    from kernels import reference
+    from kernels.triton_attention import paged_attention
+
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc,
+            batch.seq_lens, batch.scale)
+    expected = reference.paged_attention(*args)
+    got = paged_attention(*args, batch.max_query_len, batch.max_seq_len, **triton_kwargs)
+    assert got.dtype == batch.q.dtype and got.shape == batch.q.shape
+    assert not got.isnan().any(), "kernel read a slot outside the sequences' blocks"
+    tol = TOL[batch.q.dtype]
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+# (q_len, seq_len) lists. Block size 4 in the CPU tests, so these end mid-block.
+DECODE = [(1, 1), (1, 6), (1, 17), (1, 40)]
+MIXED = [(5, 5), (3, 11), (1, 22), (6, 30), (1, 3)]
+
+
+def check_write_kv(device: str, dtype: torch.dtype) -> None:
+    """Exact scatter: -1 slots skipped, every other cache slot untouched, last-dim-strided input."""
+    from kernels import reference
+    from kernels.triton_kv import write_kv
+
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 2, 16
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    # K and V as views into one fused projection, the way a QKV matmul produces them.
+    kv = torch.randn(7, 2 * num_kv_heads * head_dim, generator=gen).to(dtype)
+    key = kv[:, : num_kv_heads * head_dim].view(7, num_kv_heads, head_dim)
+    value = kv[:, num_kv_heads * head_dim:].view(7, num_kv_heads, head_dim)
+    slot_mapping = torch.tensor([21, -1, 3, 4, 23, -1, 0], dtype=torch.int64)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, k_ref, v_ref, slot_mapping)
+    k_dev, v_dev = k_cache.to(device), v_cache.to(device)
+    write_kv(key.to(device), value.to(device), k_dev, v_dev, slot_mapping.to(device))
+    assert torch.equal(k_dev.cpu(), k_ref) and torch.equal(v_dev.cpu(), v_ref)
+    assert torch.equal(k_ref[5, 1], key[0]) and torch.equal(v_ref[0, 0], value[6])
+    assert torch.equal(k_ref[1:5], k_cache[1:5])  # blocks no slot points at
+
+
+def check_rms_norm(device: str, dtype: torch.dtype, shape: tuple[int, ...], residual: bool) -> None:
+    from kernels import reference
+    from kernels.triton_fused import rms_norm
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    res = torch.randn(shape, generator=gen).to(dtype) if residual else None
+    expected = reference.rms_norm(x, weight, 1e-6, res)
+    got = rms_norm(x.to(device), weight.to(device), 1e-6, None if res is None else res.to(device))
+    tol = TOL[dtype]
+    if residual:
+        torch.testing.assert_close(got[0].cpu(), expected[0], atol=tol, rtol=tol)
+        assert torch.equal(got[1].cpu(), expected[1])  # x + residual: one rounding, both sides
+    else:
+        torch.testing.assert_close(got.cpu(), expected, atol=tol, rtol=tol)
+
+
+def check_rotary(device: str, dtype: torch.dtype) -> None:
+    """In place on q/k views of one fused QKV tensor; positions unsorted and repeated."""
+    from kernels import reference
+    from kernels.triton_fused import rotary_embedding
+
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, num_q_heads, num_kv_heads, head_dim = 5, 4, 2, 16
+    cache = reference.compute_cos_sin_cache(head_dim, 64, 10000.0)
+    positions = torch.tensor([7, 0, 63, 7, 30])
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    qkv = qkv.to(dtype)
+    q_ref = qkv[:, : num_q_heads * head_dim].reshape(num_tokens, num_q_heads, head_dim).clone()
+    k_ref = qkv[:, num_q_heads * head_dim: (num_q_heads + num_kv_heads) * head_dim]
+    k_ref = k_ref.reshape(num_tokens, num_kv_heads, head_dim).clone()
+    reference.rotary_embedding(positions, q_ref, k_ref, cache)
+    qkv_dev = qkv.to(device)
+    q = qkv_dev[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    k = qkv_dev[:, num_q_heads * head_dim: (num_q_heads + num_kv_heads) * head_dim]
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    q_out, k_out = rotary_embedding(positions.to(device), q, k, cache.to(device))
+    assert q_out is q and k_out is k
+    tol = TOL[dtype]
+    torch.testing.assert_close(q.cpu(), q_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(k.cpu(), k_ref, atol=tol, rtol=tol)
+    v_cols = slice((num_q_heads + num_kv_heads) * head_dim, None)
+    assert torch.equal(qkv_dev[:, v_cols].cpu(), qkv[:, v_cols])  # V untouched
+
+
+def check_silu_and_mul(device: str, dtype: torch.dtype) -> None:
+    from kernels import reference
+    from kernels.triton_fused import silu_and_mul
+
+    gen = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(3, 2, 2 * 40, generator=gen)).to(dtype)
+    got = silu_and_mul(x.to(device))
+    assert got.shape == (3, 2, 40)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.cpu(), reference.silu_and_mul(x), atol=tol, rtol=tol)

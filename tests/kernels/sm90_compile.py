@@ -1,0 +1,76 @@
+"""Compile every Triton kernel for an H100 (sm_90) without a GPU: `python sm90_compile.py`.
+
+Run with TRITON_INTERPRET unset (the interpreter never builds IR). It shows the kernels pass
+Triton's front end, layout passes, LLVM and ptxas for the configurations ops.py launches: all
+kernels in bf16, attention decode/prefill tiles also in fp16/fp32, GQA 1/2/8, split-K on and
+off, and the `== 1` integer specialisations Triton applies to runtime arguments.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import triton_attention, triton_fused, triton_kv
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_kernel(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str, ...] = (),
+                   **options: int) -> None:
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ptrs:
+            signature[name] = "*" + ptrs[name]
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    triton.compile(src, target=TARGET, options=options)
+
+
+def main() -> None:
+    for dt in ("bf16", "fp16", "fp32"):
+        precision = "ieee" if dt == "fp32" else "tf32"
+        # Every attention variant in bf16 (the GPU default); fp16/fp32 get decode and prefill.
+        variants = [(16, 2, 16, 2, {"num_seqs": 1, "block_size": 1}), (64, 2, 1, 3, {})]
+        if dt == "bf16":
+            variants += [(16, 2, 1, 2, {}), (16, 8, 4, 2, {}), (64, 1, 2, 3, {})]
+        for block_m, group, segments, num_stages, extra in variants:
+            part = "fp32" if segments > 1 else dt
+            ptrs = dict(out_ptr=dt, q_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt,
+                        block_tables_ptr="i32", query_start_loc_ptr="i32", seq_lens_ptr="i32",
+                        part_acc_ptr=part, part_max_ptr=part, part_sum_ptr=part)
+            compile_kernel(triton_attention._paged_attention_kernel, ptrs,
+                           dict(GROUP=group, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=block_m,
+                                BLOCK_Q=block_m // group, TILE_N=64, NUM_SEGMENTS=segments,
+                                DOT_PRECISION=precision, **extra),
+                           floats=("scale_log2",), num_warps=4, num_stages=num_stages)
+        if dt != "bf16":
+            continue
+        compile_kernel(triton_attention._merge_segments_kernel,
+                       dict(out_ptr=dt, part_acc_ptr="fp32", part_max_ptr="fp32",
+                            part_sum_ptr="fp32"),
+                       dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SEGMENTS=16), num_warps=4)
+        compile_kernel(triton_kv._write_kv_kernel,
+                       dict(key_ptr=dt, value_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt,
+                            slot_mapping_ptr="i64"),
+                       dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HD=1024), num_warps=4)
+        for residual in (False, True):
+            compile_kernel(triton_fused._rms_norm_kernel,
+                           dict(out_ptr=dt, x_ptr=dt, residual_ptr=dt, residual_out_ptr=dt,
+                                weight_ptr=dt),
+                           dict(HAS_RESIDUAL=residual, BLOCK=1024), floats=("eps",), num_warps=4)
+        compile_kernel(triton_fused._rotary_kernel,
+                       dict(positions_ptr="i64", q_ptr=dt, k_ptr=dt, cos_sin_ptr="fp32"),
+                       dict(HALF=64, BLOCK_HALF=64, BLOCK_HQ=16, BLOCK_HK=8), num_warps=4)
+        compile_kernel(triton_fused._silu_and_mul_kernel, dict(out_ptr=dt, x_ptr=dt),
+                       dict(BLOCK=1024), num_warps=4)
+    print("compiled for sm_90")
+
+
+if __name__ == "__main__":
+    main()
