@@ -1,0 +1,98 @@
+"""The tensor-parallel group: one torch.distributed group per engine, passed to every layer.
+
+Layers never read a global rank: each holds the `TensorParallelGroup` it was built with.
+Each rank of an engine is its own process (a Ray actor, or a spawned test process), so the
+group is that process's default group, created from the engine's `tcp://127.0.0.1:PORT`
+with a port the engine picked free; two engines on one host differ in port and processes.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# Long enough for the slowest rank to finish loading a large checkpoint.
+_INIT_TIMEOUT = timedelta(minutes=10)
+
+
+def get_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports free on `host` right now (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class TensorParallelGroup:
+    """Rank, size and the collectives the parallel layers use; a no-op group when size == 1."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+
+    @classmethod
+    def single(cls) -> TensorParallelGroup:
+        return cls(0, 1, None)
+
+    @classmethod
+    def initialize(cls, world_size: int, rank: int, init_method: str | None,
+                   device: str) -> TensorParallelGroup:
+        """Join the `world_size` ranks at `init_method`: NCCL on CUDA, gloo on CPU."""
+        if world_size == 1:
+            return cls.single()
+        if not init_method:
+            raise ValueError("tensor_parallel_size > 1 needs dist_init_method "
+                             "('tcp://127.0.0.1:PORT' with a free port)")
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a torch.distributed group; "
+                               "every tensor-parallel rank must run in its own process")
+        backend = "nccl" if device == "cuda" else "gloo"
+        kwargs = {}
+        if device == "cuda":
+            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(backend, init_method=init_method, world_size=world_size,
+                                rank=rank, timeout=_INIT_TIMEOUT, **kwargs)
+        return cls(rank, world_size, dist.group.WORLD)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """Sum `x` over the ranks, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_last_dim(self, x: Tensor) -> Tensor | None:
+        """Rank 0 gets every rank's `x` concatenated along the last dim; other ranks get None."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
+        dist.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    def all_min(self, value: int) -> int:
+        """The minimum of an int over the ranks (e.g. the KV block count every rank can hold)."""
+        if self.world_size == 1:
+            return value
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def destroy(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+        self.group = None
+        self.world_size = 1

@@ -1,0 +1,60 @@
+"""Paged attention over one layer's KV cache, driven by an explicit `AttentionMetadata`.
+
+The metadata is built once per step by the model runner (or is the static buffers of a
+captured CUDA graph) and passed down through every layer's forward: no layer reads global
+state. Each `Attention` holds views of its layer's K and V in the stacked cache tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+import kernels
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the paged cache and what each query attends.
+
+    Tokens of sequence b are rows query_start_loc[b]:query_start_loc[b+1] of the batch;
+    seq_lens[b] counts the sequence's cached tokens including this step's. slot_mapping[t]
+    is block_id * block_size + offset for token t (-1 = padding, not written).
+    `max_query_len` / `max_seq_len` are host-side upper bounds (no device sync).
+    """
+
+    slot_mapping: Tensor  # int64 [T]
+    block_tables: Tensor  # int32 [B, max_blocks]
+    query_start_loc: Tensor  # int32 [B + 1]
+    seq_lens: Tensor  # int32 [B]
+    max_query_len: int
+    max_seq_len: int
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the cache, then attends q over the sequence's cached K/V."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 backend: str = "auto") -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend = backend
+        self.ops_backend = "torch" if backend == "torch" else "auto"
+        # Bound to views of the stacked cache by CacheEngine; empty until then.
+        self.k_cache = torch.tensor([])
+        self.v_cache = torch.tensor([])
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_metadata: AttentionMetadata) -> Tensor:
+        if self.k_cache.dim() != 4:
+            raise RuntimeError("the KV cache is not allocated; call Worker.init_cache first")
+        md = attn_metadata
+        kernels.write_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping,
+                         backend=self.ops_backend)
+        return kernels.paged_attention(q, self.k_cache, self.v_cache, md.block_tables,
+                                       md.query_start_loc, md.seq_lens, self.scale,
+                                       md.max_query_len, md.max_seq_len, backend=self.backend)

@@ -1,0 +1,47 @@
+"""RMSNorm, rotary embedding and SiLU-and-mul: thin modules over the `kernels` ops."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+import kernels
+from workers.layers.weights import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm; `forward(x, residual)` fuses the residual add and returns (norm, new residual)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
+                 backend: str = "auto") -> None:
+        super().__init__()
+        self.eps = eps
+        self.backend = backend
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        return kernels.rms_norm(x, self.weight, self.eps, residual, backend=self.backend)
+
+
+class RotaryEmbedding(nn.Module):
+    """NeoX-style RoPE from a float32 cos/sin table over every position the model may see."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, backend: str = "auto") -> None:
+        super().__init__()
+        self.backend = backend
+        self.register_buffer("cos_sin_cache",
+                             kernels.compute_cos_sin_cache(head_dim, max_position, base),
+                             persistent=False)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, backend=self.backend)
+
+
+class SiluAndMul(nn.Module):
+    def __init__(self, backend: str = "auto") -> None:
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.silu_and_mul(x, backend=self.backend)

@@ -1,0 +1,60 @@
+"""Vocab-parallel embedding and LM head: each rank holds ceil(vocab / tp) rows of the table.
+
+The last rank's rows past the real vocabulary are zero padding. The embedding sums the
+ranks' partial lookups with an all-reduce; the LM head gathers the logit shards to rank 0,
+which alone samples.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from workers.distributed import TensorParallelGroup
+from workers.layers.weights import WeightSource, copy_checked
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r owns token ids [r * n, (r + 1) * n), n = ceil(vocab_size / tp)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = -(-num_embeddings // tp.world_size)
+        self.vocab_start_idx = self.num_embeddings_per_partition * tp.rank
+        self.vocab_end_idx = min(self.vocab_start_idx + self.num_embeddings_per_partition,
+                                 num_embeddings)
+        self.weight = nn.Parameter(torch.zeros(self.num_embeddings_per_partition, embedding_dim,
+                                               dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: WeightSource,
+                      shard_id: int | str | None = None) -> None:
+        if loaded.shape[0] != self.num_embeddings:
+            raise ValueError(f"{loaded.name} has {loaded.shape[0]} rows; config.json says "
+                             f"vocab_size={self.num_embeddings}")
+        n = self.vocab_end_idx - self.vocab_start_idx
+        copy_checked(param.data.narrow(0, 0, n), loaded.narrow(0, self.vocab_start_idx, n),
+                     loaded.name)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(x, self.weight)
+        mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
+        y = F.embedding((x - self.vocab_start_idx) * mask, self.weight)
+        y = y * mask.unsqueeze(-1).to(y.dtype)
+        return self.tp.all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits `[N, vocab_size]` on rank 0 (None elsewhere); may share its weight with the embedding."""
+
+    def forward(self, x: Tensor) -> Tensor | None:  # type: ignore[override]
+        logits = F.linear(x, self.weight)
+        if self.tp.world_size == 1:
+            return logits
+        full = self.tp.gather_last_dim(logits)
+        return full[:, :self.num_embeddings] if full is not None else None

@@ -1,0 +1,83 @@
+"""Load a safetensors checkpoint into a model shard: one pass over the tensor names.
+
+Every parameter carries a `weight_loader(param, WeightSource, shard_id=None)` that reads its
+rank's slice of the full checkpoint tensor; `packed_modules_mapping` routes the separate
+q/k/v and gate/up tensors into the packed parameters. Files are memory-mapped and only the
+slices this rank needs are read. Missing or unexpected tensors raise `ValueError`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from safetensors import safe_open
+from torch import nn
+
+from workers.layers.weights import WeightSource, default_weight_loader
+
+# Tensors some exporters add that carry nothing a Qwen3 forward needs.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, or the single model file."""
+    path = Path(model_dir)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names shard files that do not exist: {missing}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {str(path)!r}; "
+                     "the worker loads safetensors checkpoints only")
+
+
+def load_model(model: nn.Module, model_dir: str | Path) -> None:
+    """Fill every parameter of `model` from the checkpoint in `model_dir`."""
+    packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters())  # tied weights appear once, under the first name
+    expected = {name: _num_shards(name, packed) for name in params}
+    loaded: Counter[str] = Counter()
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                param_name, shard_id = name, None
+                for ckpt_part, (packed_part, sid) in packed.items():
+                    if ckpt_part in name:
+                        param_name, shard_id = name.replace(ckpt_part, packed_part), sid
+                        break
+                param = params.get(param_name)
+                if param is None:
+                    raise ValueError(f"{file.name} holds {name!r}, which this Qwen3 model has no "
+                                     "parameter for: is the checkpoint a Qwen3ForCausalLM?")
+                source = WeightSource(name, safe_slice=f.get_slice(name))
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    default_weight_loader(param, source)
+                elif shard_id is None:
+                    loader(param, source)
+                else:
+                    loader(param, source, shard_id)
+                loaded[param_name] += 1
+    missing = sorted(n for n, k in expected.items() if loaded[n] < k)
+    if missing:
+        raise ValueError(f"checkpoint {str(model_dir)!r} lacks tensors for {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+
+
+def _num_shards(param_name: str, packed: dict[str, tuple[str, int | str]]) -> int:
+    """How many checkpoint tensors fill `param_name` (3 for qkv, 2 for gate_up, else 1)."""
+    n = sum(1 for packed_part, _ in packed.values() if packed_part in param_name)
+    return max(n, 1)

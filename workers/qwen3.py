@@ -1,0 +1,151 @@
+"""Qwen3 for causal LM, one tensor-parallel shard of it.
+
+Same parameter names as Hugging Face's `Qwen3ForCausalLM` except the packed projections
+(`qkv_proj`, `gate_up_proj`): `packed_modules_mapping` tells the loader which checkpoint
+names feed which packed parameter and shard. Tokens of the whole batch are flattened to
+`[num_tokens, hidden]`; per-sequence layout lives in the `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from workers.distributed import TensorParallelGroup
+from workers.layers import (
+    Attention,
+    AttentionMetadata,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+from workers.model_config import ModelConfig
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, rotary_emb: RotaryEmbedding,
+                 dtype: torch.dtype, backend: str) -> None:
+        super().__init__()
+        ops = "torch" if backend == "torch" else "auto"
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, tp, dtype)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                        tp, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim,
+                              cfg.head_dim ** -0.5, backend)
+
+    def forward(self, positions: Tensor, hidden_states: Tensor,
+                attn_metadata: AttentionMetadata) -> Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # q_norm/k_norm return fresh contiguous tensors, which RoPE then rotates in place.
+        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v, attn_metadata)
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
+                 ops: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, tp, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, dtype)
+        self.act_fn = SiluAndMul(ops)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, rotary_emb: RotaryEmbedding,
+                 dtype: torch.dtype, backend: str) -> None:
+        super().__init__()
+        ops = "torch" if backend == "torch" else "auto"
+        self.self_attn = Qwen3Attention(cfg, tp, rotary_emb, dtype, backend)
+        self.mlp = Qwen3MLP(cfg, tp, dtype, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+
+    def forward(self, positions: Tensor, hidden_states: Tensor, residual: Tensor | None,
+                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
+                 backend: str, max_position: int) -> None:
+        super().__init__()
+        ops = "torch" if backend == "torch" else "auto"
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        # One cos/sin table shared by every layer.
+        rotary_emb = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, ops)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, tp, rotary_emb, dtype, backend)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+
+    def forward(self, input_ids: Tensor, positions: Tensor,
+                attn_metadata: AttentionMetadata) -> Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """`forward` gives final hidden states for every token; `compute_logits` only for the rows asked."""
+
+    # checkpoint name fragment -> (packed parameter fragment, shard id)
+    packed_modules_mapping: dict[str, tuple[str, int | str]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
+                 backend: str = "auto", max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3Model(cfg, tp, dtype, backend,
+                                max_position or cfg.max_position_embeddings)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor,
+                attn_metadata: AttentionMetadata) -> Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor | None:
+        """Logits `[N, vocab_size]` on rank 0; None on the other ranks."""
+        return self.lm_head(hidden_states)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
