@@ -48,31 +48,87 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     Sequence b owns query rows `q[query_start_loc[b]:query_start_loc[b + 1]]`; its last query token
     sits at position `seq_lens[b] - 1` and every query attends the keys at positions <= its own.
     """
-    num_q_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     out = torch.empty_like(q)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    decode = (q_lens == 1).nonzero().flatten()
+    if decode.numel() > 1:
+        rows = query_start_loc[decode].long()
+        for chunk in _decode_chunks(decode, seq_lens, k_cache):
+            out[rows[chunk]] = decode_attention(q[rows[chunk]], k_cache, v_cache,
+                                                block_tables[decode[chunk]],
+                                                seq_lens[decode[chunk]], scale)
+        rest = (q_lens != 1).nonzero().flatten().tolist()
+    else:
+        rest = range(seq_lens.shape[0])
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    for b, seq_len in enumerate(lens):
+    for b in rest:
         q_start, q_end = starts[b], starts[b + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
-            continue
-        # [Hq, L, D], repeated per query head the way HF's repeat_kv does it.
-        k = gather_kv(k_cache, block_tables[b], seq_len).transpose(0, 1)
-        v = gather_kv(v_cache, block_tables[b], seq_len).transpose(0, 1)
-        k = k.repeat_interleave(group, dim=0).to(torch.float32)
-        v = v.repeat_interleave(group, dim=0).to(torch.float32)
-        query = q[q_start:q_end].transpose(0, 1).to(torch.float32)  # [Hq, q_len, D]
-        scores = torch.matmul(query, k.transpose(1, 2)) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        masked = k_pos[None, :] > q_pos[:, None]
-        scores = scores.masked_fill(masked, float("-inf"))
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32)
-        out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+        if q_end > q_start:
+            out[q_start:q_end] = _sequence_attention(q[q_start:q_end], k_cache, v_cache,
+                                                     block_tables[b], lens[b], scale)
     return out
+
+
+def _sequence_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                        seq_len: int, scale: float) -> Tensor:
+    """One sequence's query rows `[q_len, Hq, D]`, computed as HF's eager attention does."""
+    q_len = q.shape[0]
+    group = q.shape[1] // k_cache.shape[2]
+    # [Hq, L, D], repeated per query head the way HF's repeat_kv does it.
+    k = gather_kv(k_cache, block_table, seq_len).transpose(0, 1)
+    v = gather_kv(v_cache, block_table, seq_len).transpose(0, 1)
+    k = k.repeat_interleave(group, dim=0).to(torch.float32)
+    v = v.repeat_interleave(group, dim=0).to(torch.float32)
+    query = q.transpose(0, 1).to(torch.float32)  # [Hq, q_len, D]
+    scores = torch.matmul(query, k.transpose(1, 2)) * scale
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+    k_pos = torch.arange(seq_len, device=q.device)
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+    return torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+
+
+# Decode rows are batched (padded to the longest context) in chunks of at most this many
+# float32 elements of gathered K, so a big batch of long contexts never gathers gigabytes.
+_DECODE_CHUNK_ELEMENTS = 1 << 24
+
+
+def _decode_chunks(decode: Tensor, seq_lens: Tensor, k_cache: Tensor) -> list[slice]:
+    per_token = k_cache.shape[2] * k_cache.shape[3]
+    longest = int(seq_lens[decode].max())
+    step = max(1, _DECODE_CHUNK_ELEMENTS // max(1, longest * per_token))
+    n = decode.numel()
+    return [slice(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                     seq_lens: Tensor, scale: float) -> Tensor:
+    """Single-token queries `[B, Hq, D]` of B sequences at once: the CPU decode fast path.
+
+    K/V are gathered padded to the longest context; padded positions are masked out of the
+    softmax and zeroed in V, so whatever the padding blocks hold (even NaN) never leaks in.
+    Same arithmetic as `_sequence_attention` up to float32 summation order.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    longest = int(seq_lens.max())
+    num_blocks = -(-longest // block_size)
+    needed = (seq_lens + block_size - 1) // block_size
+    cols = torch.arange(num_blocks, device=q.device)
+    blocks = torch.where(cols[None, :] < needed[:, None], block_tables[:, :num_blocks].long(), 0)
+    valid = torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    k = k_cache[blocks].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)
+    v = v_cache[blocks].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)
+    k = k[:, :longest].to(torch.float32).masked_fill(~valid[:, :, None, None], 0.0)
+    v = v[:, :longest].to(torch.float32).masked_fill(~valid[:, :, None, None], 0.0)
+    query = q.to(torch.float32).view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", query, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None

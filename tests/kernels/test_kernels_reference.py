@@ -187,3 +187,25 @@ def test_auto_backend_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> 
     assert torch.equal(kernels.silu_and_mul(x), reference.silu_and_mul(x))
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         kernels.silu_and_mul(x, backend="triton")
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 1])
+def test_batched_decode_path_matches_per_sequence_attention(
+        monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -> None:
+    """The CPU decode fast path (all single-token rows at once, padded, chunked) against the
+    per-sequence eager computation, on a NaN-poisoned cache with a prefill chunk in between."""
+    from kernel_cases import make_paged_batch
+
+    monkeypatch.setattr(reference, "_DECODE_CHUNK_ELEMENTS", chunk_elements)
+    lens = [(1, 9), (1, 1), (1, 33), (5, 12), (1, 16), (1, 17)]
+    batch = make_paged_batch(lens, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
+                             dtype=torch.float32, device="cpu", share_first_block=True, seed=5)
+    out = reference.paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                    batch.query_start_loc, batch.seq_lens, 0.25)
+    assert not out.isnan().any()
+    starts = batch.query_start_loc.tolist()
+    for b, (_, seq_len) in enumerate(lens):
+        rows = slice(starts[b], starts[b + 1])
+        expected = reference._sequence_attention(batch.q[rows], batch.k_cache, batch.v_cache,
+                                                 batch.block_tables[b], seq_len, 0.25)
+        torch.testing.assert_close(out[rows], expected, atol=1e-6, rtol=1e-6)
