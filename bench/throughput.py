@@ -1,0 +1,198 @@
+"""Offline throughput: this engine vs Hugging Face transformers on one machine, one workload.
+
+Workloads are BENCHMARKS.md's: `offline-cpu` (qwen3-tiny, fp32, 64 requests, prompts 32-256,
+outputs 32-128, ignore_eos, greedy) and `offline-gpu` (Qwen3-0.6B config with random weights,
+bf16, 256 requests, prompts 100-1024, outputs 100-1024, ignore_eos, temperature 0.6).
+Throughput = output tokens / wall seconds for the whole batch, prefill included.
+
+    .venv/bin/python bench/throughput.py --workload offline-cpu [--tp 1 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+WORKLOADS = {
+    "offline-cpu": dict(model="qwen3-tiny", n=64, prompt=(32, 256), output=(32, 128),
+                        temperature=0.0),
+    "offline-gpu": dict(model="qwen3-0.6b-random", n=256, prompt=(100, 1024),
+                        output=(100, 1024), temperature=0.6),
+}
+
+
+def make_requests(w: dict[str, Any], seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(w["n"]):
+        plen = rng.randint(*w["prompt"])
+        olen = rng.randint(*w["output"])
+        reqs.append(([rng.randrange(100, 150000) for _ in range(plen)], olen))
+    return reqs
+
+
+def model_path(name: str) -> str:
+    from workers.tiny_model import QWEN3_0_6B_CONFIG, cache_root, resolve_model, write_random_qwen3
+
+    if name == "qwen3-0.6b-random":
+        target = cache_root() / "qwen3-0.6b-random"
+        if not (target / "model.safetensors").is_file():
+            write_random_qwen3(target, QWEN3_0_6B_CONFIG, seed=0)
+        return str(target)
+    return resolve_model(name)
+
+
+def run_engine(path: str, reqs: list, temperature: float, tp: int) -> dict[str, float]:
+    from cluster import LLM, SamplingParams
+
+    llm = LLM(path, tensor_parallel_size=tp, worker_num_cpus=max(0.5, 2 / tp) if tp > 1 else 1.0,
+              seed=0)
+    try:
+        warm = [{"prompt_token_ids": reqs[0][0]}]
+        llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        llm.engine.num_steps = 0
+        llm.engine.forward_seconds = llm.engine.step_seconds = 0.0
+        params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True, seed=i)
+                  for i, (_, o) in enumerate(reqs)]
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert tokens == sum(o for _, o in reqs)
+        eng = llm.engine
+        return {"tok_per_s": tokens / wall, "wall_s": wall, "tokens": tokens,
+                "steps": eng.num_steps,
+                "overhead_ms_per_step": 1000 * (eng.step_seconds - eng.forward_seconds)
+                / max(1, eng.num_steps),
+                "overhead_fraction": eng.overhead_fraction()}
+    finally:
+        llm.shutdown()
+
+
+def run_hf_generate(path: str, reqs: list, temperature: float, batch: int,
+                    device: str) -> dict[str, float]:
+    """transformers `generate`, static batches with left padding; counts requested tokens only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    pad = model.generation_config.pad_token_id or 0
+    start = time.perf_counter()
+    tokens = 0
+    with torch.no_grad():
+        for i in range(0, len(reqs), batch):
+            chunk = reqs[i:i + batch]
+            width = max(len(p) for p, _ in chunk)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk],
+                                device=device)
+            new = max(o for _, o in chunk)
+            kw = (dict(do_sample=True, temperature=temperature) if temperature > 0
+                  else dict(do_sample=False))
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           pad_token_id=pad, **kw)
+            tokens += sum(o for _, o in chunk)
+    wall = time.perf_counter() - start
+    return {"tok_per_s": tokens / wall, "wall_s": wall, "tokens": tokens, "batch": batch}
+
+
+def run_hf_generate_batch(path: str, reqs: list, temperature: float,
+                          device: str) -> dict[str, float]:
+    """transformers' continuous batching (`generate_batch`): one max_new_tokens for all, so
+    every request generates the workload's largest output; all its tokens are counted."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    new = max(o for _, o in reqs)
+    cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, eos_token_id=-1,
+                           do_sample=temperature > 0, temperature=temperature or None)
+    start = time.perf_counter()
+    with torch.no_grad():
+        outs = model.generate_batch([p for p, _ in reqs], generation_config=cfg)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.generated_tokens) for o in outs.values())
+    return {"tok_per_s": tokens / wall, "wall_s": wall, "tokens": tokens}
+
+
+def machine() -> dict[str, str]:
+    import torch
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "threads": str(torch.get_num_threads())}
+    try:
+        cpu = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+               if line.startswith("model name")]
+        info["cpu"] = f"{cpu[0]} x{len(cpu)}"
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="offline-cpu")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1])
+    ap.add_argument("--runs", type=int, default=3, help="median of this many runs")
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    w = WORKLOADS[args.workload]
+    reqs = make_requests(w)
+    path = model_path(w["model"])
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows: dict[str, dict[str, float]] = {}
+
+    def median_of(fn, *a) -> dict[str, float]:
+        runs = [fn(*a) for _ in range(args.runs)]
+        best = sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]
+        best["runs_tok_per_s"] = [round(r["tok_per_s"], 1) for r in runs]
+        return best
+
+    for tp in args.tp:
+        rows[f"engine tp={tp}"] = median_of(run_engine, path, reqs, w["temperature"], tp)
+    if not args.skip_hf:
+        rows[f"hf generate (batch {args.hf_batch})"] = median_of(
+            run_hf_generate, path, reqs, w["temperature"], args.hf_batch, device)
+        try:
+            rows["hf generate_batch"] = median_of(run_hf_generate_batch, path, reqs,
+                                                  w["temperature"], device)
+        except Exception as e:  # noqa: BLE001 — report, don't hide, a peer that fails here
+            rows["hf generate_batch"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+    print(f"workload {args.workload}: {len(reqs)} requests, "
+          f"{sum(o for _, o in reqs)} output tokens; {machine()}")
+    print(f"{'system':32} {'tok/s':>9} {'wall s':>8} {'overhead ms/step':>17} {'overhead %':>11}")
+    for name, r in rows.items():
+        if "error" in r:
+            print(f"{name:32} {r['error']}")
+            continue
+        ov = r.get("overhead_ms_per_step")
+        frac = r.get("overhead_fraction")
+        print(f"{name:32} {r['tok_per_s']:9.1f} {r['wall_s']:8.2f} "
+              f"{'' if ov is None else f'{ov:.2f}':>17} "
+              f"{'' if frac is None else f'{100 * frac:.1f}':>11}")
+    if args.json:
+        args.json.write_text(json.dumps({"workload": args.workload, "machine": machine(),
+                                         "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

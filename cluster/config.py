@@ -1,0 +1,99 @@
+"""One configuration for the whole engine; a Serve manifest's `args` map onto it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_BACKENDS = ("auto", "triton", "flash_attn", "torch")
+_EXECUTORS = ("auto", "inprocess", "ray")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an engine needs; validated up front so a bad value fails before any work.
+
+    Fields and defaults follow vLLM's `LLM(...)` arguments. `max_model_len=None` takes the
+    checkpoint's `max_position_embeddings`; `max_num_batched_tokens=None` takes
+    max(max_model_len, 8192) so a whole prompt fits one step unless chunked.
+    """
+
+    model: str = "qwen3-tiny"
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 4.0
+    enable_prefix_caching: bool = True
+    preemption_mode: str | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    executor: str = "auto"
+    worker_num_cpus: float = 1.0
+    max_waiting_requests: int | None = None  # beyond this, new requests are refused (HTTP 429)
+
+    def __post_init__(self) -> None:
+        _int_at_least(self, "tensor_parallel_size", 1)
+        _int_at_least(self, "max_num_seqs", 1)
+        _int_at_least(self, "seed", 0)
+        _choice(self, "dtype", _DTYPES)
+        _choice(self, "device", _DEVICES)
+        _choice(self, "attention_backend", _BACKENDS)
+        _choice(self, "executor", _EXECUTORS)
+        _choice(self, "preemption_mode", (None, "swap", "recompute"))
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
+                     "max_waiting_requests"):
+            if getattr(self, name) is not None:
+                _int_at_least(self, name, 1)
+        if not (isinstance(self.gpu_memory_utilization, (int, float))
+                and 0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError("gpu_memory_utilization must be in (0, 1]; "
+                             f"got {self.gpu_memory_utilization!r}")
+        if not (isinstance(self.swap_space, (int, float)) and self.swap_space >= 0):
+            raise ValueError(f"swap_space must be >= 0 GiB; got {self.swap_space!r}")
+        if not (isinstance(self.worker_num_cpus, (int, float)) and self.worker_num_cpus > 0):
+            raise ValueError(f"worker_num_cpus must be > 0; got {self.worker_num_cpus!r}")
+        if self.executor == "inprocess" and self.tensor_parallel_size > 1:
+            raise ValueError("executor 'inprocess' runs one worker; use executor 'ray' (or 'auto') "
+                             f"for tensor_parallel_size {self.tensor_parallel_size}")
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ValueError("preemption_mode 'swap' needs swap_space > 0 GiB")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.executor == "ray" or (self.executor == "auto" and self.tensor_parallel_size > 1)
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any]) -> EngineConfig:
+        """Build from a manifest's `args`; unknown keys are an error that lists the valid ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - names)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; valid ones: {sorted(names)}")
+        return cls(**args)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _int_at_least(cfg: EngineConfig, name: str, low: int) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+
+
+def _choice(cfg: EngineConfig, name: str, allowed: tuple) -> None:
+    value = getattr(cfg, name)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}; got {value!r}")

@@ -1,0 +1,338 @@
+"""The engine: scheduler + KV cache manager + tokenizer + executor, stepped in a loop.
+
+`LLMEngine` is the synchronous core (add_request / abort / step), used by the offline `LLM`.
+`AsyncLLMEngine` runs the same core as a background asyncio task, so a Serve replica can
+stream many requests at once: each request gets a queue of output deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cluster.config import EngineConfig
+from cluster.executor import (
+    Executor,
+    InProcessExecutor,
+    RayExecutor,
+    WorkerDiedError,
+    free_port,
+)
+from cluster.metrics import LatencyMetrics, RequestTimes
+from kvcache import KVCacheManager
+from scheduler import RequestOutput, SamplingParams, Scheduler, SchedulerConfig
+from workers.config import WorkerConfig
+from workers.model_config import load_model_config
+from workers.tiny_model import resolve_model
+
+# Below this many tokens per step, chunked prefill would starve long prompts of progress.
+_MIN_BATCHED_TOKENS = 8192
+# How often an idle engine probes its workers, so a dead one is noticed within seconds.
+_HEALTH_PROBE_SECONDS = 2.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve any more requests (a worker died); the replica must be replaced."""
+
+
+def _resolve_device(config: EngineConfig) -> str:
+    if config.device != "auto":
+        return config.device
+    if config.uses_ray:
+        import ray
+
+        return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LLMEngine:
+    """Owns one model replica: every request, every KV block, every step."""
+
+    def __init__(self, config: EngineConfig, placement_group: Any = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.model_name = config.model
+        self.model_path = resolve_model(config.model)
+        self.model_config = load_model_config(self.model_path, config.tensor_parallel_size)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}; lower max_model_len")
+        batched = config.max_num_batched_tokens or max(self.max_model_len, _MIN_BATCHED_TOKENS)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if config.uses_ray:
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(ignore_reinit_error=True, log_to_driver=False)
+        self.device = _resolve_device(config)
+        worker_config = WorkerConfig(
+            model=self.model_path, dtype=config.dtype, device=self.device,
+            tensor_parallel_size=config.tensor_parallel_size,
+            dist_init_method=(f"tcp://127.0.0.1:{free_port()}"
+                              if config.tensor_parallel_size > 1 else None),
+            block_size=config.block_size,
+            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=batched,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            num_gpu_blocks_override=config.num_gpu_blocks_override, swap_space=config.swap_space,
+            enforce_eager=config.enforce_eager, attention_backend=config.attention_backend,
+            seed=config.seed)
+        self.executor: Executor
+        if config.uses_ray:
+            self.executor = RayExecutor(
+                worker_config, num_cpus=config.worker_num_cpus, use_gpu=self.device == "cuda",
+                placement_group=placement_group, bundle_offset=1 if placement_group else 0)
+        else:
+            self.executor = InProcessExecutor(worker_config)
+        kv = KVCacheManager(self.executor.num_gpu_blocks, self.executor.num_cpu_blocks,
+                            config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        preemption = config.preemption_mode or (
+            "swap" if self.executor.num_cpu_blocks > 0 else "recompute")
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
+                            max_model_len=self.max_model_len, preemption_mode=preemption),
+            kv, tokenizer=self.tokenizer, eos_token_ids=self.model_config.eos_token_ids)
+        self.latency = LatencyMetrics()
+        self._times: dict[str, RequestTimes] = {}
+        self.num_steps = 0
+        self.forward_seconds = 0.0
+        self.step_seconds = 0.0
+
+    # ----- requests ---------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that can never run; changes nothing."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)),
+                   None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len}, "
+                             "and at least one token must be generated")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{n + params.max_tokens} exceeds max_model_len "
+                             f"({self.max_model_len}); shorten the prompt or lower max_tokens")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | None = None, cache_salt: str | None = None) -> None:
+        params = params or SamplingParams()
+        self.validate(prompt_token_ids, params)
+        self.scheduler.add_request(request_id, list(prompt_token_ids), params,
+                                   cache_salt=cache_salt)
+        self._times[request_id] = RequestTimes(arrival=time.perf_counter())
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        out = self.scheduler.abort(request_id)
+        times = self._times.pop(request_id, None)
+        if out is not None and times is not None:
+            self.latency.on_finished(times, time.perf_counter(), "abort")
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----- stepping ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        result = self.executor.execute(plan)
+        return self._finish_step(plan, result, start)
+
+    def _finish_step(self, plan: Any, result: Any, start: float) -> list[RequestOutput]:
+        outputs = self.scheduler.apply_result(plan, result)
+        now = time.perf_counter()
+        for out in outputs:
+            times = self._times.get(out.request_id)
+            if times is None:
+                continue
+            self.latency.on_tokens(times, now, sum(len(c.token_ids) for c in out.outputs))
+            if out.finished:
+                reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
+                self.latency.on_finished(times, now, reason)
+                del self._times[out.request_id]
+        if not plan.is_empty:
+            self.num_steps += 1
+            self.forward_seconds += result.forward_seconds
+            self.step_seconds += now - start
+        return outputs
+
+    # ----- observability ----------------------------------------------------------------
+
+    def metrics(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        return {
+            "num_requests_running": s.num_running,
+            "num_requests_waiting": s.num_waiting,
+            "num_requests_swapped": s.num_swapped,
+            "kv_cache_usage_perc": s.gpu_usage,
+            "prefix_cache_queries": s.prefix_queries,
+            "prefix_cache_hits": s.prefix_hits,
+            "prompt_tokens_total": s.prompt_tokens_total,
+            "generation_tokens_total": s.generation_tokens_total,
+            "num_preemptions_swap": s.preemptions_swap,
+            "num_preemptions_recompute": s.preemptions_recompute,
+            "request_success_total": dict(self.latency.finished),
+            "time_to_first_token_seconds": self.latency.ttft.copy(),
+            "inter_token_latency_seconds": self.latency.itl.copy(),
+            "e2e_request_latency_seconds": self.latency.e2e.copy(),
+        }
+
+    def overhead_fraction(self) -> float:
+        """Share of step wall time spent outside rank 0's forward pass (control plane)."""
+        if self.step_seconds == 0:
+            return 0.0
+        return max(0.0, 1.0 - self.forward_seconds / self.step_seconds)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+class AsyncLLMEngine:
+    """The engine as an asyncio service: `generate` streams deltas, a background task steps.
+
+    Invariants: scheduler state changes only on the event loop's thread, never while
+    `schedule()` or `apply_result()` runs; aborts that arrive during a step are applied
+    right after it, so a plan in flight never refers to freed blocks' new owners.
+    """
+
+    def __init__(self, config: EngineConfig, placement_group: Any = None) -> None:
+        self.engine = LLMEngine(config, placement_group)
+        self.config = config
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.model_name = self.engine.model_name
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending_aborts: set[str] = set()
+        self._stepping = False
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._dead: str | None = None
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        self.check_health()
+        self._ensure_loop()
+        request_id = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        if self.config.max_waiting_requests is not None:
+            waiting = self.engine.scheduler.stats().num_waiting
+            if waiting >= self.config.max_waiting_requests:
+                raise OverloadedError(f"{waiting} requests are already waiting "
+                                      f"(max_waiting_requests={self.config.max_waiting_requests})")
+        self.engine.add_request(request_id, prompt_token_ids, sampling_params, cache_salt)
+        self._queues[request_id] = queue
+        assert self._wake is not None
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort_soon(request_id)
+
+    def _abort_soon(self, request_id: str) -> None:
+        if self._stepping:
+            self._pending_aborts.add(request_id)
+        elif self._dead is None:
+            self.engine.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_soon(request_id)
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        try:
+            while True:
+                if not self.engine.has_unfinished():
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), _HEALTH_PROBE_SECONDS)
+                    except TimeoutError:
+                        await asyncio.to_thread(self._probe_workers)
+                    continue
+                start = time.perf_counter()
+                plan = self.engine.scheduler.schedule()
+                self._stepping = True
+                try:
+                    result = await self.engine.executor.execute_async(plan)
+                finally:
+                    self._stepping = False
+                outputs = self.engine._finish_step(plan, result, start)
+                for out in outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                for request_id in self._pending_aborts:
+                    self.engine.abort(request_id)
+                self._pending_aborts.clear()
+                # Give consumers (HTTP streams) a turn before the next step.
+                await asyncio.sleep(0)
+        except Exception as e:  # noqa: BLE001 — anything here kills the engine; say why
+            self._die(e)
+
+    def _probe_workers(self) -> None:
+        ping = getattr(self.engine.executor, "ping", None)
+        if ping is not None:
+            ping()
+
+    def _die(self, error: BaseException) -> None:
+        self._dead = (str(error) if isinstance(error, WorkerDiedError)
+                      else f"engine loop failed: {type(error).__name__}: {error}")
+        err = EngineDeadError(self._dead)
+        for queue in self._queues.values():
+            queue.put_nowait(err)
+        self._queues.clear()
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        try:
+            self.engine.executor.check_health()
+        except WorkerDiedError as e:
+            self._die(e)
+            raise EngineDeadError(str(e)) from e
+
+    def metrics(self) -> dict[str, Any]:
+        return self.engine.metrics()
+
+    def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.engine.shutdown()
+
+
+class OverloadedError(RuntimeError):
+    """The engine's waiting queue is full; retry later (HTTP 429)."""

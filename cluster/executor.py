@@ -1,0 +1,201 @@
+"""Executors: run a StepPlan on every tensor-parallel rank and return rank 0's StepResult.
+
+Two implementations behind one interface:
+  - `InProcessExecutor`: tp = 1, the worker lives in this process (tests, benchmarks, and a
+    Serve replica with tp = 1, where it saves a process hop per step);
+  - `RayExecutor`: one Ray actor per rank, placed in a placement group, one bundle per rank.
+The plan is put into Ray's object store once and every rank reads the same object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import os
+import socket
+from typing import Any
+
+from scheduler.plan import StepPlan, StepResult
+from workers.config import WorkerConfig
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker is gone; the engine cannot continue."""
+
+
+class Executor:
+    """Interface: sized KV cache after construction, then one `execute` per step."""
+
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        raise NotImplementedError
+
+    async def execute_async(self, plan: StepPlan) -> StepResult:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError when a worker is gone."""
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+class InProcessExecutor(Executor):
+    def __init__(self, config: WorkerConfig) -> None:
+        from workers.worker import Worker
+
+        self.worker = Worker(config)
+        self.worker.init_distributed()
+        self.worker.load_model()
+        self.num_gpu_blocks, self.num_cpu_blocks = self.worker.determine_num_blocks()
+        self.worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
+        # One thread owns the model, so the event loop stays free during a forward pass.
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="worker")
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = self.worker.execute(plan)
+        assert result is not None  # rank 0 always answers
+        return result
+
+    async def execute_async(self, plan: StepPlan) -> StepResult:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self.execute, plan)
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)
+        self.worker.shutdown()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the process group's rendezvous binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Environment the worker processes need to behave like this one (offline hub, shared cache).
+_FORWARDED_ENV = ("HF_HUB_OFFLINE", "QWEN3_SERVE_CACHE", "TOKENIZERS_PARALLELISM",
+                  "TRITON_INTERPRET", "CUDA_LAUNCH_BLOCKING")
+
+
+class RayExecutor(Executor):
+    """`tensor_parallel_size` worker actors, rank i in bundle `bundle_offset + i` of a placement group.
+
+    Invariant: every rank receives every plan, in order; only rank 0's reply carries tokens.
+    A step completes when all ranks reply; if any rank fails, the executor is dead for good.
+    """
+
+    def __init__(self, config: WorkerConfig, *, num_cpus: float, use_gpu: bool,
+                 placement_group: Any = None, bundle_offset: int = 0) -> None:
+        import ray
+        from ray.util.placement_group import placement_group as make_pg
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from cluster.ray_worker import RayWorker
+
+        tp = config.tensor_parallel_size
+        self._owns_pg = placement_group is None
+        if placement_group is None:
+            bundle = {"GPU": 1, "CPU": num_cpus} if use_gpu else {"CPU": num_cpus}
+            placement_group = make_pg([bundle] * tp, strategy="STRICT_PACK")
+            bundle_offset = 0
+        self._pg = placement_group
+        ray.get(placement_group.ready(), timeout=120)
+        env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+        self.workers = []
+        for rank in range(tp):
+            cfg = dataclasses.replace(config, rank=rank)
+            actor = RayWorker.options(
+                num_cpus=num_cpus, num_gpus=1 if use_gpu else 0,
+                runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group,
+                    placement_group_bundle_index=bundle_offset + rank),
+            ).remote(cfg)
+            self.workers.append(actor)
+        self._dead: str | None = None
+        # Rendezvous happens inside init: all ranks must be called before any is waited on.
+        blocks = self._wait_all([w.init.remote() for w in self.workers])
+        self.num_gpu_blocks = min(b[0] for b in blocks)
+        self.num_cpu_blocks = min(b[1] for b in blocks)
+        self._wait_all([w.init_cache.remote(self.num_gpu_blocks, self.num_cpu_blocks)
+                        for w in self.workers])
+
+    def _wait_all(self, refs: list) -> list:
+        """ray.get of every ref, failing as soon as ANY fails: a dead rank leaves the others
+        blocked in a collective, so waiting on rank 0 alone could hang."""
+        import ray
+
+        self.check_health()
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready)
+            except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
+                self._fail(e)
+        return ray.get(refs)
+
+    def _fail(self, error: BaseException) -> None:
+        self._dead = f"a tensor-parallel worker failed: {type(error).__name__}: {error}"
+        self.shutdown()
+        raise WorkerDiedError(self._dead) from error
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        import ray
+
+        ref = ray.put(plan)
+        return self._wait_all([w.execute.remote(ref) for w in self.workers])[0]
+
+    async def execute_async(self, plan: StepPlan) -> StepResult:
+        import ray
+
+        self.check_health()
+        ref = ray.put(plan)
+        futures = [asyncio.ensure_future(w.execute.remote(ref)) for w in self.workers]
+        done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+        for f in done:
+            if f.exception() is not None:
+                for p in pending:
+                    p.cancel()
+                self._fail(f.exception())
+        return futures[0].result()
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+
+    def ping(self, timeout: float = 5.0) -> None:
+        """Probe every rank between steps: a rank that died while idle is found here.
+
+        A rank still busy after `timeout` (a long step) is not judged; its step will tell.
+        """
+        import ray
+
+        self.check_health()
+        refs = [w.ping.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        try:
+            ray.get(ready)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for w in getattr(self, "workers", []):
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001 — already gone
+                pass
+        self.workers = []
+        if self._owns_pg and self._pg is not None:
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # noqa: BLE001
+                pass
+            self._pg = None

@@ -1,0 +1,173 @@
+"""The offline API, shaped like vLLM's so code can switch: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config import EngineConfig
+from cluster.engine import LLMEngine
+from scheduler import RequestOutput as OutputDelta
+from scheduler import SamplingParams
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of a request's n samples, complete."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished request, as vLLM's `LLM.generate` returns it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+
+    def merge(self, delta: OutputDelta) -> None:
+        """Fold one step's delta in (the engine streams deltas; this keeps the totals)."""
+        for d in delta.outputs:
+            out = self.outputs[d.index]
+            out.token_ids.extend(d.token_ids)
+            out.text += d.text
+            if d.logprobs is not None:
+                out.logprobs = (out.logprobs or []) + list(d.logprobs)
+            if d.finish_reason is not None:
+                out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+        self.finished = delta.finished
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An engine for batch generation in this process (tp > 1 starts Ray worker actors)."""
+
+    def __init__(self, model: str = "qwen3-tiny", tensor_parallel_size: int = 1,
+                 dtype: str = "auto", device: str = "auto", block_size: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
+                 num_gpu_blocks_override: int | None = None, swap_space: float = 4,
+                 enable_prefix_caching: bool = True, preemption_mode: str | None = None,
+                 seed: int = 0, enforce_eager: bool = False, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_dict(dict(
+            model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, device=device,
+            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            gpu_memory_utilization=gpu_memory_utilization,
+            num_gpu_blocks_override=num_gpu_blocks_override, swap_space=swap_space,
+            enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
+            seed=seed, enforce_eager=enforce_eager, **kwargs))
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | list[PromptType],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order.
+
+        A prompt is a string or {"prompt_token_ids": [...]} (optionally with "prompt").
+        All prompts are validated before any is queued, so one bad prompt fails the call
+        without leaving the others running.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (sampling_params if isinstance(sampling_params, list)
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; "
+                             "pass one, or one per prompt")
+        requests = [self._tokenize(p) for p in prompts]
+        for (_, ids), sp in zip(requests, params):
+            self.engine.validate(ids, sp)
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for (text, ids), sp in zip(requests, params):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, sp)
+            results[rid] = RequestOutput(rid, text, ids,
+                                         [CompletionOutput(i) for i in range(sp.n)])
+            order.append(rid)
+        self._run(results, use_tqdm)
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tok = self.engine.tokenizer
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise ValueError("a prompt must be a string or a dict with 'prompt_token_ids' "
+                         f"(or 'prompt'); got {type(prompt).__name__}")
+
+    def _run(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(results), desc="Processed prompts", dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished():
+                for delta in self.engine.step():
+                    res = results.get(delta.request_id)
+                    if res is None:
+                        continue
+                    res.merge(delta)
+                    generated += sum(len(c.token_ids) for c in delta.outputs)
+                    if delta.finished and bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(
+                            f"output {generated / (time.perf_counter() - start):.1f} tok/s")
+        except BaseException:
+            for rid, res in results.items():
+                if not res.finished:
+                    self.engine.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,163 @@
+"""The offline LLM against the oracle (Hugging Face transformers), in-process and on Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import torch
+
+from cluster import LLM, SamplingParams
+from cluster.config import EngineConfig
+from cluster.engine import AsyncLLMEngine, EngineDeadError
+
+MAX_NEW = 12
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    shared = [rng.randrange(100, 150000) for _ in range(56)]  # 3.5 blocks of 16
+    prompts = [shared + [rng.randrange(100, 150000) for _ in range(k)] for k in (1, 9, 30)]
+    prompts += [[rng.randrange(100, 150000) for _ in range(k)] for k in (3, 17, 70)]
+    return prompts
+
+
+def _short_prompts_long_outputs() -> list[list[int]]:
+    """Six 2-block prompts that grow to 4 blocks each: 8 KV blocks cannot hold them all."""
+    rng = random.Random(11)
+    return [[rng.randrange(100, 150000) for _ in range(20 + i)] for i in range(6)]
+
+
+LONG_NEW = 40
+
+
+def _hf_greedy(path: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False)
+            outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_model_path: str) -> list[list[int]]:
+    return _hf_greedy(tiny_model_path, _prompts(), MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def long_oracle(tiny_model_path: str) -> list[list[int]]:
+    return _hf_greedy(tiny_model_path, _short_prompts_long_outputs(), LONG_NEW)
+
+
+def _token_ids(llm: LLM, prompts: list[list[int]] | None = None,
+               max_new: int = MAX_NEW) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_new)
+    outs = llm.generate([{"prompt_token_ids": p} for p in (prompts or _prompts())], params,
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_all_blocks_free(llm: LLM) -> None:
+    kv = llm.engine.scheduler.kv
+    kv.check_invariants()
+    stats = kv.stats()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
+
+
+def test_greedy_matches_transformers_in_process(oracle: list[list[int]]) -> None:
+    with LLM("qwen3-tiny", max_num_seqs=8, max_num_batched_tokens=64) as llm:
+        assert _token_ids(llm) == oracle
+        _assert_all_blocks_free(llm)
+        # The shared 56-token prefix is three full blocks, computed once and hit twice.
+        assert llm.engine.scheduler.kv.stats().prefix_hits >= 2 * 48
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_tiny_cache_preempts_and_still_matches(long_oracle: list[list[int]], mode: str) -> None:
+    with LLM("qwen3-tiny", num_gpu_blocks_override=8, swap_space=0.01,
+             preemption_mode=mode) as llm:
+        assert _token_ids(llm, _short_prompts_long_outputs(), LONG_NEW) == long_oracle
+        stats = llm.engine.scheduler.stats()
+        key = "preemptions_swap" if mode == "swap" else "preemptions_recompute"
+        assert getattr(stats, key) > 0
+        _assert_all_blocks_free(llm)
+
+
+def test_generate_returns_text_in_input_order_and_chat_works() -> None:
+    with LLM("qwen3-tiny") as llm:
+        tok = llm.get_tokenizer()
+        outs = llm.generate(["Hello", "The capital of France is"],
+                            SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+        assert [o.prompt for o in outs] == ["Hello", "The capital of France is"]
+        assert outs[0].prompt_token_ids == tok.encode("Hello")
+        for o in outs:
+            assert o.finished and o.outputs[0].finish_reason == "length"
+            assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids)
+        chat = llm.chat([{"role": "user", "content": "hi"}],
+                        SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        assert chat[0].prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        assert len(chat[0].outputs[0].token_ids) == 3
+
+
+def test_bad_prompt_is_a_value_error_and_nothing_runs() -> None:
+    with LLM("qwen3-tiny", max_model_len=64) as llm:
+        with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens \(10\) = 70 "
+                                             r"exceeds max_model_len \(64\)"):
+            llm.generate([{"prompt_token_ids": [5] * 3}, {"prompt_token_ids": [5] * 60}],
+                         SamplingParams(max_tokens=10), use_tqdm=False)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate({"prompt_token_ids": [10**9]}, use_tqdm=False)
+        assert not llm.engine.has_unfinished()
+
+
+def test_engine_config_rejects_unknown_and_bad_args() -> None:
+    with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['tp'\]"):
+        EngineConfig.from_dict({"tp": 2})
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        EngineConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="executor 'inprocess' runs one worker"):
+        EngineConfig(tensor_parallel_size=2, executor="inprocess")
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_tp2_on_ray(ray_cluster: None,
+                                                oracle: list[list[int]]) -> None:
+    with LLM("qwen3-tiny", tensor_parallel_size=2, worker_num_cpus=0.5,
+             max_num_seqs=8, max_num_batched_tokens=64) as llm:
+        assert llm.engine.executor.num_gpu_blocks > 0
+        assert _token_ids(llm) == oracle
+        _assert_all_blocks_free(llm)
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_in_flight_requests_within_seconds(ray_cluster: None) -> None:
+    import ray
+
+    engine = AsyncLLMEngine(EngineConfig(model="qwen3-tiny", tensor_parallel_size=2,
+                                         worker_num_cpus=0.5))
+
+    async def run() -> float:
+        params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+        stream = engine.generate(list(range(100, 140)), params, "victim")
+        await stream.__anext__()  # running
+        ray.kill(engine.engine.executor.workers[1])
+        killed = time.monotonic()
+        with pytest.raises(EngineDeadError, match="worker"):
+            async for _ in stream:
+                pass
+        return time.monotonic() - killed
+
+    try:
+        elapsed = asyncio.run(asyncio.wait_for(run(), timeout=60))
+        assert elapsed < 10.0
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+    finally:
+        engine.shutdown()
