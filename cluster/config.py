@@ -39,6 +39,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     executor: str = "auto"
     worker_num_cpus: float = 1.0
+    compiled_graph: bool = True  # Ray executor: broadcast plans through a Ray Compiled Graph
     max_waiting_requests: int | None = None  # beyond this, new requests are refused (HTTP 429)
 
     def __post_init__(self) -> None:

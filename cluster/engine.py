@@ -89,7 +89,8 @@ class LLMEngine:
         if config.uses_ray:
             self.executor = RayExecutor(
                 worker_config, num_cpus=config.worker_num_cpus, use_gpu=self.device == "cuda",
-                placement_group=placement_group, bundle_offset=1 if placement_group else 0)
+                placement_group=placement_group, bundle_offset=1 if placement_group else 0,
+                compiled_graph=config.compiled_graph)
         else:
             self.executor = InProcessExecutor(worker_config)
         kv = KVCacheManager(self.executor.num_gpu_blocks, self.executor.num_cpu_blocks,
