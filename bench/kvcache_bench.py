@@ -8,8 +8,14 @@ next one until --requests have been admitted.
 Reports:
   decode step   us per step of allocate_slots(seq, tokens, 1) for every running request
   admission     us per new request: lookup_prefix + allocate_slots of its whole prompt
-  context sweep us per decode step for 256 requests at a fixed short and long context
+  context sweep us per decode step for 256 requests at a short (113-128 tokens) and a long
+                (8192-8207 tokens) context, staggered so that every step fills and opens blocks
+                like a real batch does; the cost must not grow with the context
   8k prompt     us to look up and allocate an 8192-token prompt: cold (no hit) / warm (hit)
+
+Every figure is a median of wall-clock time (time.perf_counter) and, in the `cpu` column, of
+this thread's CPU time (time.thread_time), which other processes on a shared machine inflate
+less (they still slow it through caches and shared cores: report the load average, printed).
 
 Usage: python bench/kvcache_bench.py [--requests 768] [--repeats 5] [--json PATH]
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -30,6 +37,8 @@ from kvcache import KVCacheManager
 BLOCK_SIZE = 16
 CONCURRENCY = 256
 SYSTEM_LEN = 256
+SHORT_CONTEXT = 112  # request i holds SHORT_CONTEXT + i % 16 tokens: at most 128 while timed
+LONG_CONTEXT = 8192  # ... LONG_CONTEXT + i % 16: at least 8192
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -48,18 +57,21 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
                        block_size=BLOCK_SIZE)
     running: dict[int, list] = {}  # seq id -> [tokens, remaining outputs, output pool]
     admit_us: list[float] = []
+    admit_cpu: list[float] = []
     step_us: list[float] = []
+    step_cpu: list[float] = []
     next_req = 0
-    perf = time.perf_counter
+    perf, cpu = time.perf_counter, time.thread_time
 
     def admit() -> None:
         nonlocal next_req
         prompt, out_len, outs = reqs[next_req]
         toks = list(prompt)
-        t0 = perf()
+        c0, t0 = cpu(), perf()
         prefix = m.lookup_prefix(toks)
         alloc = m.allocate_slots(next_req, toks, len(toks) - len(prefix) * BLOCK_SIZE, prefix, admit=True)
         admit_us.append((perf() - t0) * 1e6)
+        admit_cpu.append((cpu() - c0) * 1e6)
         if alloc is None:
             raise RuntimeError("benchmark pool too small")
         running[next_req] = [toks, out_len, outs]
@@ -71,10 +83,11 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
         for st in running.values():  # the sampled token arrives (not bookkeeping)
             st[0].append(st[2][st[1] % 1024])
         items = list(running.items())
-        t0 = perf()
+        c0, t0 = cpu(), perf()
         for sid, st in items:
             m.allocate_slots(sid, st[0], 1)
         step_us.append((perf() - t0) * 1e6)
+        step_cpu.append((cpu() - c0) * 1e6)
         for sid, st in items:
             st[1] -= 1
             if st[1] == 0:
@@ -87,53 +100,77 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
     full = step_us
     return {
         "decode_step_us_median": statistics.median(full),
+        "decode_step_cpu_us_median": statistics.median(step_cpu),
         "decode_step_us_p99": sorted(full)[int(0.99 * (len(full) - 1))],
         "decode_steps": len(full),
         "admission_us_median": statistics.median(admit_us),
+        "admission_cpu_us_median": statistics.median(admit_cpu),
         "admission_us_p99": sorted(admit_us)[int(0.99 * (len(admit_us) - 1))],
         "prefix_hit_rate": s.prefix_hits / max(s.prefix_queries, 1),
     }
 
 
-def context_sweep(context: int, steps: int, seed: int) -> float:
-    """Median us per decode step for 256 requests that each already hold `context` tokens."""
+def context_sweep(context: int, steps: int, seed: int) -> tuple[float, float]:
+    """Median (wall, cpu) us per decode step for 256 requests; request i already holds
+    context + i % block_size tokens, so each step fills 1/16 of the blocks and opens 1/16."""
     rng = random.Random(seed)
-    m = KVCacheManager(num_gpu_blocks=CONCURRENCY * ((context + steps) // BLOCK_SIZE + 2), num_cpu_blocks=0,
+    m = KVCacheManager(num_gpu_blocks=CONCURRENCY * ((context + steps) // BLOCK_SIZE + 3), num_cpu_blocks=0,
                        block_size=BLOCK_SIZE)
     toks = {}
     for sid in range(CONCURRENCY):
-        toks[sid] = _tokens(rng, context)
-        m.allocate_slots(sid, toks[sid], context)
-    times = []
-    perf = time.perf_counter
+        n = context + sid % BLOCK_SIZE
+        toks[sid] = _tokens(rng, n)
+        m.allocate_slots(sid, toks[sid], n)
+    times, cpus = [], []
+    perf, cpu = time.perf_counter, time.thread_time
     for _ in range(steps):
         for t in toks.values():
             t.append(rng.randrange(100, 150000))
-        t0 = perf()
-        for sid, t in toks.items():
+        items = list(toks.items())
+        c0, t0 = cpu(), perf()
+        for sid, t in items:
             m.allocate_slots(sid, t, 1)
         times.append((perf() - t0) * 1e6)
-    return statistics.median(times)
+        cpus.append((cpu() - c0) * 1e6)
+    m.check_invariants()
+    return statistics.median(times), statistics.median(cpus)
 
 
 def prompt_8k(seed: int, repeats: int) -> dict[str, float]:
     rng = random.Random(seed)
-    cold, warm = [], []
+    cold, warm, cold_cpu, warm_cpu = [], [], [], []
+    perf, cpu = time.perf_counter, time.thread_time
     for _ in range(repeats * 4):
         m = KVCacheManager(num_gpu_blocks=2048, num_cpu_blocks=0, block_size=BLOCK_SIZE)
         prompt = _tokens(rng, 8192)
-        t0 = time.perf_counter()
+        c0, t0 = cpu(), perf()
         prefix = m.lookup_prefix(prompt)
         m.allocate_slots(0, prompt, len(prompt) - len(prefix) * BLOCK_SIZE, prefix)
-        cold.append((time.perf_counter() - t0) * 1e6)
+        cold.append((perf() - t0) * 1e6)
+        cold_cpu.append((cpu() - c0) * 1e6)
         m.free(0)
         again = list(prompt)  # same tokens, a new list: a full hit (all but the last block)
-        t0 = time.perf_counter()
+        c0, t0 = cpu(), perf()
         prefix = m.lookup_prefix(again)
         m.allocate_slots(1, again, len(again) - len(prefix) * BLOCK_SIZE, prefix)
-        warm.append((time.perf_counter() - t0) * 1e6)
+        warm.append((perf() - t0) * 1e6)
+        warm_cpu.append((cpu() - c0) * 1e6)
         assert len(prefix) == 511
-    return {"prompt8k_cold_us": statistics.median(cold), "prompt8k_warm_us": statistics.median(warm)}
+    return {
+        "prompt8k_cold_us": statistics.median(cold), "prompt8k_cold_cpu_us": statistics.median(cold_cpu),
+        "prompt8k_warm_us": statistics.median(warm), "prompt8k_warm_cpu_us": statistics.median(warm_cpu),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -144,28 +181,40 @@ def main() -> None:
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
 
+    load_before = os.getloadavg()
     runs = [replay(args.requests, args.seed) for _ in range(args.repeats)]
     res = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    res["sweep_ctx128_us"] = statistics.median(context_sweep(128, 64, args.seed) for _ in range(args.repeats))
-    res["sweep_ctx8192_us"] = statistics.median(context_sweep(8192, 64, args.seed) for _ in range(args.repeats))
+    for name, ctx in (("short", SHORT_CONTEXT), ("long", LONG_CONTEXT)):
+        sweeps = [context_sweep(ctx, 64, args.seed) for _ in range(args.repeats)]
+        res[f"sweep_{name}_context"] = [ctx, ctx + BLOCK_SIZE - 1]
+        res[f"sweep_{name}_us"] = statistics.median(w for w, _ in sweeps)
+        res[f"sweep_{name}_cpu_us"] = statistics.median(c for _, c in sweeps)
     res.update(prompt_8k(args.seed, args.repeats))
 
+    short, long_ = "sweep_short", "sweep_long"
     rows = [
-        ("decode step, 256 running (median)", res["decode_step_us_median"], 200),
-        ("decode step, 256 running (p99)", res["decode_step_us_p99"], None),
-        ("admission lookup+allocate (median)", res["admission_us_median"], None),
-        ("admission lookup+allocate (p99)", res["admission_us_p99"], None),
-        ("decode step, 256 x 128-token context", res["sweep_ctx128_us"], 200),
-        ("decode step, 256 x 8192-token context", res["sweep_ctx8192_us"], 200),
-        ("8k prompt lookup+allocate, cold", res["prompt8k_cold_us"], 300),
-        ("8k prompt lookup+allocate, full hit", res["prompt8k_warm_us"], 300),
+        ("decode step, 256 running (median)", res["decode_step_us_median"], res["decode_step_cpu_us_median"], 200),
+        ("decode step, 256 running (p99)", res["decode_step_us_p99"], None, None),
+        ("admission lookup+allocate (median)", res["admission_us_median"], res["admission_cpu_us_median"], None),
+        ("admission lookup+allocate (p99)", res["admission_us_p99"], None, None),
+        (f"decode step, 256 x {SHORT_CONTEXT}-{SHORT_CONTEXT + BLOCK_SIZE - 1} ctx",
+         res[f"{short}_us"], res[f"{short}_cpu_us"], 200),
+        (f"decode step, 256 x {LONG_CONTEXT}-{LONG_CONTEXT + BLOCK_SIZE - 1} ctx",
+         res[f"{long_}_us"], res[f"{long_}_cpu_us"], 200),
+        ("8k prompt lookup+allocate, cold", res["prompt8k_cold_us"], res["prompt8k_cold_cpu_us"], 300),
+        ("8k prompt lookup+allocate, full hit", res["prompt8k_warm_us"], res["prompt8k_warm_cpu_us"], 300),
     ]
-    print(f"{'metric':42s} {'us':>10s} {'target':>8s}")
-    for name, val, target in rows:
-        print(f"{name:42s} {val:10.1f} {('<= ' + str(target)) if target else '':>8s}")
+    print(f"{'metric':42s} {'us':>10s} {'cpu us':>10s} {'target':>8s}")
+    for name, val, cpu_val, target in rows:
+        cpu_col = f"{cpu_val:10.1f}" if cpu_val is not None else f"{'':10s}"
+        print(f"{name:42s} {val:10.1f} {cpu_col} {('<= ' + str(target)) if target else '':>8s}")
     print(f"decode steps per replay: {res['decode_steps']:.0f}; prefix hit rate: {res['prefix_hit_rate']:.3f}")
-    res["machine"] = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-                      "xxhash": xxhash.VERSION}
+    load_after = os.getloadavg()
+    print(f"load average (1/5/15 min) before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
+          f"after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} on {os.cpu_count()} cpus; "
+          f"{_cpu_model()}")
+    res["machine"] = {"cpu": _cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                      "xxhash": xxhash.VERSION, "loadavg_before": load_before, "loadavg_after": load_after}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

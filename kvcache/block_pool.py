@@ -9,8 +9,9 @@ in the kernels, so every block id in [0, num_blocks) holds real data.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain, repeat
 
 from kvcache.hashing import BlockHash
 
@@ -148,13 +149,57 @@ class BlockPool:
             return 0.0
         return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take num_blocks from the head of the free queue with ref_cnt = 1, evicting hashes."""
-        blocks = self.free_block_queue.popleft_n(num_blocks)
-        for block in blocks:
+    def get_new_block(self) -> KVCacheBlock:
+        """get_new_blocks(1)[0] without the batch machinery (a decode step's new block)."""
+        queue = self.free_block_queue
+        head = queue.head
+        block = head.next_free_block
+        if block is queue.tail:
+            raise ValueError("asked for 1 free block, only 0 are free")
+        nxt = block.next_free_block
+        head.next_free_block = nxt
+        nxt.prev_free_block = head
+        block.prev_free_block = block.next_free_block = None
+        queue.num_free_blocks -= 1
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_cnt = 1
+        return block
+
+    def get_new_blocks(
+        self, num_blocks: int, block_hashes: Sequence[BlockHash] = ()
+    ) -> list[KVCacheBlock]:
+        """Take num_blocks from the head of the free queue with ref_cnt = 1, evicting hashes.
+
+        The first len(block_hashes) of them are then cached under those hashes (cache_blocks),
+        in the same walk of the queue: this is the whole cost of allocating a long prompt.
+        """
+        if len(block_hashes) > num_blocks:
+            raise ValueError(f"{len(block_hashes)} hashes for {num_blocks} new blocks")
+        queue = self.free_block_queue
+        if num_blocks > queue.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} free blocks, only {queue.num_free_blocks} are free")
+        head = queue.head
+        blocks: list[KVCacheBlock] = []
+        append = blocks.append
+        block = head.next_free_block
+        num_hashed = len(block_hashes)
+        # Hashes are set in the walk, after each block's old hash is evicted; the map takes the
+        # new ones only after the walk, so no eviction can remove a new entry.
+        for h in chain(block_hashes, repeat(None, num_blocks - num_hashed)):
+            append(block)
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
+            block.block_hash = h
+            block = nxt
+        head.next_free_block = block
+        block.prev_free_block = head
+        queue.num_free_blocks -= num_blocks
+        if num_hashed:
+            self._register(blocks, block_hashes)
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -188,10 +233,22 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to each block, reviving free (cached) ones out of the free queue."""
         queue = self.free_block_queue
+        revived = 0
         for block in blocks:
-            if block.ref_cnt == 0:
-                queue.remove(block)
-            block.ref_cnt += 1
+            if block.ref_cnt:
+                block.ref_cnt += 1
+                continue
+            prev = block.prev_free_block
+            nxt = block.next_free_block
+            if prev is None or nxt is None:
+                queue.num_free_blocks -= revived
+                raise ValueError(f"block {block.block_id} is not in the free queue")
+            prev.next_free_block = nxt
+            nxt.prev_free_block = prev
+            block.prev_free_block = block.next_free_block = None
+            block.ref_cnt = 1
+            revived += 1
+        queue.num_free_blocks -= revived
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Record that a full, referenced block holds the KV named by block_hash."""
@@ -204,6 +261,35 @@ class BlockPool:
             cache[block_hash] = {entry.block_id: entry, block.block_id: block}
         else:
             entry[block.block_id] = block
+
+    def cache_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]) -> None:
+        """cache_block for each (block, hash) pair, in order (equal lengths)."""
+        if len(blocks) != len(block_hashes):
+            raise ValueError(f"{len(blocks)} blocks but {len(block_hashes)} hashes")
+        for block, h in zip(blocks, block_hashes):
+            block.block_hash = h
+        self._register(blocks, block_hashes)
+
+    def _register(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]) -> None:
+        """Enter blocks[i] (block_hash already set) into the map under block_hashes[i]."""
+        cache = self.cached_block_hash_to_block
+        n = len(block_hashes)
+        if n > 1:
+            # Built apart, then merged: the merge presizes the map once (and copies the table
+            # outright into an empty map) instead of growing it entry by entry.
+            batch = dict(zip(block_hashes, blocks))
+            if len(batch) == n and cache.keys().isdisjoint(batch):
+                cache.update(batch)
+                return
+            # a hash already in the map or repeated in the batch: build the shared entries
+        for block, h in zip(blocks, block_hashes):
+            entry = cache.get(h)
+            if entry is None:
+                cache[h] = block
+            elif isinstance(entry, KVCacheBlock):
+                cache[h] = {entry.block_id: entry, block.block_id: block}
+            else:
+                entry[block.block_id] = block
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """Any block holding block_hash, or None."""

@@ -26,15 +26,55 @@ BlockHash = bytes
 ROOT_HASH: BlockHash = bytes(16)  # the parent of block 0
 
 _xxh3_128 = xxhash.xxh3_128_digest
-_TOKEN = struct.Struct("<i")
+
+# Struct objects are cached per length: building one per call costs as much as packing a
+# short prompt, and struct.pack(fmt, *ids) copies the argument tuple once more. The caches
+# are cleared when they grow past _MAX_CACHED formats (prompt lengths vary freely).
+_MAX_CACHED = 1024
+_packers: dict[int, struct.Struct] = {}
+_splitters: dict[tuple[int, int], struct.Struct] = {}
+
+
+def _packer(n: int) -> struct.Struct:
+    s = _packers.get(n)
+    if s is None:
+        if len(_packers) >= _MAX_CACHED:
+            _packers.clear()
+        s = _packers[n] = struct.Struct(f"<{n}i")
+    return s
 
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian int32 bytes (the hashed representation)."""
     try:
-        return struct.pack(f"<{len(token_ids)}i", *token_ids)
+        return _packer(len(token_ids)).pack(*token_ids)
     except struct.error as e:
         raise ValueError(f"token ids must fit in int32: {e}") from None
+
+
+def split_blocks(packed: bytes, nbytes: int, start: int, stop: int) -> tuple[bytes, ...]:
+    """Blocks [start, stop) of `packed` as separate `nbytes`-long bytes objects.
+
+    One C call (struct.unpack_from) instead of one Python-level slice per block.
+    """
+    n = stop - start
+    if n <= 0:
+        return ()
+    key = (nbytes, n)
+    s = _splitters.get(key)
+    if s is None:
+        if len(_splitters) >= _MAX_CACHED:
+            _splitters.clear()
+        s = _splitters[key] = struct.Struct(f"{nbytes}s" * n)
+    return s.unpack_from(packed, start * nbytes)
+
+
+def chain_hashes(chunks: Sequence[bytes], parent: BlockHash, extra: bytes) -> list[BlockHash]:
+    """Chained hashes of consecutive packed blocks, the first one's parent being `parent`."""
+    h = parent
+    if extra:
+        return [h := _xxh3_128(h + c + extra) for c in chunks]
+    return [h := _xxh3_128(h + c) for c in chunks]
 
 
 def hash_block_tokens(
@@ -56,12 +96,7 @@ def hash_packed_blocks(
 ) -> None:
     """Append to `out` the chained hashes of blocks [start, stop) of `packed` (pack_token_ids).
 
-    One slice + one xxh3 call per block; cost is linear in the number of blocks hashed.
+    Tokens are 4 bytes each. One xxh3 call per block; cost is linear in the number of blocks hashed.
     """
-    prev = ROOT_HASH if parent_hash is None else parent_hash
-    extra = extra_key or b""
-    nbytes = block_size * _TOKEN.size
-    append = out.append
-    for off in range(start * nbytes, stop * nbytes, nbytes):
-        prev = _xxh3_128(prev + packed[off : off + nbytes] + extra)
-        append(prev)
+    chunks = split_blocks(packed, block_size * 4, start, stop)
+    out.extend(chain_hashes(chunks, ROOT_HASH if parent_hash is None else parent_hash, extra_key or b""))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import xxhash
 
@@ -27,12 +28,16 @@ from kvcache.block_pool import BlockPool, KVCacheBlock
 from kvcache.hashing import (
     ROOT_HASH,
     BlockHash,
+    chain_hashes,
     hash_block_tokens,
-    hash_packed_blocks,
     pack_token_ids,
+    split_blocks,
 )
 
 _xxh3_128 = xxhash.xxh3_128_digest
+_block_id = attrgetter("block_id")
+_block_hash = attrgetter("block_hash")
+_ref_cnt = attrgetter("ref_cnt")
 
 
 @dataclass(slots=True)
@@ -81,19 +86,32 @@ class _Seq:
     block_hashes: list[BlockHash] = field(default_factory=list)
     extra_key: bytes | None = None
     swapped: bool = False
+    # False guarantees the last block is not shared; True (set by fork) means "check ref_cnt".
+    # Only fork shares a partially filled block, so decode steps skip touching the block.
+    shared_tail: bool = False
+    # Free slots in the last block: len(block_ids) * block_size - num_slots. Kept so a decode
+    # step needs no arithmetic on (large, heap-allocated) token counts.
+    tail_room: int = 0
 
 
 @dataclass(slots=True)
 class _PrefixMemo:
     """The hashes lookup_prefix computed, reused by the next allocate_slots of the same tokens."""
 
-    token_ids: list[int]  # a copy of the tokens hashed (full blocks only)
+    token_ids: list[int]  # a copy of all the tokens looked up (the partial last block too)
     extra_key: bytes | None
-    packed: bytes
-    hashes: list[BlockHash]  # hashes[:k] where lookup stopped at the first miss
+    chunks: tuple[bytes, ...]  # the packed full blocks, one bytes object per block
+    hashes: list[BlockHash]  # chained hashes of chunks[:len(hashes)]
+    hit_ids: list[int]  # what lookup_prefix returned
+    hit_blocks: list[KVCacheBlock]  # their blocks
+    evictions: int  # the GPU pool's eviction count then: unchanged => every hit block kept its hash
 
 
 def _same_tokens(memo_tokens: list[int], token_ids: Sequence[int], n: int) -> bool:
+    """Whether token_ids[:n] == memo_tokens[:n], without copying in the common case (the
+    caller passes the very list it looked up)."""
+    if type(token_ids) is list and len(token_ids) == len(memo_tokens) and token_ids == memo_tokens:
+        return True
     head = token_ids[:n]
     if not isinstance(head, list):
         head = list(head)
@@ -153,35 +171,48 @@ class KVCacheManager:
 
         Never covers the last token (at most (len(token_ids) - 1) // block_size blocks), so a
         request always has at least one token to compute. No side effects on blocks or stats.
+        A token id outside int32 raises ValueError here if it is in the first block or the first
+        block hits; otherwise (a cold prompt is only hashed once, by allocate_slots) there.
         """
         if not self.enable_prefix_caching:
             return []
+        self._memo = None
         bs = self.block_size
-        num_full = len(token_ids) // bs
-        tokens = list(token_ids[: num_full * bs])
-        packed = pack_token_ids(tokens)
         max_hit = (len(token_ids) - 1) // bs
-        hashes: list[BlockHash] = []
-        hit: list[int] = []
+        if max_hit <= 0:
+            return []
         cache = self.gpu_pool.cached_block_hash_to_block
-        xxh3, extra, nbytes = _xxh3_128, extra_key or b"", bs * 4
-        h = ROOT_HASH
-        for off in range(0, max_hit * nbytes, nbytes):
-            h = xxh3(h + packed[off : off + nbytes] + extra)
-            hashes.append(h)
-            entry = cache.get(h)
+        extra = extra_key or b""
+        if _xxh3_128(ROOT_HASH + pack_token_ids(token_ids[:bs]) + extra) not in cache:
+            # A miss at block 0 (a cold prompt): nothing worth keeping for allocate_slots, which
+            # packs and hashes the prompt once; no snapshot of the tokens is needed.
+            return []
+        # Block 0 hits, so this is likely a long hit: pack once, hash every full block in one
+        # comprehension, then find the first miss. allocate_slots reuses all of it (memo).
+        tokens = list(token_ids)
+        n = len(tokens)
+        num_full = n // bs
+        packed = pack_token_ids(tokens if num_full * bs == n else tokens[: num_full * bs])
+        chunks = split_blocks(packed, bs * 4, 0, num_full)
+        hashes = chain_hashes(chunks, ROOT_HASH, extra)
+        hit_blocks: list[KVCacheBlock] = []
+        append = hit_blocks.append
+        for entry in map(cache.get, hashes[:max_hit]):
             if entry is None:
                 break
             # with several blocks under one hash, any of them holds the KV
-            hit.append(entry.block_id if type(entry) is KVCacheBlock else next(iter(entry)))
-        self._memo = _PrefixMemo(tokens, extra_key, packed, hashes)
-        return hit
+            append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))
+        hit = list(map(_block_id, hit_blocks))
+        self._memo = _PrefixMemo(
+            tokens, extra_key, chunks, hashes, hit, hit_blocks, self.gpu_pool.num_evictions
+        )
+        return hit.copy()
 
     def _full_block_hashes(
         self, token_ids: Sequence[int], num_full: int, extra_key: bytes | None
-    ) -> list[BlockHash]:
+    ) -> tuple[list[BlockHash], _PrefixMemo | None]:
         """Chained hashes of the first num_full blocks, reusing lookup_prefix's work if it saw
-        the same tokens."""
+        the same tokens (then also returns its memo)."""
         bs = self.block_size
         memo = self._memo
         self._memo = None
@@ -189,16 +220,18 @@ class KVCacheManager:
         if (
             memo is not None
             and memo.extra_key == extra_key
-            and len(memo.token_ids) >= n_tok
+            and len(memo.chunks) >= num_full
             and _same_tokens(memo.token_ids, token_ids, n_tok)
         ):
-            packed, hashes = memo.packed, memo.hashes[:num_full]
+            chunks, hashes = memo.chunks, memo.hashes[:num_full]
         else:
-            packed, hashes = pack_token_ids(token_ids[:n_tok]), []
+            memo = None
+            head = token_ids if len(token_ids) == n_tok else token_ids[:n_tok]
+            chunks, hashes = split_blocks(pack_token_ids(head), bs * 4, 0, num_full), []
         if len(hashes) < num_full:
-            parent = hashes[-1] if hashes else None
-            hash_packed_blocks(packed, bs, len(hashes), num_full, parent, extra_key, hashes)
-        return hashes
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes += chain_hashes(chunks[len(hashes) : num_full], parent, extra_key or b"")
+        return hashes, memo
 
     # ---- allocation -----------------------------------------------------------------------
 
@@ -253,7 +286,6 @@ class KVCacheManager:
             raise ValueError(f"seq {seq_id} already has blocks; prefix_block_ids is only for a new seq")
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        bs = self.block_size
         num_slots = seq.num_slots
         total = num_slots + num_new_tokens
         if total > len(token_ids):
@@ -261,16 +293,26 @@ class KVCacheManager:
                 f"seq {seq_id}: {num_slots} slots + {num_new_tokens} new tokens exceeds the "
                 f"{len(token_ids)} known token ids; pass the seq's whole token list"
             )
+        # The common decode step: the tokens fit in the last block, which this seq owns alone.
+        # Decided from small ints on the seq alone: touching the table or the block (cache
+        # misses) or computing on token counts > 256 (heap ints) would grow with the context.
+        room = seq.tail_room
+        if num_new_tokens <= room and (
+            num_new_tokens == 0
+            or not seq.shared_tail
+            or self.gpu_pool.blocks[seq.block_ids[-1]].ref_cnt == 1
+        ):
+            seq.num_slots = total
+            seq.tail_room = room = room - num_new_tokens
+            if room == 0 and num_new_tokens and self.enable_prefix_caching:
+                self._cache_full_blocks(seq, token_ids)  # the last block just became full
+            return _NOTHING_NEW
+        bs = self.block_size
         table = seq.block_ids
         pool = self.gpu_pool
-        if total <= len(table) * bs and (num_new_tokens == 0 or pool.blocks[table[-1]].ref_cnt == 1):
-            # the common decode step: the tokens fit in the last block, which this seq owns alone
-            seq.num_slots = total
-            if self.enable_prefix_caching and total // bs > len(seq.block_hashes):
-                self._cache_full_blocks(seq, token_ids)
-            return _NOTHING_NEW
-        num_new_blocks = -(-total // bs) - len(table)
-        cow = num_new_tokens > 0 and num_slots % bs != 0 and pool.blocks[table[-1]].ref_cnt > 1
+        # from tail_room (small ints): ceil(total / bs) - len(table) and num_slots % bs != 0
+        num_new_blocks = -((room - num_new_tokens) // bs)
+        cow = num_new_tokens > 0 and room > 0 and seq.shared_tail and pool.blocks[table[-1]].ref_cnt > 1
         needed = num_new_blocks + cow
         free = pool.free_block_queue.num_free_blocks
         if needed > free or (admit and free - needed < self.watermark_blocks):
@@ -278,15 +320,22 @@ class KVCacheManager:
         copies: list[tuple[int, int]] = []
         if cow:
             src = pool.blocks[table[-1]]
-            (dst,) = pool.get_new_blocks(1)
+            dst = pool.get_new_block()
             src.ref_cnt -= 1  # stays >= 1: another table still holds it
             table[-1] = dst.block_id
             copies.append((src.block_id, dst.block_id))
-        new_ids: list[int] = []
-        if num_new_blocks > 0:
-            new_ids = [b.block_id for b in pool.get_new_blocks(num_new_blocks)]
+        if num_new_blocks == 1:
+            new_ids = [pool.get_new_block().block_id]
+            table.append(new_ids[0])
+        elif num_new_blocks > 1:
+            new_ids = list(map(_block_id, pool.get_new_blocks(num_new_blocks)))
             table.extend(new_ids)
+        else:
+            new_ids = []
+        if cow or num_new_blocks > 0:
+            seq.shared_tail = False  # the last block was just taken from the free queue
         seq.num_slots = total
+        seq.tail_room = room + num_new_blocks * bs - num_new_tokens
         if self.enable_prefix_caching and total // bs > len(seq.block_hashes):
             self._cache_full_blocks(seq, token_ids)
         return Allocation(new_ids, copies)
@@ -322,34 +371,55 @@ class KVCacheManager:
                     f"seq {seq_id}: {num_prefix} prefix blocks cover the last token; at most "
                     f"{(len(token_ids) - 1) // bs} (use lookup_prefix)"
                 )
+        prefix_blocks: list[KVCacheBlock] = []
+        revive = 0
         if self.enable_prefix_caching:
-            hashes = self._full_block_hashes(token_ids, total // bs, extra_key)
-            for i, bid in enumerate(prefix_block_ids):
-                if not 0 <= bid < self.num_gpu_blocks or pool.blocks[bid].block_hash != hashes[i]:
-                    raise ValueError(
-                        f"prefix block {bid} (position {i}) no longer holds this prompt's KV; "
-                        "call lookup_prefix right before allocate_slots"
-                    )
-        prefix_blocks = [pool.blocks[b] for b in prefix_block_ids]
+            hashes, memo = self._full_block_hashes(token_ids, total // bs, extra_key)
+            if num_prefix:
+                prefix_blocks = self._check_prefix(prefix_block_ids, hashes, memo)
+                revive = list(map(_ref_cnt, prefix_blocks)).count(0)
         num_new_blocks = -(-total // bs) - num_prefix
-        revive = sum(1 for b in prefix_blocks if b.ref_cnt == 0)
         needed = num_new_blocks + revive
         free = pool.free_block_queue.num_free_blocks
         if needed > free or (admit and free - needed < self.watermark_blocks):
             return None
-        pool.touch(prefix_blocks)
-        new_blocks = pool.get_new_blocks(num_new_blocks)
-        new_ids = [b.block_id for b in new_blocks]
-        seq = _Seq(list(prefix_block_ids) + new_ids, total, hashes[:num_prefix], extra_key)
-        self._seqs[seq_id] = seq
+        if prefix_blocks:
+            pool.touch(prefix_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks, hashes[num_prefix:] if num_prefix else hashes)
+        new_ids = list(map(_block_id, new_blocks))
+        table = list(prefix_block_ids) + new_ids if num_prefix else new_ids.copy()
+        self._seqs[seq_id] = _Seq(table, total, hashes, extra_key, tail_room=-total % bs)
         if self.enable_prefix_caching:
             self.prefix_queries += len(token_ids)
             self.prefix_hits += num_prefix * bs
-            cache_block = pool.cache_block
-            for block, h in zip(new_blocks, hashes[num_prefix:]):
-                cache_block(block, h)
-            seq.block_hashes = hashes
         return Allocation(new_ids, [])
+
+    def _check_prefix(
+        self, prefix_block_ids: Sequence[int], hashes: list[BlockHash], memo: _PrefixMemo | None
+    ) -> list[KVCacheBlock]:
+        """The prefix blocks, after checking that each still holds its position's chained hash.
+
+        Free when the ids are (a prefix of) what lookup_prefix just returned for these tokens
+        and nothing was evicted since: the blocks then still carry the hashes it found.
+        """
+        pool = self.gpu_pool
+        n = len(prefix_block_ids)
+        if memo is not None and memo.evictions == pool.num_evictions and n <= len(memo.hit_ids):
+            ids = prefix_block_ids if type(prefix_block_ids) is list else list(prefix_block_ids)
+            if ids == (memo.hit_ids if n == len(memo.hit_ids) else memo.hit_ids[:n]):
+                return memo.hit_blocks if n == len(memo.hit_blocks) else memo.hit_blocks[:n]
+        blocks = pool.blocks
+        if 0 <= min(prefix_block_ids) and max(prefix_block_ids) < self.num_gpu_blocks:
+            prefix_blocks = [blocks[b] for b in prefix_block_ids]
+            if list(map(_block_hash, prefix_blocks)) == hashes[:n]:
+                return prefix_blocks
+        for i, bid in enumerate(prefix_block_ids):
+            if not 0 <= bid < self.num_gpu_blocks or blocks[bid].block_hash != hashes[i]:
+                raise ValueError(
+                    f"prefix block {bid} (position {i}) no longer holds this prompt's KV; "
+                    "call lookup_prefix right before allocate_slots"
+                )
+        raise AssertionError("unreachable: the batched prefix check failed but no block differs")
 
     def _cache_full_blocks(self, seq: _Seq, token_ids: Sequence[int]) -> None:
         """Hash and cache the seq's blocks that became full since the last call."""
@@ -358,11 +428,17 @@ class KVCacheManager:
         pool = self.gpu_pool
         blocks = pool.blocks
         table = seq.block_ids
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), seq.num_slots // bs):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], seq.extra_key)
-            hashes.append(parent)
-            pool.cache_block(blocks[table[i]], parent)
+        start, stop = len(hashes), seq.num_slots // bs
+        if stop - start == 1:  # a decode step filled one block
+            h = hash_block_tokens(hashes[-1] if hashes else None, token_ids[start * bs : stop * bs], seq.extra_key)
+            hashes.append(h)
+            pool.cache_block(blocks[table[start]], h)
+            return
+        # a prefill chunk: pack once, hash block by block
+        chunks = split_blocks(pack_token_ids(token_ids[start * bs : stop * bs]), bs * 4, 0, stop - start)
+        new = chain_hashes(chunks, hashes[-1] if hashes else ROOT_HASH, seq.extra_key or b"")
+        hashes += new
+        pool.cache_blocks([blocks[b] for b in table[start:stop]], new)
 
     # ---- per-seq queries ------------------------------------------------------------------
 
@@ -396,9 +472,10 @@ class KVCacheManager:
             raise ValueError(f"cannot fork into seq {child_seq_id}: it already exists")
         pool = self.cpu_pool if parent.swapped else self.gpu_pool
         pool.touch(pool.blocks[b] for b in parent.block_ids)
+        parent.shared_tail = True
         self._seqs[child_seq_id] = _Seq(
             list(parent.block_ids), parent.num_slots, list(parent.block_hashes),
-            parent.extra_key, parent.swapped,
+            parent.extra_key, parent.swapped, shared_tail=True, tail_room=parent.tail_room,
         )
 
     def free(self, seq_id: int) -> None:
@@ -514,11 +591,26 @@ class KVCacheManager:
                 raise AssertionError(
                     f"seq {sid}: {len(seq.block_ids)} blocks for {seq.num_slots} slots"
                 )
+            if seq.tail_room != len(seq.block_ids) * bs - seq.num_slots:
+                raise AssertionError(
+                    f"seq {sid}: tail_room {seq.tail_room} but {len(seq.block_ids)} blocks hold "
+                    f"{seq.num_slots} slots"
+                )
             counts = refs[seq.swapped]
             for b in seq.block_ids:
                 if not 0 <= b < len(counts):
                     raise AssertionError(f"seq {sid} holds out-of-range block id {b}")
                 counts[b] += 1
+            pool = self.cpu_pool if seq.swapped else self.gpu_pool
+            if (
+                seq.num_slots % bs
+                and not seq.shared_tail
+                and pool.blocks[seq.block_ids[-1]].ref_cnt > 1
+            ):
+                raise AssertionError(
+                    f"seq {sid}: partially filled last block {seq.block_ids[-1]} is shared but "
+                    "shared_tail is False (a decode step would skip copy-on-write)"
+                )
             if self.enable_prefix_caching:
                 if len(seq.block_hashes) != seq.num_slots // bs:
                     raise AssertionError(

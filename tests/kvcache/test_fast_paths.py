@@ -1,0 +1,164 @@
+"""The shortcuts taken for speed (batched hashing and map updates, the lookup memo, the
+decode fast path) give exactly the results of the step-by-step definitions."""
+
+import random
+
+import pytest
+
+from kvcache import Allocation, BlockPool, KVCacheManager, hash_block_tokens
+
+A = list(range(100, 112))  # three blocks of 4
+B = list(range(200, 212))
+H, X, Y = b"h" * 16, b"x" * 16, b"y" * 16
+
+
+def mgr(gpu: int = 8, cpu: int = 4, bs: int = 4, **kw) -> KVCacheManager:
+    return KVCacheManager(num_gpu_blocks=gpu, num_cpu_blocks=cpu, block_size=bs, **kw)
+
+
+def chain(tokens: list[int], bs: int, extra: bytes | None = None) -> list[bytes]:
+    out, h = [], None
+    for i in range(len(tokens) // bs):
+        h = hash_block_tokens(h, tokens[i * bs : (i + 1) * bs], extra)
+        out.append(h)
+    return out
+
+
+def test_get_new_blocks_evicts_before_caching_the_new_hashes():
+    pool = BlockPool(3)
+    (b0,) = pool.get_new_blocks(1, [H])
+    pool.free_blocks([b0])
+    assert pool.free_block_queue.block_ids() == [1, 2, 0]
+    got = pool.get_new_blocks(3, [H, X, Y])  # block 0 leaves H, block 1 takes it
+    assert [b.block_id for b in got] == [1, 2, 0]
+    blocks = pool.blocks
+    assert pool.cached_block_hash_to_block == {H: blocks[1], X: blocks[2], Y: blocks[0]}
+    assert pool.num_evictions == 1 and [b.ref_cnt for b in blocks] == [1, 1, 1]
+    pool.check_invariants()
+
+
+def test_get_new_blocks_with_a_repeated_hash_builds_a_shared_entry():
+    pool = BlockPool(4)
+    got = pool.get_new_blocks(3, [H, H])
+    assert [b.block_hash for b in got] == [H, H, None]
+    assert pool.cached_block_hash_to_block == {H: {0: got[0], 1: got[1]}}
+    pool.check_invariants()
+    with pytest.raises(ValueError, match="2 hashes for 1 new blocks"):
+        pool.get_new_blocks(1, [X, Y])
+
+
+def test_get_new_block_takes_the_head_and_evicts():
+    pool = BlockPool(2)
+    (b0,) = pool.get_new_blocks(1, [H])
+    pool.free_blocks([b0])
+    assert pool.get_new_block().block_id == 1
+    assert pool.get_new_block() is b0 and b0.block_hash is None and b0.ref_cnt == 1
+    assert pool.cached_block_hash_to_block == {} and pool.num_evictions == 1
+    with pytest.raises(ValueError, match="only 0 are free"):
+        pool.get_new_block()
+    pool.check_invariants()
+
+
+def test_prompt_partly_cached_by_a_running_seq_shares_the_entries():
+    m = mgr()
+    m.allocate_slots(1, A, 12)
+    prompt = A[:8] + B[:5]  # no lookup: blocks 0-1 are filled a second time
+    assert m.allocate_slots(2, prompt, 13) == Allocation([3, 4, 5, 6], [])
+    cache, blocks = m.gpu_pool.cached_block_hash_to_block, m.gpu_pool.blocks
+    h = chain(prompt, 4)
+    assert cache[h[0]] == {0: blocks[0], 3: blocks[3]} and cache[h[1]] == {1: blocks[1], 4: blocks[4]}
+    assert cache[h[2]] is blocks[5]
+    m.check_invariants()
+
+
+def test_chunked_prefill_hashes_every_block_it_fills():
+    m = mgr()
+    assert m.allocate_slots(1, A, 2) == Allocation([0], [])
+    assert m.allocate_slots(1, A, 10) == Allocation([1, 2], [])
+    assert [m.gpu_pool.blocks[b].block_hash for b in (0, 1, 2)] == chain(A, 4)
+    assert m.lookup_prefix(A + [1]) == [0, 1, 2]
+    m.check_invariants()
+
+
+def test_lookup_memo_is_not_trusted_after_a_decode_step_evicted_a_hit_block():
+    m = mgr(gpu=4)
+    m.allocate_slots(2, B[:8], 8)
+    m.allocate_slots(1, A[:8], 8)
+    m.free(1)
+    prefix = m.lookup_prefix(A[:9])
+    assert prefix == [2, 3]
+    assert m.allocate_slots(2, B[:9], 1) == Allocation([3], [])  # evicts block 3
+    with pytest.raises(ValueError, match=r"prefix block 3 \(position 1\) no longer holds"):
+        m.allocate_slots(3, A[:9], 1, prefix)
+    m.check_invariants()
+
+
+def test_lookup_memo_accepts_a_shortened_prefix_and_other_sequence_types():
+    m = mgr()
+    m.allocate_slots(1, A, 12)
+    m.free(1)
+    prefix = m.lookup_prefix(tuple(A) + (7,))
+    assert prefix == [0, 1, 2]
+    assert m.allocate_slots(2, tuple(A) + (7,), 9, tuple(prefix[:1])) == Allocation([3, 4, 5], [])
+    assert m.block_table(2) == [0, 3, 4, 5] and m.num_slots(2) == 13
+    s = m.stats()
+    assert (s.prefix_queries, s.prefix_hits) == (25, 4)
+    m.check_invariants()
+
+
+def test_lookup_memo_is_not_used_for_other_tokens():
+    m = mgr()
+    m.allocate_slots(1, A, 12)
+    m.free(1)
+    prefix = m.lookup_prefix(A + [7])
+    other = A[:4] + B[:8] + [7]
+    with pytest.raises(ValueError, match=r"prefix block 1 \(position 1\) no longer holds"):
+        m.allocate_slots(2, other, 1, prefix)
+    assert m.allocate_slots(2, other, 9, prefix[:1]) == Allocation([3, 4, 5], [])
+    assert [m.gpu_pool.blocks[b].block_hash for b in (0, 3, 4)] == chain(other, 4)
+    m.check_invariants()
+
+
+def test_decode_in_a_formerly_shared_block_writes_in_place():
+    m = mgr()
+    m.allocate_slots(1, A[:6], 6)
+    m.fork(1, 2)
+    m.free(2)
+    assert m.allocate_slots(1, A[:7], 1) == Allocation([], [])  # the sibling is gone: no copy
+    m.fork(1, 3)
+    assert m.allocate_slots(3, A[:7] + [9], 1) == Allocation([], [(1, 2)])
+    assert m.block_table(3) == [0, 2]
+    assert m.allocate_slots(1, A[:8], 1) == Allocation([], [])
+    m.check_invariants()
+
+
+def test_random_long_prompts_match_the_block_by_block_chain():
+    rng = random.Random(0)
+    bs = 16
+    m = mgr(gpu=512, bs=bs)
+    for sid, n in enumerate((1000, 1024, 1025, 17, 16, 15)):
+        prompt = [rng.randrange(0, 1 << 31) for _ in range(n)]
+        for extra in (None, b"salt"):
+            prefix = m.lookup_prefix(prompt, extra)
+            assert prefix == []
+            assert m.allocate_slots(2 * sid + (extra is not None), prompt, n, prefix, extra) is not None
+            blocks = m.block_table(2 * sid + (extra is not None))
+            assert [m.gpu_pool.blocks[b].block_hash for b in blocks[: n // bs]] == chain(prompt, bs, extra)
+            again = m.lookup_prefix(prompt + [5], extra)
+            assert again == blocks[: n // bs]
+        m.check_invariants()
+
+
+def test_token_ids_outside_int32_are_a_value_error_by_allocation_at_the_latest():
+    m = mgr()
+    bad = A[:4] + [1 << 40] + A[5:9]
+    assert m.lookup_prefix(bad) == []  # block 0 misses: the prompt is hashed by allocate_slots
+    with pytest.raises(ValueError, match="token ids must fit in int32"):
+        m.allocate_slots(1, bad, 9)
+    assert not m.has_seq(1) and m.num_free_gpu_blocks == 8
+    with pytest.raises(ValueError, match="token ids must fit in int32"):
+        m.lookup_prefix([1 << 40] + A)
+    m.allocate_slots(2, A[:4], 4)
+    with pytest.raises(ValueError, match="token ids must fit in int32"):
+        m.lookup_prefix(bad)  # block 0 hits: the whole prompt is hashed here
+    m.check_invariants()
