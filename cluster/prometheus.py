@@ -1,0 +1,187 @@
+"""Engine metrics in Prometheus' text format (vLLM's names) and through `ray.util.metrics`.
+
+`render_prometheus` turns engine `metrics()` snapshots (one per LLMServer replica) into the
+text a Prometheus server scrapes from GET /metrics: counters and histograms are summed over
+replicas, request gauges summed, and KV-cache usage averaged (it is a fraction per replica).
+Counters follow the Prometheus convention vLLM uses: `# TYPE vllm:prompt_tokens counter`
+with the sample `vllm:prompt_tokens_total`.
+
+`RayMetricsExporter` pushes the same numbers into Ray's metrics agent from inside a replica,
+so they reach Ray's dashboard and Prometheus with the replica's tags, under the same names with
+":" spelled "_" (Ray refuses colons; its exporter adds a `ray_` prefix, e.g.
+`ray_vllm_num_requests_running`). Ray histograms only
+take observations, so each bucket's new count is replayed as that many observations of the
+bucket's upper bound: bucket counts are exact; Ray's `_sum` is an upper bound.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# (snapshot key, exported name, help) for each kind.
+GAUGES = (
+    ("num_requests_running", "vllm:num_requests_running",
+     "Number of requests in model execution batches."),
+    ("num_requests_waiting", "vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+    ("num_requests_swapped", "vllm:num_requests_swapped", "Number of requests swapped to CPU."),
+    ("kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+)
+COUNTERS = (
+    ("prefix_cache_queries", "vllm:prefix_cache_queries",
+     "Prefix cache queries, in terms of number of queried tokens."),
+    ("prefix_cache_hits", "vllm:prefix_cache_hits",
+     "Prefix cache hits, in terms of number of cached tokens."),
+    ("prompt_tokens_total", "vllm:prompt_tokens", "Number of prefill tokens processed."),
+    ("generation_tokens_total", "vllm:generation_tokens", "Number of generation tokens processed."),
+    ("num_preemptions_swap", "vllm:num_preemptions_swap",
+     "Preemptions that swapped a request's KV blocks to CPU."),
+    ("num_preemptions_recompute", "vllm:num_preemptions_recompute",
+     "Preemptions that freed a request's KV blocks for recomputation."),
+)
+HISTOGRAMS = (
+    ("time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
+     "Histogram of time to first token in seconds."),
+    ("inter_token_latency_seconds", "vllm:inter_token_latency_seconds",
+     "Histogram of inter-token latency in seconds."),
+    ("e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
+     "Histogram of end to end request latency in seconds."),
+)
+PREEMPTIONS = ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
+SUCCESS = ("vllm:request_success", "Count of successfully processed requests.")
+
+
+def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """One snapshot for the whole deployment (see the module docstring for how)."""
+    if not snapshots:
+        raise ValueError("no engine metrics to merge: no LLMServer replica answered")
+    merged: dict[str, Any] = {}
+    for key, _, _ in GAUGES + COUNTERS:
+        merged[key] = sum(s[key] for s in snapshots)
+    merged["kv_cache_usage_perc"] /= len(snapshots)
+    success: dict[str, int] = {}
+    for s in snapshots:
+        for reason, n in s["request_success_total"].items():
+            success[reason] = success.get(reason, 0) + n
+    merged["request_success_total"] = success
+    for key, _, _ in HISTOGRAMS:
+        hists = [s[key] for s in snapshots]
+        buckets = tuple(hists[0].buckets)
+        if any(tuple(h.buckets) != buckets for h in hists):
+            raise ValueError(f"replicas disagree on {key} buckets; they run different versions")
+        counts = [sum(c) for c in zip(*(h.counts for h in hists))]
+        merged[key] = _Hist(buckets, counts, sum(h.sum for h in hists),
+                            sum(h.count for h in hists))
+    return merged
+
+
+class _Hist:
+    __slots__ = ("buckets", "counts", "sum", "count")
+
+    def __init__(self, buckets: tuple[float, ...], counts: list[int], total: float,
+                 count: int) -> None:
+        self.buckets, self.counts, self.sum, self.count = buckets, counts, total, count
+
+
+def render_prometheus(snapshots: list[dict[str, Any]], model_name: str) -> str:
+    """Prometheus text exposition (format 0.0.4) of the merged snapshots."""
+    m = merge_snapshots(snapshots)
+    label = f'model_name="{_escape(model_name)}"'
+    lines: list[str] = []
+
+    def header(name: str, help_text: str, kind: str) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+
+    for key, name, help_text in GAUGES:
+        header(name, help_text, "gauge")
+        lines.append(f"{name}{{{label}}} {_num(m[key])}")
+    for key, name, help_text in COUNTERS:
+        header(name, help_text, "counter")
+        lines.append(f"{name}_total{{{label}}} {_num(m[key])}")
+    header(*PREEMPTIONS, "counter")
+    preemptions = m["num_preemptions_swap"] + m["num_preemptions_recompute"]
+    lines.append(f"{PREEMPTIONS[0]}_total{{{label}}} {preemptions}")
+    header(*SUCCESS, "counter")
+    for reason, n in sorted(m["request_success_total"].items()):
+        lines.append(f'{SUCCESS[0]}_total{{{label},finished_reason="{reason}"}} {n}')
+    for key, name, help_text in HISTOGRAMS:
+        h = m[key]
+        header(name, help_text, "histogram")
+        cumulative = 0
+        for bound, c in zip(h.buckets, h.counts):
+            cumulative += c
+            lines.append(f'{name}_bucket{{{label},le="{_num(float(bound))}"}} {cumulative}')
+        lines.append(f'{name}_bucket{{{label},le="+Inf"}} {h.count}')
+        lines.append(f"{name}_sum{{{label}}} {_num(h.sum)}")
+        lines.append(f"{name}_count{{{label}}} {h.count}")
+    return "\n".join(lines) + "\n"
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sample name with labels -> value, e.g. {'vllm:num_requests_running{model_name="m"}': 0.0}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _num(x: float | int) -> str:
+    return repr(float(x)) if isinstance(x, float) else str(x)
+
+
+def _escape(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class RayMetricsExporter:
+    """Mirrors one engine's snapshots into `ray.util.metrics` (call `update` periodically)."""
+
+    def __init__(self, model_name: str, ray_metrics: Any = None) -> None:
+        if ray_metrics is None:  # tests pass a stand-in with Gauge/Counter/Histogram
+            from ray.util import metrics as ray_metrics
+
+        tags = ("model_name",)
+
+        def ray_name(name: str) -> str:
+            return name.replace(":", "_")
+
+        self._tags = {"model_name": model_name}
+        self._gauges = {key: ray_metrics.Gauge(ray_name(name), help_text, tag_keys=tags)
+                        for key, name, help_text in GAUGES}
+        self._counters = {key: ray_metrics.Counter(ray_name(name), help_text, tag_keys=tags)
+                          for key, name, help_text in COUNTERS}
+        self._success = ray_metrics.Counter(ray_name(SUCCESS[0]), SUCCESS[1],
+                                            tag_keys=tags + ("finished_reason",))
+        self._histograms: dict[str, Any] = {}
+        self._ray_name = ray_name
+        self._ray_metrics = ray_metrics
+        self._last: dict[str, Any] = {}
+
+    def update(self, snapshot: dict[str, Any]) -> None:
+        for key, gauge in self._gauges.items():
+            gauge.set(snapshot[key], tags=self._tags)
+        for key, counter in self._counters.items():
+            delta = snapshot[key] - self._last.get(key, 0)
+            if delta > 0:
+                counter.inc(delta, tags=self._tags)
+            self._last[key] = snapshot[key]
+        for reason, n in snapshot["request_success_total"].items():
+            key = f"success:{reason}"
+            delta = n - self._last.get(key, 0)
+            if delta > 0:
+                self._success.inc(delta, tags={**self._tags, "finished_reason": reason})
+            self._last[key] = n
+        for key, name, help_text in HISTOGRAMS:
+            h = snapshot[key]
+            if key not in self._histograms:
+                self._histograms[key] = self._ray_metrics.Histogram(
+                    self._ray_name(name), help_text, boundaries=list(h.buckets), tag_keys=("model_name",))
+            last = self._last.get(key) or [0] * len(h.counts)
+            # +Inf observations are replayed just past the last bound.
+            bounds = list(h.buckets) + [h.buckets[-1] * 2]
+            for bound, now, before in zip(bounds, h.counts, last):
+                for _ in range(now - before):
+                    self._histograms[key].observe(bound, tags=self._tags)
+            self._last[key] = list(h.counts)

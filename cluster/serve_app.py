@@ -1,0 +1,229 @@
+"""The Ray Serve application: an OpenAI ingress deployment in front of LLMServer replicas.
+
+`build_app(args)` is the app builder a Serve config file names
+(`import_path: cluster.serve_app:build_app`); `args` are the manifest's `args`:
+every `EngineConfig` field (model, tensor_parallel_size, ...) plus the serving keys in
+`SERVING_DEFAULTS` (replicas, autoscaling, overload limits, API key, CPU shares).
+
+One LLMServer replica is one tensor-parallel group. It reserves a STRICT_PACK placement
+group: bundle 0 is the replica actor itself, bundles 1..tp one per rank (a GPU each on
+CUDA, `worker_num_cpus` on CPU), so a replica either gets all its ranks on one node or
+does not start. The ingress is a separate deployment (tokenizing and SSE scale apart
+from the engines) that streams from LLMServer through a DeploymentHandle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import BackpressureConfig
+from ray.serve.handle import DeploymentHandle
+
+from cluster.config import EngineConfig
+from cluster.openai_api import DEFAULT_RETRY_AFTER_S, ModelInfo, create_app
+from scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger("ray.serve")
+
+API_KEY_ENV = "QWEN3_SERVE_API_KEY"
+# How often a replica pushes its engine metrics into ray.util.metrics.
+METRICS_EXPORT_PERIOD_S = 5.0
+
+# Serve's latency knobs for the replicas (the same ones RAY_SERVE_THROUGHPUT_OPTIMIZED sets):
+# user code and the handle router on the replica's main event loop instead of extra threads.
+# Every cross-thread hand-off costs a wake-up per request and per streamed chunk, which on a
+# small CPU host is milliseconds of TTFT.
+REPLICA_ENV_VARS = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
+
+SERVING_DEFAULTS: dict[str, Any] = {
+    "served_model_name": None,   # the name clients send as `model`; default: the `model` arg
+    "api_key": None,             # or the QWEN3_SERVE_API_KEY env var; None = no auth
+    "num_replicas": 1,           # LLMServer replicas; ignored when autoscaling_config is set
+    "autoscaling_config": None,  # Serve's dict, e.g. {min_replicas, max_replicas, target_ongoing_requests}
+    "max_ongoing_requests": 64,  # per LLMServer replica, in the engine at once
+    "max_queued_requests": 64,   # per caller, waiting for a replica; beyond: 503 + Retry-After
+    "replica_num_cpus": 1.0,     # the LLMServer actor (bundle 0)
+    "ingress_num_cpus": 1.0,
+    "ingress_num_replicas": 1,
+    "ingress_max_ongoing_requests": 1024,
+}
+
+
+@serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["max_ongoing_requests"],
+                  health_check_period_s=5.0, health_check_timeout_s=30.0,
+                  graceful_shutdown_timeout_s=5.0)
+class LLMServer:
+    """One engine (one TP group). Streams `RequestOutput` deltas to the ingress."""
+
+    def __init__(self, engine_args: dict[str, Any]) -> None:
+        import ray
+
+        from cluster.engine import AsyncLLMEngine
+        from cluster.prometheus import RayMetricsExporter
+
+        config = EngineConfig.from_dict(engine_args)
+        self.engine = AsyncLLMEngine(config, placement_group=ray.util.get_current_placement_group())
+        self._exporter = RayMetricsExporter(self.engine.model_name)
+        self._export_task: asyncio.Task | None = None
+
+    def _ensure_exporter(self) -> None:
+        if self._export_task is None or self._export_task.done():
+            self._export_task = asyncio.get_running_loop().create_task(self._export_metrics())
+
+    async def _export_metrics(self) -> None:
+        while True:
+            try:
+                self._exporter.update(self.engine.metrics())
+            except Exception:  # noqa: BLE001 - metrics must never take the replica down
+                logger.exception("exporting engine metrics to Ray failed")
+            await asyncio.sleep(METRICS_EXPORT_PERIOD_S)
+
+    async def model_info(self) -> ModelInfo:
+        self._ensure_exporter()
+        return ModelInfo(self.engine.model_name, self.engine.max_model_len)
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str, cache_salt: str | None = None) -> AsyncIterator[Any]:
+        # Serve cancels this generator when the caller goes away; the engine's generator
+        # then aborts the request in its `finally`, freeing its blocks within a step.
+        self._ensure_exporter()
+        async for out in self.engine.generate(prompt_token_ids, sampling_params, request_id,
+                                               cache_salt=cache_salt):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def metrics(self) -> dict[str, Any]:
+        return self.engine.metrics()
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically; raising makes Serve replace the replica."""
+        self.engine.check_health()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+class HandleEngineClient:
+    """The ingress's `EngineClient`: LLMServer replicas behind a DeploymentHandle."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.handle = handle
+        self.stream_handle = handle.options(stream=True)
+
+    async def model_info(self) -> ModelInfo:
+        return await self.handle.model_info.remote()
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str, cache_salt: str | None = None) -> AsyncIterator[Any]:
+        gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params, request_id,
+                                                 cache_salt)
+        finished = False
+        try:
+            async for out in gen:
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # client gone or error: cancel the replica-side generator
+                gen.cancel()
+
+    async def check_health(self) -> None:
+        results = await self.handle.broadcast("check_health").results_async()
+        if not results:
+            raise RuntimeError("no LLMServer replica is running yet")
+
+    async def metrics(self) -> list[dict[str, Any]]:
+        return await self.handle.broadcast("metrics").results_async()
+
+
+@serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["ingress_max_ongoing_requests"])
+@serve.ingress()
+class OpenAIIngress:
+    """HTTP in, SSE out; tokenization and the chat template happen here."""
+
+    def __init__(self, llm_server: DeploymentHandle, model: str,
+                 served_model_name: str | None = None, api_key: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        from workers.tiny_model import resolve_model
+
+        self.client = HandleEngineClient(llm_server)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+        self.served_model_name = served_model_name
+        self.api_key = api_key
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_app(self.client, self.tokenizer, served_model_name=self.served_model_name,
+                          api_key=self.api_key)
+
+
+def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
+    """Manifest args -> (engine config, serving options); unknown keys -> ValueError."""
+    serving = {k: args[k] if k in args else v for k, v in SERVING_DEFAULTS.items()}
+    engine_args = {k: v for k, v in args.items() if k not in SERVING_DEFAULTS}
+    try:
+        config = EngineConfig.from_dict(engine_args)
+    except ValueError as e:
+        raise ValueError(f"{e}; serving keys: {sorted(SERVING_DEFAULTS)}") from None
+    return config, serving
+
+
+def placement_bundles(config: EngineConfig, serving: dict[str, Any],
+                      use_gpu: bool) -> list[dict[str, float]]:
+    """Bundle 0 for the replica actor, then one per rank (or the replica's GPU in-process)."""
+    replica = {"CPU": float(serving["replica_num_cpus"])}
+    if not config.uses_ray:
+        return [{**replica, "GPU": 1.0}] if use_gpu else [replica]
+    rank = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": float(config.worker_num_cpus)}
+    return [replica] + [dict(rank) for _ in range(config.tensor_parallel_size)]
+
+
+def _wants_gpu(config: EngineConfig) -> bool:
+    if config.device != "auto":
+        return config.device == "cuda"
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) >= 1
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """The Serve app builder named by the manifests (`cluster.serve_app:build_app`)."""
+    config, serving = split_args(dict(args or {}))
+    bundles = placement_bundles(config, serving, _wants_gpu(config))
+    backpressure = BackpressureConfig(status_code=503, retry_after_s=DEFAULT_RETRY_AFTER_S)
+    replicas: dict[str, Any] = {"num_replicas": serving["num_replicas"]}
+    if serving["autoscaling_config"]:
+        replicas = {"autoscaling_config": serving["autoscaling_config"]}
+    llm = LLMServer.options(
+        placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
+        ray_actor_options={"num_cpus": bundles[0]["CPU"], "num_gpus": bundles[0].get("GPU", 0.0),
+                           "runtime_env": {"env_vars": REPLICA_ENV_VARS}},
+        max_ongoing_requests=serving["max_ongoing_requests"],
+        max_queued_requests=serving["max_queued_requests"],
+        backpressure_config=backpressure, **replicas,
+    ).bind(config.to_dict())
+    ingress = OpenAIIngress.options(
+        num_replicas=serving["ingress_num_replicas"],
+        ray_actor_options={"num_cpus": float(serving["ingress_num_cpus"]),
+                           "runtime_env": {"env_vars": REPLICA_ENV_VARS}},
+        max_ongoing_requests=serving["ingress_max_ongoing_requests"],
+        backpressure_config=backpressure,
+    ).bind(llm, config.model, serving["served_model_name"],
+           serving["api_key"] or os.environ.get(API_KEY_ENV) or None)
+    return ingress

@@ -1,0 +1,36 @@
+"""One Ray cluster per test session, shared by every test in tests/cluster/ that needs one.
+
+Ray takes 5-10 s to start on this machine, so it starts once, lazily (only when a test asks
+for `ray_cluster`), and stops at the end of the session. Ray sees only 2 real CPUs here;
+the 4 logical CPUs leave room for a Serve app's fractional replicas and worker actors next
+to the engines the offline tests start.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+# Ray >= 2.60 turns token auth on by default; a local test cluster needs none, and the
+# `serve`/`ray` CLIs started from tests read the same variable.
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
+RAY_NUM_CPUS = 4
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    yield
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -1,0 +1,478 @@
+"""The OpenAI HTTP layer over a small deterministic fake engine (no Ray, no model).
+
+The fake implements AsyncLLMEngine's async API: sample i of a request emits, at step t,
+token SCRIPT[(i + t) % len(SCRIPT)] with a fixed logprob table, so every test can state
+the exact text, tokens and logprobs it expects. The real engine over real HTTP is tested
+in test_serve_http.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from starlette.requests import Request
+
+from cluster.engine import EngineDeadError, OverloadedError
+from cluster.metrics import Histogram
+from cluster.openai_api import LocalEngineClient, OpenAIServing, create_app
+from cluster.prometheus import parse_prometheus, render_prometheus
+from scheduler import CompletionOutput, RequestOutput, SamplingParams
+
+SCRIPT_TEXT = " one two three four five six seven eight nine ten"
+MODEL = "fake-qwen3"
+
+
+class FakeEngine:
+    model_name = MODEL
+    max_model_len = 64
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.script = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
+        self.calls: list[tuple[list[int], SamplingParams, str, str | None]] = []
+        self.aborted: list[str] = []
+        self.dead: str | None = None
+        self.overloaded = False
+
+    def token(self, i: int, t: int) -> int:
+        return self.script[(i + t) % len(self.script)]
+
+    def logprobs(self, i: int, t: int, k: int) -> dict[int, float]:
+        lps = {self.token(i, t + 1 + j): -0.5 * (j + 1) for j in range(k)}
+        lps[self.token(i, t)] = -0.25
+        return lps
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str, cache_salt: str | None = None):
+        sp = sampling_params
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        if self.overloaded:
+            raise OverloadedError("3 requests are already waiting (max_waiting_requests=3)")
+        if len(prompt_token_ids) + sp.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)}) + max_tokens ({sp.max_tokens}) "
+                             f"> max_model_len ({self.max_model_len})")
+        self.calls.append((list(prompt_token_ids), sp, request_id, cache_salt))
+        live = set(range(sp.n))
+        finished = False
+        try:
+            for t in range(sp.max_tokens):
+                await asyncio.sleep(0)
+                outs = []
+                for i in sorted(live):
+                    tok = self.token(i, t)
+                    reason = ("stop" if tok in sp.stop_token_ids
+                              else "length" if t == sp.max_tokens - 1 else None)
+                    outs.append(CompletionOutput(
+                        index=i, token_ids=[tok], text="" if reason == "stop" else self.text(tok),
+                        finish_reason=reason, stop_reason=tok if reason == "stop" else None,
+                        logprobs=None if sp.logprobs is None else [self.logprobs(i, t, sp.logprobs)]))
+                    if reason:
+                        live.discard(i)
+                finished = not live
+                yield RequestOutput(request_id, prompt_token_ids, outs, finished,
+                                    num_cached_tokens=3)
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.aborted.append(request_id)
+
+    def text(self, tok: int) -> str:
+        return self.tokenizer.decode([tok])
+
+    def check_health(self) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+
+    def metrics(self) -> dict[str, Any]:
+        ttft = Histogram((0.1, 1.0))
+        for v in (0.05, 0.5, 3.0):
+            ttft.observe(v)
+        return {"num_requests_running": 2, "num_requests_waiting": 1, "num_requests_swapped": 0,
+                "kv_cache_usage_perc": 0.25, "prefix_cache_queries": 40, "prefix_cache_hits": 16,
+                "prompt_tokens_total": 40, "generation_tokens_total": 7,
+                "num_preemptions_swap": 1, "num_preemptions_recompute": 2,
+                "request_success_total": {"stop": 1, "length": 2, "abort": 0},
+                "time_to_first_token_seconds": ttft,
+                "inter_token_latency_seconds": Histogram((0.01,)),
+                "e2e_request_latency_seconds": Histogram((1.0,))}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture
+def engine(tokenizer: Any) -> FakeEngine:
+    return FakeEngine(tokenizer)
+
+
+def _call(engine: FakeEngine, tokenizer: Any, method: str, path: str, body: Any = None,
+          api_key: str | None = None, headers: dict[str, str] | None = None) -> httpx.Response:
+    app = create_app(LocalEngineClient(engine), tokenizer, api_key=api_key)
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test") as client:
+            content = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+            return await client.request(method, path, content=content, headers=headers)
+
+    return asyncio.run(go())
+
+
+def _sse_events(resp: httpx.Response) -> list[Any]:
+    events = [line[len("data: "):] for line in resp.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_models_lists_the_served_model(engine: FakeEngine, tokenizer: Any) -> None:
+    resp = _call(engine, tokenizer, "GET", "/v1/models")
+    assert resp.status_code == 200
+    data = resp.json()["data"]
+    assert [(m["id"], m["object"], m["max_model_len"]) for m in data] == [(MODEL, "model", 64)]
+
+
+def test_completion_returns_exact_text_per_choice_and_usage(engine: FakeEngine,
+                                                            tokenizer: Any) -> None:
+    resp = _call(engine, tokenizer, "POST", "/v1/completions",
+                 {"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "n": 2})
+    assert resp.status_code == 200
+    body = resp.json()
+    s = engine.script
+    assert [c["text"] for c in body["choices"]] == [tokenizer.decode(s[0:3]),
+                                                    tokenizer.decode(s[1:4])]
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 3}}
+    prompt, sp, _, _ = engine.calls[0]
+    assert prompt == tokenizer.encode("Hello there", add_special_tokens=False)
+    assert (sp.n, sp.max_tokens) == (2, 3)
+
+
+def test_completion_stream_sends_deltas_usage_and_done(engine: FakeEngine,
+                                                       tokenizer: Any) -> None:
+    resp = _call(engine, tokenizer, "POST", "/v1/completions",
+                 {"prompt": [5, 6, 7], "max_tokens": 3, "stream": True,
+                  "stream_options": {"include_usage": True}})
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = _sse_events(resp)
+    deltas = [e["choices"][0] for e in events[:-1]]
+    assert [d["text"] for d in deltas] == [tokenizer.decode([t]) for t in engine.script[:3]]
+    assert [d["finish_reason"] for d in deltas] == [None, None, "length"]
+    assert all(e["usage"] is None for e in events[:-1])
+    assert events[-1]["choices"] == []
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                                   "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+def test_completion_batch_prompts_get_indices_prompt_major(engine: FakeEngine,
+                                                           tokenizer: Any) -> None:
+    resp = _call(engine, tokenizer, "POST", "/v1/completions",
+                 {"prompt": [[1, 2], [3, 4, 5]], "max_tokens": 2, "n": 2})
+    body = resp.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    s = engine.script
+    assert [c["text"] for c in body["choices"]] == [tokenizer.decode(s[0:2]),
+                                                    tokenizer.decode(s[1:3])] * 2
+    assert sorted(c[0] for c in engine.calls) == [[1, 2], [3, 4, 5]]
+    assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 8
+
+
+def test_completion_echo_prepends_prompt(engine: FakeEngine, tokenizer: Any) -> None:
+    resp = _call(engine, tokenizer, "POST", "/v1/completions",
+                 {"prompt": "Hi", "max_tokens": 1, "echo": True})
+    assert resp.json()["choices"][0]["text"] == "Hi" + tokenizer.decode(engine.script[:1])
+
+
+def test_completion_logprobs_rank_top_tokens_and_offsets(engine: FakeEngine,
+                                                         tokenizer: Any) -> None:
+    resp = _call(engine, tokenizer, "POST", "/v1/completions",
+                 {"prompt": "Hi", "max_tokens": 2, "logprobs": 2})
+    lp = resp.json()["choices"][0]["logprobs"]
+    s = engine.script
+    dec = [tokenizer.decode([t]) for t in s[:4]]
+    assert lp["tokens"] == dec[:2]
+    assert lp["token_logprobs"] == [-0.25, -0.25]
+    # Chosen (-0.25) outranks the fake's alternatives (-0.5, -1.0): top-2 = chosen + best alt.
+    assert lp["top_logprobs"] == [{dec[0]: -0.25, dec[1]: -0.5}, {dec[1]: -0.25, dec[2]: -0.5}]
+    assert lp["text_offset"] == [0, len(dec[0])]
+    assert engine.calls[0][1].logprobs == 2
+
+
+def test_chat_renders_qwen3_template_with_enable_thinking(engine: FakeEngine,
+                                                          tokenizer: Any) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    resp = _call(engine, tokenizer, "POST", "/v1/chat/completions",
+                 {"model": MODEL, "messages": messages, "max_completion_tokens": 2,
+                  "chat_template_kwargs": {"enable_thinking": False}})
+    assert resp.status_code == 200
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert engine.calls[0][0] == tokenizer.encode(text, add_special_tokens=False)
+    body = resp.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant",
+                                             "content": tokenizer.decode(engine.script[:2])}
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_default_max_tokens_fills_the_context(engine: FakeEngine, tokenizer: Any) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    resp = _call(engine, tokenizer, "POST", "/v1/chat/completions", {"messages": messages})
+    prompt_len = len(engine.calls[0][0])
+    assert engine.calls[0][1].max_tokens == 64 - prompt_len
+    assert resp.json()["usage"]["completion_tokens"] == 64 - prompt_len
+
+
+def test_chat_stream_opens_with_role_and_ends_with_finish(engine: FakeEngine,
+                                                          tokenizer: Any) -> None:
+    resp = _call(engine, tokenizer, "POST", "/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                  "max_tokens": 2, "stream": True, "stop_token_ids": [engine.script[1]]})
+    events = _sse_events(resp)
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    choices = [e["choices"][0] for e in events]
+    assert [c["delta"] for c in choices] == [
+        {"role": "assistant", "content": ""},
+        {"content": tokenizer.decode(engine.script[:1])}, {}]
+    assert [c["finish_reason"] for c in choices] == [None, None, "stop"]
+    assert choices[-1]["stop_reason"] == engine.script[1]
+
+
+def test_chat_logprobs_carry_top_logprobs(engine: FakeEngine, tokenizer: Any) -> None:
+    resp = _call(engine, tokenizer, "POST", "/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                  "logprobs": True, "top_logprobs": 1})
+    content = resp.json()["choices"][0]["logprobs"]["content"]
+    tok = tokenizer.decode(engine.script[:1])
+    assert content == [{"token": tok, "logprob": -0.25, "bytes": list(tok.encode()),
+                        "top_logprobs": [{"token": tok, "logprob": -0.25,
+                                          "bytes": list(tok.encode())}]}]
+
+
+def test_every_sampling_field_reaches_the_engine(engine: FakeEngine, tokenizer: Any) -> None:
+    _call(engine, tokenizer, "POST", "/v1/completions", {
+        "prompt": "x", "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "n": 1,
+        "stop": ["\n"], "seed": 42, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+        "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True,
+        "min_tokens": 2, "stop_token_ids": [7], "skip_special_tokens": False,
+        "include_stop_str_in_output": True, "cache_salt": "tenant-a"})
+    _, sp, rid, salt = engine.calls[0]
+    assert sp == SamplingParams(
+        n=1, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=42, max_tokens=5,
+        min_tokens=2, stop=["\n"], stop_token_ids=[7], ignore_eos=True, logprobs=None,
+        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
+        skip_special_tokens=False, include_stop_str_in_output=True)
+    assert rid.startswith("cmpl-") and salt == "tenant-a"
+
+
+def test_openai_client_parses_responses(engine: FakeEngine, tokenizer: Any) -> None:
+    app = create_app(LocalEngineClient(engine), tokenizer)
+
+    async def go() -> tuple[str, list[str]]:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http)
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        stream = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=3,
+                                                 stream=True)
+        pieces = [c.choices[0].text async for c in stream]
+        await http.aclose()
+        return chat.choices[0].message.content, pieces
+
+    content, pieces = asyncio.run(go())
+    assert content == tokenizer.decode(engine.script[:3])
+    assert pieces == [tokenizer.decode([t]) for t in engine.script[:3]]
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    (b"{not json", None, "Invalid JSON"),
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens", "max_tokens: Input should be a valid integer"),
+    ({"prompt": "x", "stream": 1}, "stream", "stream: Input should be a valid boolean"),
+    ({"max_tokens": 3}, "prompt", "prompt: Field required"),
+    ({"prompt": "x", "temperature": 300.0}, "temperature", "temperature must be [0, 100]; got 300.0"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1; got 0"),
+    ({"prompt": [], "max_tokens": 1}, "prompt", "prompt is empty"),
+    ({"prompt": [151935]}, "prompt", "token id 151935 is outside the vocabulary"),
+    ({"prompt": "x", "suffix": "y"}, "suffix", "suffix is not supported"),
+])
+def test_bad_completion_requests_are_400_with_openai_error(engine: FakeEngine, tokenizer: Any,
+                                                          body: Any, param: str | None,
+                                                          needle: str) -> None:
+    resp = _call(engine, tokenizer, "POST", "/v1/completions", body)
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert needle in err["message"]
+    assert (err["type"], err["param"]) == ("invalid_request_error", param)
+    assert engine.calls == []
+
+
+def test_prompt_beyond_max_model_len_is_400_naming_both_numbers(engine: FakeEngine,
+                                                                tokenizer: Any) -> None:
+    resp = _call(engine, tokenizer, "POST", "/v1/completions",
+                 {"prompt": list(range(100, 150)), "max_tokens": 20})
+    assert resp.status_code == 400
+    msg = resp.json()["error"]["message"]
+    assert "maximum context length is 64 tokens" in msg
+    assert "you requested 70 tokens (50 in the prompt, 20 in the completion)" in msg
+
+
+def test_unknown_model_is_404(engine: FakeEngine, tokenizer: Any) -> None:
+    resp = _call(engine, tokenizer, "POST", "/v1/chat/completions",
+                 {"model": "gpt-4", "messages": [{"role": "user", "content": "Hi"}]})
+    assert resp.status_code == 404
+    assert resp.json()["error"]["code"] == "model_not_found"
+
+
+def test_engine_overload_is_429_and_dead_engine_503_with_retry_after(engine: FakeEngine,
+                                                                   tokenizer: Any) -> None:
+    engine.overloaded = True
+    resp = _call(engine, tokenizer, "POST", "/v1/completions", {"prompt": "x"})
+    assert (resp.status_code, resp.headers["retry-after"]) == (429, "1")
+    assert "max_waiting_requests=3" in resp.json()["error"]["message"]
+    engine.overloaded, engine.dead = False, "worker rank 1 died"
+    resp = _call(engine, tokenizer, "POST", "/v1/completions", {"prompt": "x", "stream": True})
+    assert (resp.status_code, resp.headers["retry-after"]) == (503, "1")
+    assert resp.json()["error"]["code"] == "engine_dead"
+    health = _call(engine, tokenizer, "GET", "/health")
+    assert health.status_code == 503 and "worker rank 1 died" in health.json()["error"]["message"]
+
+
+def test_health_is_200_while_the_engine_lives(engine: FakeEngine, tokenizer: Any) -> None:
+    assert _call(engine, tokenizer, "GET", "/health").status_code == 200
+
+
+def test_api_key_is_required_on_v1_routes_only(engine: FakeEngine, tokenizer: Any) -> None:
+    body = {"prompt": "x", "max_tokens": 1}
+    missing = _call(engine, tokenizer, "POST", "/v1/completions", body, api_key="s3cret")
+    wrong = _call(engine, tokenizer, "GET", "/v1/models", api_key="s3cret",
+                  headers={"Authorization": "Bearer nope"})
+    right = _call(engine, tokenizer, "POST", "/v1/completions", body, api_key="s3cret",
+                  headers={"Authorization": "Bearer s3cret"})
+    health = _call(engine, tokenizer, "GET", "/health", api_key="s3cret")
+    assert (missing.status_code, wrong.status_code, right.status_code) == (401, 401, 200)
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    assert health.status_code == 200
+
+
+def test_metrics_render_vllm_names_in_prometheus_format(engine: FakeEngine,
+                                                        tokenizer: Any) -> None:
+    resp = _call(engine, tokenizer, "GET", "/metrics")
+    assert resp.status_code == 200
+    m = parse_prometheus(resp.text)
+    label = 'model_name="fake-qwen3"'
+    assert m[f"vllm:num_requests_running{{{label}}}"] == 2
+    assert m[f"vllm:num_requests_waiting{{{label}}}"] == 1
+    assert m[f"vllm:kv_cache_usage_perc{{{label}}}"] == 0.25
+    assert m[f"vllm:prefix_cache_queries_total{{{label}}}"] == 40
+    assert m[f"vllm:prefix_cache_hits_total{{{label}}}"] == 16
+    assert m[f"vllm:prompt_tokens_total{{{label}}}"] == 40
+    assert m[f"vllm:generation_tokens_total{{{label}}}"] == 7
+    assert m[f"vllm:num_preemptions_total{{{label}}}"] == 3
+    assert m[f"vllm:num_preemptions_swap_total{{{label}}}"] == 1
+    assert m[f'vllm:request_success_total{{{label},finished_reason="length"}}'] == 2
+    ttft = "vllm:time_to_first_token_seconds"
+    assert [m[f'{ttft}_bucket{{{label},le="{le}"}}'] for le in ("0.1", "1.0", "+Inf")] == [1, 2, 3]
+    assert (m[f"{ttft}_sum{{{label}}}"], m[f"{ttft}_count{{{label}}}"]) == (3.55, 3)
+    assert "# TYPE vllm:prompt_tokens counter" in resp.text
+    assert "# TYPE vllm:inter_token_latency_seconds histogram" in resp.text
+
+
+def test_metrics_of_two_replicas_are_summed(engine: FakeEngine) -> None:
+    m = parse_prometheus(render_prometheus([engine.metrics(), engine.metrics()], "m"))
+    assert m['vllm:num_requests_running{model_name="m"}'] == 4
+    assert m['vllm:kv_cache_usage_perc{model_name="m"}'] == 0.25
+    assert m['vllm:time_to_first_token_seconds_count{model_name="m"}'] == 6
+
+
+def _request(body: dict[str, Any]) -> Request:
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            await asyncio.sleep(3600)
+        sent = True
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                    "headers": [], "query_string": b""}, receive)
+
+
+def test_closing_a_stream_early_aborts_the_request(engine: FakeEngine, tokenizer: Any) -> None:
+    serving = OpenAIServing(LocalEngineClient(engine), tokenizer)
+
+    async def go() -> list[str]:
+        resp = await serving.completions(_request({"prompt": "x", "max_tokens": 10,
+                                                   "stream": True}))
+        it = resp.body_iterator
+        got = [await anext(it), await anext(it)]
+        await it.aclose()  # what Starlette does when the client disconnects
+        return got
+
+    got = asyncio.run(go())
+    assert len(got) == 2
+    assert engine.aborted == [engine.calls[0][2]]
+
+
+class _FakeRayMetric:
+    def __init__(self, name: str, description: str = "", tag_keys: tuple = (),
+                 boundaries: list[float] | None = None) -> None:
+        self.name, self.boundaries = name, boundaries
+        self.calls: list[tuple[str, float, dict[str, str]]] = []
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        self.calls.append(("set", value, tags))
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        self.calls.append(("inc", value, tags))
+
+    def observe(self, value: float, tags: dict[str, str]) -> None:
+        self.calls.append(("observe", value, tags))
+
+
+class _FakeRayMetrics:
+    def __init__(self) -> None:
+        self.made: dict[str, _FakeRayMetric] = {}
+
+    def _make(self, name: str, *args: Any, **kw: Any) -> _FakeRayMetric:
+        self.made[name] = _FakeRayMetric(name, *args, **kw)
+        return self.made[name]
+
+    Gauge = Counter = Histogram = _make
+
+
+def test_ray_export_sends_counter_deltas_and_replays_histogram_buckets(
+        engine: FakeEngine) -> None:
+    from cluster.prometheus import RayMetricsExporter
+
+    fake = _FakeRayMetrics()
+    exporter = RayMetricsExporter("m", ray_metrics=fake)
+    snap = engine.metrics()
+    exporter.update(snap)
+    snap["prompt_tokens_total"] = 45
+    snap["time_to_first_token_seconds"].observe(0.07)
+    exporter.update(snap)
+    tags = {"model_name": "m"}
+    assert fake.made["vllm_prompt_tokens"].calls == [("inc", 40, tags), ("inc", 5, tags)]
+    assert fake.made["vllm_num_requests_running"].calls == [("set", 2, tags)] * 2
+    ttft = fake.made["vllm_time_to_first_token_seconds"]
+    assert ttft.boundaries == [0.1, 1.0]
+    # 0.05 -> le 0.1, 0.5 -> le 1.0, 3.0 -> +Inf (replayed at 2.0), then the new 0.07.
+    assert [c[1] for c in ttft.calls] == [0.1, 1.0, 2.0, 0.1]
+    assert fake.made["vllm_request_success"].calls == [
+        ("inc", 1, {**tags, "finished_reason": "stop"}),
+        ("inc", 2, {**tags, "finished_reason": "length"})]

@@ -1,0 +1,342 @@
+"""The real stack over real HTTP: Ray Serve, the tiny manifest's app (tp 2 on CPU), openai client.
+
+One app for the whole module, started from manifests/qwen3-tiny.yaml's args with an API key
+and small overload limits so the 503 path can be reached with a few dozen requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from cluster.prometheus import parse_prometheus
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key"
+MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "qwen3-tiny.yaml"
+MAX_ONGOING = 32
+MAX_QUEUED = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_cluster: None) -> Iterator[str]:
+    from ray import serve
+
+    from cluster.serve_app import build_app
+
+    manifest = yaml.safe_load(MANIFEST.read_text())
+    args = dict(manifest["applications"][0]["args"])
+    args.update(api_key=API_KEY, max_ongoing_requests=MAX_ONGOING,
+                max_queued_requests=MAX_QUEUED)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args), name="qwen3", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.delete("qwen3")
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_path: str) -> Any:
+    from cluster import LLM
+
+    llm = LLM("qwen3-tiny", tensor_parallel_size=1)
+    yield llm
+    llm.shutdown()
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _metrics(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return {k.split("{")[0] + ("{" + k.split(",", 1)[1] if "," in k else ""): v
+            for k, v in parse_prometheus(text).items()}
+
+
+def test_models_and_health(client: openai.OpenAI, base_url: str) -> None:
+    assert [m.id for m in client.models.list().data] == ["qwen3-tiny"]
+    assert httpx.get(f"{base_url}/health", timeout=30).status_code == 200
+
+
+def test_greedy_over_http_equals_offline(client: openai.OpenAI, offline: Any) -> None:
+    from scheduler import SamplingParams
+
+    prompt = "The capital of France is"
+    http = client.completions.create(model="qwen3-tiny", prompt=prompt, max_tokens=12,
+                                     temperature=0.0, extra_body={"ignore_eos": True})
+    local = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12,
+                                                      ignore_eos=True), use_tqdm=False)[0]
+    assert http.choices[0].text == local.outputs[0].text
+    assert http.usage.completion_tokens == 12
+    assert http.usage.prompt_tokens == len(local.prompt_token_ids)
+
+    messages = [{"role": "user", "content": "Say hi"}]
+    chat = client.chat.completions.create(
+        model="qwen3-tiny", messages=messages, max_completion_tokens=10, temperature=0.0,
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+    local = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                         use_tqdm=False, chat_template_kwargs={"enable_thinking": False})[0]
+    assert chat.choices[0].message.content == local.outputs[0].text
+    assert chat.usage.prompt_tokens == len(local.prompt_token_ids)
+
+
+def test_stream_equals_non_stream_with_usage(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="qwen3-tiny", prompt="One, two,", max_tokens=9,
+                              temperature=0.0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+
+    chat_kw: dict[str, Any] = dict(model="qwen3-tiny", temperature=0.0, max_tokens=7,
+                                   messages=[{"role": "user", "content": "Count"}],
+                                   extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**chat_kw)
+    chunks = list(client.chat.completions.create(**chat_kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def run(seed: int) -> list[str]:
+        out = client.completions.create(model="qwen3-tiny", prompt="Once upon a time", n=2,
+                                        max_tokens=8, temperature=1.0, seed=seed,
+                                        extra_body={"ignore_eos": True})
+        return [c.text for c in out.choices]
+
+    first = run(1234)
+    assert run(1234) == first
+    assert first[0] != first[1]  # the two samples of one request draw different tokens
+    assert run(99) != first
+
+
+def test_enable_thinking_false_adds_the_empty_think_block(client: openai.OpenAI) -> None:
+    def prompt_tokens(thinking: bool) -> int:
+        out = client.chat.completions.create(
+            model="qwen3-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+            extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+        return out.usage.prompt_tokens
+
+    # "<think>\n\n</think>\n\n" is 4 tokens in Qwen3's tokenizer.
+    assert prompt_tokens(False) - prompt_tokens(True) == 4
+
+
+def test_sampling_options_and_logprobs(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="qwen3-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+        temperature=0.8, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5, seed=3,
+        logprobs=True, top_logprobs=3,
+        extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.2, "ignore_eos": True,
+                    "min_tokens": 5})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 5 and out.usage.completion_tokens == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        lps = [t.logprob for t in entry.top_logprobs]
+        assert lps == sorted(lps, reverse=True) and all(lp <= 0.0 for lp in lps)
+
+    comp = client.completions.create(model="qwen3-tiny", prompt="a b c", max_tokens=4,
+                                     temperature=0.0, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == comp.choices[0].text
+    # Greedy: the chosen token is the most likely one.
+    assert all(max(top.values()) == chosen for top, chosen in zip(lp.top_logprobs,
+                                                                     lp.token_logprobs))
+
+
+def test_stop_string_ends_with_finish_reason_stop(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="qwen3-tiny", prompt="x y", max_tokens=12,
+                                     temperature=0.0, extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    stop = text[3:6]
+    cut = client.completions.create(model="qwen3-tiny", prompt="x y", max_tokens=12,
+                                    temperature=0.0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:text.index(stop)]
+
+
+def test_32_concurrent_streams_all_complete(base_url: str) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str | None]:
+        stream = await client.completions.create(
+            model="qwen3-tiny", prompt=f"Request number {i}:", max_tokens=8, temperature=0.0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        finish, tokens = None, 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return tokens, finish
+
+    async def go() -> list[tuple[int, str | None]]:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0,
+                                    timeout=120)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+        finally:
+            await client.close()
+
+    assert asyncio.run(go()) == [(8, "length")] * 32
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b'{"model": "qwen3-tiny", "prompt": ', 400, "Invalid JSON"),
+    ({"prompt": "x", "n": "two"}, 400, "n: Input should be a valid integer"),
+    ({"prompt": "x", "top_p": 0.0}, 400, "top_p must be (0, 1]"),
+    ({"prompt": list(range(100, 4100)), "max_tokens": 200}, 400,
+     "maximum context length is 4096 tokens. However, you requested 4200 tokens"),
+    ({"model": "llama", "prompt": "x"}, 404, "The model `llama` does not exist"),
+])
+def test_errors_have_status_and_openai_body(base_url: str, body: Any, status: int,
+                                            needle: str) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body)
+    resp = httpx.post(f"{base_url}/v1/completions", content=content, headers=_auth(), timeout=30)
+    assert resp.status_code == status
+    err = resp.json()["error"]
+    assert needle in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+def test_api_key_missing_or_wrong_is_401(base_url: str) -> None:
+    body = {"prompt": "x", "max_tokens": 1}
+    assert httpx.post(f"{base_url}/v1/completions", json=body, timeout=30).status_code == 401
+    wrong = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30,
+                       headers={"Authorization": "Bearer wrong"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_metrics_count_one_request_exactly(base_url: str, client: openai.OpenAI) -> None:
+    rng = random.Random(5)
+    prompt = [rng.randrange(1000, 100000) for _ in range(37)]  # unique: no prefix-cache hit
+    before = _metrics(base_url)
+    client.completions.create(model="qwen3-tiny", prompt=prompt, max_tokens=6,
+                              extra_body={"ignore_eos": True})
+    after = _metrics(base_url)
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    assert delta("vllm:prompt_tokens_total") == 37
+    assert delta("vllm:generation_tokens_total") == 6
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") == 5
+    assert delta('vllm:request_success_total{finished_reason="length"}') == 1
+    assert delta("vllm:prefix_cache_queries_total") == 37
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"):
+        assert name in after
+
+
+def _wait_idle(base_url: str, timeout_s: float) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = _metrics(base_url)
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0:
+            return m
+        if time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(base_url: str) -> None:
+    body = {"model": "qwen3-tiny", "prompt": "Tell me a very long story.", "max_tokens": 3000,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=_auth(),
+                      timeout=30) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert all(not line or line.startswith("data: {") for line in got)
+        busy = _metrics(base_url)
+        assert busy["vllm:num_requests_running"] == 1 and busy["vllm:kv_cache_usage_perc"] > 0
+    # The connection is closed here; the engine must abort within a step or two.
+    idle = _wait_idle(base_url, timeout_s=10.0)
+    assert (idle["vllm:num_requests_running"], idle["vllm:kv_cache_usage_perc"]) == (0, 0.0)
+    assert idle['vllm:request_success_total{finished_reason="abort"}'] >= 1
+
+
+def test_overload_is_503_with_retry_after_never_a_hang(base_url: str) -> None:
+    # MAX_ONGOING run, MAX_QUEUED wait in the ingress's router, the rest are refused. How many
+    # are refused depends on how many arrive before the first finish, so the test asks for
+    # at least the surplus over ongoing + queued of the requests sent at once, not an exact count.
+    total = MAX_ONGOING + MAX_QUEUED + 32
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, headers=_auth(),
+                                     limits=httpx.Limits(max_connections=total)) as c:
+            body = {"prompt": "load", "max_tokens": 16, "ignore_eos": True}
+            return await asyncio.gather(*(c.post(f"{base_url}/v1/completions", json=body)
+                                          for _ in range(total)))
+
+    start = time.monotonic()
+    responses = asyncio.run(go())
+    statuses = sorted(r.status_code for r in responses)
+    refused = [r for r in responses if r.status_code == 503]
+    assert set(statuses) == {200, 503}
+    assert len(refused) >= 1
+    for r in refused:
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "service_unavailable"
+    assert time.monotonic() - start < 110
+    _wait_idle(base_url, timeout_s=10.0)
+
+
+def test_dead_worker_fails_health_and_serve_replaces_the_replica(base_url: str,
+                                                                client: openai.OpenAI) -> None:
+    # Last in the module: it kills rank 1 of the only LLMServer replica.
+    import os
+    import signal
+
+    from ray._private.state import actors  # the GCS's table; the state API needs a dashboard
+
+    alive = actors(actor_state_name="ALIVE").values()
+    replica = [a for a in alive if a["ActorClassName"].endswith(":LLMServer")]
+    assert len(replica) == 1
+    workers = [a for a in alive if a["ActorClassName"] == "RayWorker"
+               and a["OwnerAddress"]["Port"] == replica[0]["Address"]["Port"]]
+    assert len(workers) == 2
+    os.kill(workers[-1]["Pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while httpx.get(f"{base_url}/health", timeout=30).status_code == 200:
+        assert time.monotonic() < deadline, "/health stayed 200 after a worker died"
+        time.sleep(0.2)
+    resp = httpx.get(f"{base_url}/health", timeout=30)
+    assert resp.status_code == 503 and "engine is not healthy" in resp.json()["error"]["message"]
+    # Serve's own check_health sees the same and starts a new replica with a new TP group.
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{base_url}/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "Serve did not replace the dead replica"
+        time.sleep(1.0)
+    out = client.completions.create(model="qwen3-tiny", prompt="back", max_tokens=3,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
