@@ -118,17 +118,21 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
     needed = (seq_lens + block_size - 1) // block_size
     cols = torch.arange(num_blocks, device=q.device)
     blocks = torch.where(cols[None, :] < needed[:, None], block_tables[:, :num_blocks].long(), 0)
-    valid = torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
-    k = k_cache[blocks].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)
-    v = v_cache[blocks].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)
-    k = k[:, :longest].to(torch.float32).masked_fill(~valid[:, :, None, None], 0.0)
-    v = v[:, :longest].to(torch.float32).masked_fill(~valid[:, :, None, None], 0.0)
+    invalid = (torch.arange(num_blocks * block_size, device=q.device)[None, :]
+               >= seq_lens[:, None])  # [B, L]
     query = q.to(torch.float32).view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", query, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
-    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+    out = torch.empty(batch, num_kv_heads, group, head_dim, dtype=torch.float32, device=q.device)
+    # Whole blocks gather fast (contiguous rows); each KV head is then a strided [B, L, D]
+    # view that bmm reads in place, so no permute copy is ever made.
+    length = num_blocks * block_size
+    k = k_cache[blocks].view(batch, length, num_kv_heads, head_dim).to(torch.float32)
+    v = v_cache[blocks].view(batch, length, num_kv_heads, head_dim).to(torch.float32)
+    v.masked_fill_(invalid[:, :, None, None], 0.0)  # v is a fresh gather: safe in place
+    for h in range(num_kv_heads):
+        scores = torch.bmm(query[:, h], k[:, :, h].transpose(1, 2)).mul_(scale)
+        scores.masked_fill_(invalid[:, None, :], float("-inf"))
+        out[:, h] = torch.bmm(F.softmax(scores, dim=-1), v[:, :, h])
+    return out.view(batch, num_q_heads, head_dim).to(q.dtype)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None

@@ -156,3 +156,16 @@ def test_logprobs_are_after_temperature_before_masks() -> None:
 def test_invalid_sampling_params_raise_value_error(bad) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("vocab", [151936, 151937, 1003, 2048 + 255])
+def test_row_argmax_equals_torch_argmax_including_ties(vocab: int) -> None:
+    from workers.sampler import row_argmax
+
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen)
+    x[1, :] = 0.0  # all tied: the first index wins
+    x[2, [5, vocab - 1]] = 50.0  # tie across the ragged tail: the first wins
+    x[3, vocab - 1] = 60.0  # the tail alone holds the maximum
+    x[4, [700, 701]] = 70.0  # tie inside one chunk
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
