@@ -6,7 +6,8 @@ size 16, token ids uniform in [100, 150000). A finished request is freed and rep
 next one until --requests have been admitted.
 
 Reports:
-  decode step   us per step of allocate_slots(seq, tokens, 1) for every running request
+  decode step   us per step of append_slot(seq, tokens) (= allocate_slots(seq, tokens, 1), the
+                call the scheduler makes) for every running request
   admission     us per new request: lookup_prefix + allocate_slots of its whole prompt
   context sweep us per decode step for 256 requests at a short (113-128 tokens) and a long
                 (8192-8207 tokens) context, staggered so that every step fills and opens blocks
@@ -84,8 +85,9 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
             st[0].append(st[2][st[1] % 1024])
         items = list(running.items())
         c0, t0 = cpu(), perf()
+        append_slot = m.append_slot
         for sid, st in items:
-            m.allocate_slots(sid, st[0], 1)
+            append_slot(sid, st[0])
         step_us.append((perf() - t0) * 1e6)
         step_cpu.append((cpu() - c0) * 1e6)
         for sid, st in items:
@@ -128,8 +130,9 @@ def context_sweep(context: int, steps: int, seed: int) -> tuple[float, float]:
             t.append(rng.randrange(100, 150000))
         items = list(toks.items())
         c0, t0 = cpu(), perf()
+        append_slot = m.append_slot
         for sid, t in items:
-            m.allocate_slots(sid, t, 1)
+            append_slot(sid, t)
         times.append((perf() - t0) * 1e6)
         cpus.append((cpu() - c0) * 1e6)
     m.check_invariants()

@@ -340,6 +340,23 @@ class KVCacheManager:
             self._cache_full_blocks(seq, token_ids)
         return Allocation(new_ids, copies)
 
+    def append_slot(self, seq_id: int, token_ids: Sequence[int]) -> Allocation | None:
+        """allocate_slots(seq_id, token_ids, 1): the one-token decode step, same result and
+        side effects. The common case (a known GPU seq whose unshared last block has room)
+        skips the general checks; every other case, errors included, is allocate_slots'."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            room = seq.tail_room
+            if room and not seq.shared_tail and not seq.swapped:
+                num_slots = seq.num_slots
+                if num_slots < len(token_ids):
+                    seq.num_slots = num_slots + 1
+                    seq.tail_room = room - 1
+                    if room == 1 and self.enable_prefix_caching:
+                        self._cache_full_blocks(seq, token_ids)  # the last block just filled
+                    return _NOTHING_NEW
+        return self.allocate_slots(seq_id, token_ids, 1)
+
     def _allocate_new(
         self,
         seq_id: int,

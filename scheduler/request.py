@@ -72,7 +72,7 @@ class Sequence:
     """
 
     __slots__ = ("seq_id", "index", "token_ids", "prompt_len", "num_computed", "status",
-                 "on_worker", "detokenizer", "stop_buffer", "stop_reason")
+                 "on_worker", "detokenizer", "stop_buffer", "stop_reason", "max_len")
 
     def __init__(self, seq_id: int, index: int, token_ids: list[int], prompt_len: int,
                  status: SequenceStatus) -> None:
@@ -86,6 +86,9 @@ class Sequence:
         self.detokenizer = None  # IncrementalDetokenizer when the scheduler has a tokenizer
         self.stop_buffer = None  # StopStringBuffer when text is produced
         self.stop_reason: str | int | None = None
+        # len(token_ids) at which it finishes with "length": prompt_len + the request's
+        # max_output (set by the Scheduler once the Request exists)
+        self.max_len = prompt_len + 1
 
     @property
     def num_output_tokens(self) -> int:

@@ -38,6 +38,8 @@ from collections import deque
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
+import numpy as np
+
 from kvcache import Allocation, KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import IncrementalDetokenizer, StopStringBuffer
@@ -144,7 +146,7 @@ class Scheduler:
                                          SequenceStatus.WAITING))
             req.forked = True
         for seq in req.seqs:
-            self._init_text(req, seq)
+            self._init_seq(req, seq)
             self._seqs[seq.seq_id] = (req, seq)
         req.plain = self.tokenizer is None and sp.logprobs is None
         self.requests[request_id] = req
@@ -196,12 +198,16 @@ class Scheduler:
 
         # 1. Decodes (and n > 1 forks: every sequence computes one token). The common case,
         # a sequence the workers hold that gets its slot without preemption or copy-on-write,
-        # is inlined: this loop runs for every running sequence on every step.
-        allocate = self.kv.allocate_slots
+        # is inlined: this loop runs for every running sequence on every step. Its entries are
+        # counted in `taken` and charged to the step's budget and sequence slots in one go,
+        # before any slow path (which reads and charges them itself).
+        append_slot = self.kv.append_slot
         appended = step.appended
         dec_ids, dec_pos, dec_tokens = step.dec_ids, step.dec_pos, step.dec_tokens
         step_id = step.step_id
         prefill_reqs: list[Request] = []
+        cap = min(step.budget, step.seq_slots)
+        taken = 0
         full = False
         for req in list(self.running):
             if full:
@@ -211,7 +217,11 @@ class Scheduler:
             if not req.forked:
                 parent = req.seqs[0]
                 if parent.num_computed == parent.prompt_len - 1:
+                    step.budget -= taken
+                    step.seq_slots -= taken
+                    taken = 0
                     self._schedule_fork(req, step, may_preempt=True)
+                    cap = min(step.budget, step.seq_slots)
                 else:
                     prefill_reqs.append(req)
                 continue
@@ -224,28 +234,37 @@ class Scheduler:
                 if not start or len(tokens) - start != 1:
                     has_prefill = True
                     continue
-                if step.budget == 0 or step.seq_slots == 0:
+                if taken == cap:
                     full = True
                     break
-                alloc = allocate(seq.seq_id, tokens, 1)
-                if alloc is None:
-                    if self._schedule_seq(req, seq, step, may_preempt=True) < 0:
+                sid = seq.seq_id
+                alloc = append_slot(sid, tokens)
+                if alloc is None or alloc.copies or not seq.on_worker:
+                    step.budget -= taken
+                    step.seq_slots -= taken
+                    taken = 0
+                    if alloc is None:
+                        scheduled = self._schedule_seq(req, seq, step, may_preempt=True)
+                    else:
+                        self._record(req, seq, step, alloc, start, 1)
+                        scheduled = 1
+                    cap = min(step.budget, step.seq_slots)
+                    if scheduled < 0:
                         break  # the request itself was preempted
-                    continue
-                if alloc.copies or not seq.on_worker:
-                    self._record(req, seq, step, alloc, start, 1)
                     continue
                 seq.num_computed = start + 1
                 req.scheduled_step = step_id
-                if alloc.new_block_ids:
-                    appended[seq.seq_id] = alloc.new_block_ids
-                dec_ids.append(seq.seq_id)
+                new_ids = alloc.new_block_ids
+                if new_ids:
+                    appended[sid] = new_ids
+                dec_ids.append(sid)
                 dec_pos.append(start)
                 dec_tokens.append(tokens[start])
-                step.budget -= 1
-                step.seq_slots -= 1
+                taken += 1
             if has_prefill:
                 prefill_reqs.append(req)
+        step.budget -= taken
+        step.seq_slots -= taken
 
         # 2. Prefill chunks of running requests.
         for req in prefill_reqs:
@@ -385,7 +404,7 @@ class Scheduler:
                              _RUNNING)
             child.num_computed = parent.num_computed
             kv.fork(parent.seq_id, child.seq_id)
-            self._init_text(req, child)
+            self._init_seq(req, child)
             req.seqs.append(child)
             self._seqs[child.seq_id] = (req, child)
         req.forked = True
@@ -492,46 +511,63 @@ class Scheduler:
         outputs, self._deferred = self._deferred, []
         if result is None:
             if plan.do_sample.any():
-                raise ValueError(f"step {plan.step_id} samples {int(plan.do_sample.sum())} "
+                raise ValueError(f"step {plan.step_id} samples {np.count_nonzero(plan.do_sample)} "
                                  "sequences but no StepResult was given")
             self._inflight = None
             return outputs
-        if result.step_id != plan.step_id or result.seq_ids.shape[0] != int(plan.do_sample.sum()):
+        num_sampled = int(np.count_nonzero(plan.do_sample))
+        if result.step_id != plan.step_id or result.seq_ids.shape[0] != num_sampled:
             raise ValueError(f"StepResult of step {result.step_id} with {result.seq_ids.shape[0]} "
                              f"tokens does not answer plan {plan.step_id} "
-                             f"({int(plan.do_sample.sum())} sequences sample)")
+                             f"({num_sampled} sequences sample)")
         self._inflight = None
         touched: dict[str, tuple[Request, RequestOutput]] = {}
-        seqs = self._seqs
+        seqs_get = self._seqs.get
+        emit = outputs.append
+        new_obj = object.__new__
         num_tokens = 0
         for row, (sid, token) in enumerate(zip(result.seq_ids.tolist(),
                                                result.token_ids.tolist())):
-            entry = seqs.get(sid)
+            entry = seqs_get(sid)
             if entry is None:
                 continue  # aborted while the step ran
             req, seq = entry
             tokens = seq.token_ids
             tokens.append(token)
             num_tokens += 1
-            if (req.plain and token not in req.stop_token_ids
-                    and len(tokens) - seq.prompt_len < req.max_output):
-                comp = CompletionOutput(seq.index, [token], "")
+            if req.plain and token not in req.stop_token_ids and len(tokens) < seq.max_len:
+                # No text, no logprobs, no stop: the delta is just the token. Built field by
+                # field: the dataclass __init__ call costs more than the rest of this loop.
+                comp = new_obj(CompletionOutput)
+                comp.index = seq.index
+                comp.token_ids = [token]
+                comp.text = ""
+                comp.finish_reason = comp.stop_reason = comp.logprobs = None
+                if req.n == 1:
+                    out = new_obj(RequestOutput)
+                    out.request_id = req.request_id
+                    out.prompt_token_ids = req.prompt_token_ids
+                    out.outputs = [comp]
+                    out.finished = False
+                    out.num_cached_tokens = req.num_cached_tokens
+                    emit(out)
+                    continue
             else:
                 comp = self._token_output(req, seq, token, result, row)
-            if req.n == 1:
-                out = RequestOutput(req.request_id, req.prompt_token_ids, [comp],
-                                    comp.finish_reason is not None, req.num_cached_tokens)
-                outputs.append(out)
-                if out.finished:
-                    self._running_dirty = True
-                    self._forget(req)
-                continue
+                if req.n == 1:
+                    out = RequestOutput(req.request_id, req.prompt_token_ids, [comp],
+                                        comp.finish_reason is not None, req.num_cached_tokens)
+                    emit(out)
+                    if out.finished:
+                        self._running_dirty = True
+                        self._forget(req)
+                    continue
             hit = touched.get(req.request_id)
             if hit is None:
                 out = RequestOutput(req.request_id, req.prompt_token_ids, [comp], False,
                                     req.num_cached_tokens)
                 touched[req.request_id] = (req, out)
-                outputs.append(out)
+                emit(out)
             else:
                 hit[1].outputs.append(comp)
         self.generation_tokens_total += num_tokens
@@ -579,7 +615,8 @@ class Scheduler:
         for seq in req.seqs:
             self._seqs.pop(seq.seq_id, None)
 
-    def _init_text(self, req: Request, seq: Sequence) -> None:
+    def _init_seq(self, req: Request, seq: Sequence) -> None:
+        seq.max_len = seq.prompt_len + req.max_output
         if self.tokenizer is None:
             return
         sp = req.sampling_params

@@ -162,3 +162,75 @@ def test_token_ids_outside_int32_are_a_value_error_by_allocation_at_the_latest()
     with pytest.raises(ValueError, match="token ids must fit in int32"):
         m.lookup_prefix(bad)  # block 0 hits: the whole prompt is hashed here
     m.check_invariants()
+
+
+def _state(m: KVCacheManager, sids: list[int]) -> list:
+    blocks = m.gpu_pool.blocks
+    return [(m.block_table(s), m.num_slots(s), m.is_swapped(s)) for s in sids if m.has_seq(s)] + [
+        [(b.ref_cnt, b.block_hash) for b in blocks], m.num_free_gpu_blocks, m.stats()]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_append_slot_matches_allocate_slots_one_token(seed: int):
+    """Random decode steps, forks (copy-on-write), frees, swaps and refusals: append_slot and
+    allocate_slots(seq, tokens, 1) give equal results and leave equal managers."""
+    rng = random.Random(seed)
+    slow, fast = mgr(gpu=24, cpu=16), mgr(gpu=24, cpu=16)
+    toks: dict[int, list[int]] = {}
+    next_id = 0
+    for _ in range(400):
+        op = rng.random()
+        sids = sorted(toks)
+        if op < 0.1 or not sids:
+            toks[next_id] = [rng.randrange(0, 9) for _ in range(rng.randint(1, 9))]
+            n = len(toks[next_id])
+            assert slow.allocate_slots(next_id, toks[next_id], n) == fast.allocate_slots(
+                next_id, toks[next_id], n)
+            if not slow.has_seq(next_id):
+                del toks[next_id]
+            next_id += 1
+        elif op < 0.15 and not slow.is_swapped(sids[0]):
+            parent = rng.choice([s for s in sids if not slow.is_swapped(s)])
+            slow.fork(parent, next_id)
+            fast.fork(parent, next_id)
+            toks[next_id] = list(toks[parent])
+            next_id += 1
+        elif op < 0.2:
+            sid = rng.choice(sids)
+            slow.free(sid)
+            fast.free(sid)
+            del toks[sid]
+        elif op < 0.25:
+            sid = rng.choice(sids)
+            if slow.is_swapped(sid):
+                if slow.can_swap_in([sid]):
+                    assert slow.swap_in([sid]) == fast.swap_in([sid])
+            elif slow.can_swap_out([sid]):
+                assert slow.swap_out([sid]) == fast.swap_out([sid])
+        else:
+            sid = rng.choice(sids)
+            t = toks[sid]
+            if slow.num_slots(sid) == len(t):
+                t.append(rng.randrange(0, 9))  # the sampled token arrives
+            if slow.is_swapped(sid):
+                for m in (slow, fast):
+                    with pytest.raises(ValueError, match="swapped out"):
+                        m.append_slot(sid, t) if m is fast else m.allocate_slots(sid, t, 1)
+                continue
+            assert fast.append_slot(sid, t) == slow.allocate_slots(sid, t, 1)
+        assert _state(slow, sorted(toks)) == _state(fast, sorted(toks))
+    fast.check_invariants()
+
+
+def test_append_slot_errors_and_new_seq_are_allocate_slots():
+    m = mgr()
+    assert m.append_slot(1, A[:3]) == Allocation([0], [])  # unknown seq: a new one, 1 slot
+    assert m.num_slots(1) == 1
+    assert m.append_slot(1, A[:3]) == Allocation([], [])
+    assert m.append_slot(1, A[:3]) == Allocation([], [])
+    with pytest.raises(ValueError, match="exceeds the 3 known token ids"):
+        m.append_slot(1, A[:3])
+    assert m.num_slots(1) == 3
+    assert m.append_slot(1, A[:4]) == Allocation([], [])  # fills block 0: hashed and cached
+    assert m.gpu_pool.blocks[0].block_hash == chain(A[:4], 4)[0]
+    m.check_invariants()
