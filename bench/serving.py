@@ -3,7 +3,10 @@
 Starts a Ray cluster and the app from a manifest (default manifests/qwen3-tiny.yaml), then:
   1. HTTP overhead at concurrency 1: the same prompts, one at a time, over HTTP (stream) and
      through an in-process AsyncLLMEngine with the same engine config; overhead = difference
-     of median TTFT (the HTTP path: proxy, ingress, tokenization, handle, SSE);
+     of median TTFT (the HTTP path: proxy, ingress, tokenization, handle, SSE), and per
+     request: TTFT over HTTP minus that request's TTFT inside the replica's engine (from
+     /metrics), which is free of prompt-to-prompt engine variance (`--overhead-only`: this
+     step alone);
   2. for each workload (`random`: prompts uniform 32-256 tokens; `shared-prefix`: a 256-token
      prefix shared by all + uniform 16-64 own tokens) and each request rate, Poisson arrivals
      for `--duration` s; outputs uniform 16-64 tokens, greedy, ignore_eos.
@@ -142,13 +145,18 @@ def summarize(workload: str, rate: float, results: list[Result], wall: float) ->
             "e2e_p50_s": pct([r.e2e for r in ok], 50)}
 
 
-async def http_ttft_c1(url: str, requests: list[tuple[list[int], int]]) -> list[float]:
-    out = []
+async def http_ttft_c1(url: str, requests: list[tuple[list[int], int]]
+                       ) -> tuple[list[float], list[float]]:
+    """(TTFT over HTTP, the replica engine's own TTFT) per request, one request at a time."""
+    out, engine = [], []
     async with httpx.AsyncClient(timeout=600) as client:
         for prompt, _ in requests:
+            before = engine_ttft(url)
             r = await one_request(client, url, prompt, 16)
+            after = engine_ttft(url)
             out.append(r.ttft)
-    return out
+            engine.append(after[0] - before[0])
+    return out, engine
 
 
 async def offline_ttft_c1(engine: Any, requests: list[tuple[list[int], int]]) -> list[float]:
@@ -180,8 +188,10 @@ def start_app(manifest: Path, port: int, overrides: list[str]) -> tuple[str, dic
     import ray
     from ray import serve
 
-    from cluster.serve_app import build_app
+    from cluster.serve_app import PROXY_ENV_VARS, build_app
 
+    for key, value in PROXY_ENV_VARS.items():  # read by Serve's proxy, which ray.init starts
+        os.environ.setdefault(key, value)
     args = dict(yaml.safe_load(manifest.read_text())["applications"][0]["args"])
     args.pop("api_key", None)
     for item in overrides:
@@ -304,6 +314,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a manifest arg, e.g. --set tensor_parallel_size=1")
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="measure only the concurrency-1 HTTP overhead (step 1), no load sweep")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, default=Path("serving_latency.png"))
     args = ap.parse_args()
@@ -318,11 +330,10 @@ def main() -> None:
     asyncio.run(http_ttft_c1(url, warm))
 
     c1 = make_requests("random", args.c1_requests, seed=args.seed + 1)
-    before = engine_ttft(url)
-    http_ttfts = asyncio.run(http_ttft_c1(url, c1))
-    after = engine_ttft(url)
-    # The replica's own TTFT (arrival in the engine -> first token), over the same requests.
-    replica_ttft_mean = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+    # The replica's own TTFT (arrival in the engine -> first token) of each request, so the
+    # HTTP path's share is known per request, free of the prompt-to-prompt engine variance.
+    http_ttfts, replica_ttfts = asyncio.run(http_ttft_c1(url, c1))
+    replica_ttft_mean = statistics.mean(replica_ttfts)
 
     from cluster.config import EngineConfig
     from cluster.engine import AsyncLLMEngine
@@ -347,16 +358,19 @@ def main() -> None:
     overhead["replica_engine_ttft_mean_ms"] = 1e3 * replica_ttft_mean
     overhead["overhead_vs_replica_engine_ms"] = (overhead["http_ttft_mean_ms"]
                                                  - overhead["replica_engine_ttft_mean_ms"])
+    overhead["overhead_vs_replica_engine_p50_ms"] = 1e3 * statistics.median(
+        [h - e for h, e in zip(http_ttfts, replica_ttfts)])
     print(f"concurrency 1, {len(c1)} requests: TTFT p50 over HTTP "
           f"{overhead['http_ttft_p50_ms']:.1f} ms, offline {overhead['offline_ttft_p50_ms']:.1f} ms"
           f" -> HTTP overhead {overhead['overhead_ms']:.1f} ms "
           f"(median per-request diff {overhead['per_request_diff_p50_ms']:.1f} ms); mean TTFT over "
           f"HTTP {overhead['http_ttft_mean_ms']:.1f} ms vs the replica engine's own "
           f"{overhead['replica_engine_ttft_mean_ms']:.1f} ms -> "
-          f"{overhead['overhead_vs_replica_engine_ms']:.1f} ms")
+          f"{overhead['overhead_vs_replica_engine_ms']:.1f} ms; per request, TTFT over HTTP minus "
+          f"the replica engine's TTFT: p50 {overhead['overhead_vs_replica_engine_p50_ms']:.1f} ms")
 
-    rows = []
-    for w, workload in enumerate(args.workloads):
+    rows: list[dict[str, Any]] = []
+    for w, workload in enumerate([] if args.overhead_only else args.workloads):
         reqs = make_requests(workload, 4096, seed=args.seed + 10 + w)
         for rate in args.rates:
             results, wall = asyncio.run(poisson_load(url, reqs, rate, args.duration,
@@ -368,13 +382,14 @@ def main() -> None:
                   f"TTFT p50/p99 {r['ttft_p50_ms']:8.1f}/{r['ttft_p99_ms']:8.1f} ms  "
                   f"ITL p50/p99 {r['itl_p50_ms']:6.1f}/{r['itl_p99_ms']:6.1f} ms", flush=True)
 
-    series = {}
-    for workload in args.workloads:
-        mine = [r for r in rows if r["workload"] == workload]
-        series[f"{workload} TTFT p50"] = [(r["rate"], r["ttft_p50_ms"]) for r in mine]
-        series[f"{workload} ITL p50"] = [(r["rate"], r["itl_p50_ms"]) for r in mine]
-    line_plot(args.plot, series, x_label="REQ/S", y_label="MS", log_y=True)
-    print(f"plot: {args.plot}")
+    if rows:
+        series = {}
+        for workload in args.workloads:
+            mine = [r for r in rows if r["workload"] == workload]
+            series[f"{workload} TTFT p50"] = [(r["rate"], r["ttft_p50_ms"]) for r in mine]
+            series[f"{workload} ITL p50"] = [(r["rate"], r["itl_p50_ms"]) for r in mine]
+        line_plot(args.plot, series, x_label="REQ/S", y_label="MS", log_y=True)
+        print(f"plot: {args.plot}")
     if args.json:
         args.json.write_text(json.dumps({"overhead_c1": overhead, "rows": rows,
                                          "manifest": str(args.manifest),

@@ -476,3 +476,16 @@ def test_ray_export_sends_counter_deltas_and_replays_histogram_buckets(
     assert fake.made["vllm_request_success"].calls == [
         ("inc", 1, {**tags, "finished_reason": "stop"}),
         ("inc", 2, {**tags, "finished_reason": "length"})]
+
+
+def test_pack_output_round_trip_drops_only_the_prompt() -> None:
+    from cluster.serve_app import pack_output, unpack_output
+
+    out = RequestOutput("cmpl-1", [11, 12, 13], [
+        CompletionOutput(0, [5, 6], "ab", None, None, None),
+        CompletionOutput(1, [7], "c", "stop", 151645, [{7: -0.25, 9: -1.5}])],
+        finished=False, num_cached_tokens=16)
+    packed = pack_output(out)
+    assert packed == (False, 16, ((0, [5, 6], "ab", None, None, None),
+                                  (1, [7], "c", "stop", 151645, [{7: -0.25, 9: -1.5}])))
+    assert unpack_output("cmpl-1", [11, 12, 13], packed) == out
