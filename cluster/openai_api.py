@@ -179,13 +179,8 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return _error_response(_map_exception(e))
         echo = [self._echo_text(p, req) for p in prompts]
-        builder = _CompletionBuilder(self, rid, req, prompts, echo)
-        if req.stream:
-            return _sse(builder.stream(first, stream))
-        try:
-            return JSONResponse(await builder.collect(first, stream))
-        except Exception as e:  # noqa: BLE001
-            return _error_response(_map_exception(e))
+        return await _respond(_CompletionBuilder(self, rid, req, prompts, echo), first, stream,
+                              req.stream)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
@@ -200,13 +195,7 @@ class OpenAIServing:
             first = await _first(stream)
         except Exception as e:  # noqa: BLE001
             return _error_response(_map_exception(e))
-        builder = _ChatBuilder(self, rid, req, prompt)
-        if req.stream:
-            return _sse(builder.stream(first, stream))
-        try:
-            return JSONResponse(await builder.collect(first, stream))
-        except Exception as e:  # noqa: BLE001
-            return _error_response(_map_exception(e))
+        return await _respond(_ChatBuilder(self, rid, req, prompt), first, stream, req.stream)
 
     # ---- request preparation -------------------------------------------------------------
 
@@ -579,6 +568,16 @@ async def _aclose(gen: Any) -> None:
     if close is not None:
         await close()
 
+
+
+async def _respond(builder: Any, first: Any, stream: Any, streaming: bool) -> Response:
+    """SSE for a streaming request, else the whole body once the engine is done."""
+    if streaming:
+        return _sse(builder.stream(first, stream))
+    try:
+        return JSONResponse(await builder.collect(first, stream))
+    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
+        return _error_response(_map_exception(e))
 
 def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream",
