@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import struct
 import sys
@@ -39,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from workers.distributed import get_free_port  # noqa: E402
 
 TOKEN_RANGE = (100, 150000)
 
@@ -320,10 +321,7 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=Path("serving_latency.png"))
     args = ap.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url, app_args = start_app(args.manifest, port, args.set)
+    url, app_args = start_app(args.manifest, get_free_port(), args.set)
 
     # Warm up both paths (first forward passes, tokenizer caches, HTTP connections).
     warm = make_requests("random", 4, seed=args.seed + 100)

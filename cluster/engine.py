@@ -19,12 +19,12 @@ from cluster.executor import (
     InProcessExecutor,
     RayExecutor,
     WorkerDiedError,
-    free_port,
 )
 from cluster.metrics import LatencyMetrics, RequestTimes
 from kvcache import KVCacheManager
 from scheduler import RequestOutput, SamplingParams, Scheduler, SchedulerConfig
 from workers.config import WorkerConfig
+from workers.distributed import get_free_port
 from workers.model_config import load_model_config
 from workers.tiny_model import resolve_model
 
@@ -76,7 +76,7 @@ class LLMEngine:
         worker_config = WorkerConfig(
             model=self.model_path, dtype=config.dtype, device=self.device,
             tensor_parallel_size=config.tensor_parallel_size,
-            dist_init_method=(f"tcp://127.0.0.1:{free_port()}"
+            dist_init_method=(f"tcp://127.0.0.1:{get_free_port()}"
                               if config.tensor_parallel_size > 1 else None),
             block_size=config.block_size,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -282,7 +282,7 @@ class AsyncLLMEngine:
                     try:
                         await asyncio.wait_for(self._wake.wait(), _HEALTH_PROBE_SECONDS)
                     except TimeoutError:
-                        await asyncio.to_thread(self._probe_workers)
+                        await asyncio.to_thread(self.engine.executor.ping)
                     continue
                 start = time.perf_counter()
                 plan = self.engine.scheduler.schedule()
@@ -303,11 +303,6 @@ class AsyncLLMEngine:
                 await asyncio.sleep(0)
         except Exception as e:  # noqa: BLE001 — anything here kills the engine; say why
             self._die(e)
-
-    def _probe_workers(self) -> None:
-        ping = getattr(self.engine.executor, "ping", None)
-        if ping is not None:
-            ping()
 
     def _die(self, error: BaseException) -> None:
         self._dead = (str(error) if isinstance(error, WorkerDiedError)

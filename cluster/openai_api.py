@@ -22,6 +22,7 @@ import json
 import logging
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -305,7 +306,7 @@ class _Choice:
         self.offset = len(prefix)
 
 
-class _Builder:
+class _Builder(ABC):
     object_name = ""
 
     def __init__(self, serving: OpenAIServing, rid: str, n: int, num_prompts: int,
@@ -352,8 +353,9 @@ class _Builder:
             seen.append((idx, c))
         return seen
 
+    @abstractmethod
     def top_logprobs_k(self) -> int:
-        raise NotImplementedError
+        """How many alternatives per token the request asked for (0: none)."""
 
     def _ranked(self, lps: dict[int, float]) -> list[tuple[int, float]]:
         return sorted(lps.items(), key=lambda kv: -kv[1])[:self.top_logprobs_k()]

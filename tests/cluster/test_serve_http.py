@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from cluster.prometheus import parse_prometheus
+from workers.distributed import get_free_port
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +28,6 @@ API_KEY = "test-key"
 MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "qwen3-tiny.yaml"
 MAX_ONGOING = 32
 MAX_QUEUED = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,7 @@ def base_url(ray_cluster: None) -> Iterator[str]:
     args = dict(manifest["applications"][0]["args"])
     args.update(api_key=API_KEY, max_ongoing_requests=MAX_ONGOING,
                 max_queued_requests=MAX_QUEUED)
-    port = _free_port()
+    port = get_free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="qwen3", route_prefix="/")
     yield f"http://127.0.0.1:{port}"

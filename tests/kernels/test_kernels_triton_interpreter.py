@@ -1,7 +1,5 @@
-"""Every Triton kernel against its torch twin on CPU, through TRITON_INTERPRET=1, at toy sizes.
-
-fp32 and fp16 only: the interpreter computes `tl.dot` on bf16 wrongly (bf16 runs in the gpu
-module). Tolerances are kernel_cases.TOL.
+"""Interpreter-only Triton cases on CPU (TRITON_INTERPRET=1, toy sizes); the cases shared
+with CUDA are in test_kernels_triton.py. Tolerances are kernel_cases.TOL.
 """
 
 from __future__ import annotations
@@ -11,13 +9,8 @@ import os
 import pytest
 import torch
 from kernel_cases import (
-    DECODE,
     MIXED,
     check_paged_attention,
-    check_rms_norm,
-    check_rotary,
-    check_silu_and_mul,
-    check_write_kv,
     make_paged_batch,
 )
 
@@ -26,34 +19,6 @@ pytestmark = pytest.mark.skipif(
     reason="CPU tensors need Triton's interpreter, which is off when CUDA is present; "
            "test_kernels_triton_gpu.py runs these cases on the GPU",
 )
-DTYPES = [torch.float32, torch.float16]
-# (num_q_heads, num_kv_heads): GQA ratios 1, 2 and 8.
-HEADS = [(2, 2), (4, 2), (8, 1)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_scatters_exactly_and_skips_padding_slots(dtype: torch.dtype) -> None:
-    check_write_kv("cpu", dtype)
-
-
-@pytest.mark.parametrize("num_segments", [1, 4])
-@pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_matches_reference(dtype: torch.dtype, heads: tuple[int, int],
-                                            num_segments: int) -> None:
-    batch = make_paged_batch(DECODE, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=32,
-                             block_size=4, dtype=dtype, device="cpu")
-    check_paged_attention(batch, num_segments=num_segments, tile_n=16)
-
-
-@pytest.mark.parametrize("num_segments", [1, 2])
-@pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_mixed_prefill_decode_attention_matches_reference(
-        dtype: torch.dtype, heads: tuple[int, int], num_segments: int) -> None:
-    batch = make_paged_batch(MIXED, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=32,
-                             block_size=4, dtype=dtype, device="cpu", share_first_block=True)
-    check_paged_attention(batch, num_segments=num_segments, tile_n=16)
 
 
 def test_query_blocks_span_several_programs_per_sequence() -> None:
@@ -78,24 +43,6 @@ def test_long_decode_takes_split_k_automatically_and_matches() -> None:
                              block_size=16, dtype=torch.float32, device="cpu", seed=7)
     assert choose_num_segments(1, 1, 1, 700, 64, _NOMINAL_SM_COUNT) == 4
     check_paged_attention(batch)
-
-
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("shape", [(5, 48), (3, 4, 16)])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_matches_reference(dtype: torch.dtype, shape: tuple[int, ...],
-                                    residual: bool) -> None:
-    check_rms_norm("cpu", dtype, shape, residual)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_embedding_in_place_matches_reference(dtype: torch.dtype) -> None:
-    check_rotary("cpu", dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
-    check_silu_and_mul("cpu", dtype)
 
 
 def test_dispatch_triton_backend_runs_kernels_on_cpu_under_interpreter() -> None:

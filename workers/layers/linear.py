@@ -8,6 +8,8 @@ merged (gate_up) and packed (qkv) projections load from their separate checkpoin
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -23,7 +25,7 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class LinearBase(nn.Module):
+class LinearBase(nn.Module, ABC):
     """`y = x @ W.T` with `W` [output_size, input_size] of this rank's shard (no bias: Qwen3 has none)."""
 
     def __init__(self, input_size: int, output_size: int, tp: TensorParallelGroup,
@@ -34,9 +36,10 @@ class LinearBase(nn.Module):
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
+    @abstractmethod
     def weight_loader(self, param: nn.Parameter, loaded: WeightSource,
                       shard_id: int | str | None = None) -> None:
-        raise NotImplementedError
+        """Copy this rank's slice of the full checkpoint tensor `loaded` into `param`."""
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight)
