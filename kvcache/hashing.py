@@ -100,3 +100,21 @@ def hash_packed_blocks(
     """
     chunks = split_blocks(packed, block_size * 4, start, stop)
     out.extend(chain_hashes(chunks, ROOT_HASH if parent_hash is None else parent_hash, extra_key or b""))
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, extra_key: bytes | None = None
+) -> list[BlockHash]:
+    """Chained hashes of every full block of token_ids (the partial last block is not hashed).
+
+    What a request computes once, when it arrives, and hands to KVCacheManager.lookup_prefix
+    and allocate_slots as `block_hashes`: its prompt is then never hashed on the scheduling path.
+    """
+    num_full = len(token_ids) // block_size
+    if num_full == 0:
+        return []
+    n = num_full * block_size
+    out: list[BlockHash] = []
+    hash_packed_blocks(pack_token_ids(token_ids if len(token_ids) == n else token_ids[:n]),
+                       block_size, 0, num_full, None, extra_key, out)
+    return out

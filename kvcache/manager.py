@@ -18,6 +18,7 @@ step, and every layer writes the whole batch's KV before attending.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -28,10 +29,10 @@ from kvcache.block_pool import BlockPool, KVCacheBlock
 from kvcache.hashing import (
     ROOT_HASH,
     BlockHash,
-    chain_hashes,
     hash_block_tokens,
+    hash_packed_blocks,
     pack_token_ids,
-    split_blocks,
+    prompt_block_hashes,
 )
 
 _xxh3_128 = xxhash.xxh3_128_digest
@@ -92,30 +93,9 @@ class _Seq:
     # Free slots in the last block: len(block_ids) * block_size - num_slots. Kept so a decode
     # step needs no arithmetic on (large, heap-allocated) token counts.
     tail_room: int = 0
-
-
-@dataclass(slots=True)
-class _PrefixMemo:
-    """The hashes lookup_prefix computed, reused by the next allocate_slots of the same tokens."""
-
-    token_ids: list[int]  # a copy of all the tokens looked up (the partial last block too)
-    extra_key: bytes | None
-    chunks: tuple[bytes, ...]  # the packed full blocks, one bytes object per block
-    hashes: list[BlockHash]  # chained hashes of chunks[:len(hashes)]
-    hit_ids: list[int]  # what lookup_prefix returned
-    hit_blocks: list[KVCacheBlock]  # their blocks
-    evictions: int  # the GPU pool's eviction count then: unchanged => every hit block kept its hash
-
-
-def _same_tokens(memo_tokens: list[int], token_ids: Sequence[int], n: int) -> bool:
-    """Whether token_ids[:n] == memo_tokens[:n], without copying in the common case (the
-    caller passes the very list it looked up)."""
-    if type(token_ids) is list and len(token_ids) == len(memo_tokens) and token_ids == memo_tokens:
-        return True
-    head = token_ids[:n]
-    if not isinstance(head, list):
-        head = list(head)
-    return (memo_tokens if len(memo_tokens) == n else memo_tokens[:n]) == head
+    # The caller's precomputed hashes of leading full blocks (the request's prompt hashes,
+    # read-only): blocks that fill later, in further prefill chunks, take theirs from here.
+    known_hashes: Sequence[BlockHash] = ()
 
 
 class KVCacheManager:
@@ -143,6 +123,7 @@ class KVCacheManager:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark is a fraction of GPU blocks in [0, 1), got {watermark}")
         self.block_size = block_size
+        self._pack_block = struct.Struct(f"<{block_size}i").pack  # one full block, as hashed
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -151,7 +132,6 @@ class KVCacheManager:
         self.gpu_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
         self._seqs: dict[int, _Seq] = {}
-        self._memo: _PrefixMemo | None = None
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -166,72 +146,53 @@ class KVCacheManager:
 
     # ---- prefix caching -------------------------------------------------------------------
 
-    def lookup_prefix(self, token_ids: Sequence[int], extra_key: bytes | None = None) -> list[int]:
+    def lookup_prefix(
+        self,
+        token_ids: Sequence[int],
+        extra_key: bytes | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
+    ) -> list[int]:
         """GPU block ids of the longest cached full-block prefix of token_ids.
 
         Never covers the last token (at most (len(token_ids) - 1) // block_size blocks), so a
         request always has at least one token to compute. No side effects on blocks or stats.
-        A token id outside int32 raises ValueError here if it is in the first block or the first
-        block hits; otherwise (a cold prompt is only hashed once, by allocate_slots) there.
+        block_hashes, if given, must be prompt_block_hashes(token_ids[:k * block_size],
+        block_size, extra_key) for some k (a request hashes its prompt once, on arrival); the
+        lookup then hashes nothing and stops after k blocks. Without them the tokens are hashed
+        here (and again by allocate_slots).
         """
         if not self.enable_prefix_caching:
             return []
-        self._memo = None
         bs = self.block_size
         max_hit = (len(token_ids) - 1) // bs
         if max_hit <= 0:
             return []
         cache = self.gpu_pool.cached_block_hash_to_block
-        extra = extra_key or b""
-        if _xxh3_128(ROOT_HASH + pack_token_ids(token_ids[:bs]) + extra) not in cache:
-            # A miss at block 0 (a cold prompt): nothing worth keeping for allocate_slots, which
-            # packs and hashes the prompt once; no snapshot of the tokens is needed.
-            return []
-        # Block 0 hits, so this is likely a long hit: pack once, hash every full block in one
-        # comprehension, then find the first miss. allocate_slots reuses all of it (memo).
-        tokens = list(token_ids)
-        n = len(tokens)
-        num_full = n // bs
-        packed = pack_token_ids(tokens if num_full * bs == n else tokens[: num_full * bs])
-        chunks = split_blocks(packed, bs * 4, 0, num_full)
-        hashes = chain_hashes(chunks, ROOT_HASH, extra)
-        hit_blocks: list[KVCacheBlock] = []
-        append = hit_blocks.append
-        for entry in map(cache.get, hashes[:max_hit]):
+        if block_hashes is None:
+            if hash_block_tokens(None, token_ids[:bs], extra_key) not in cache:
+                return []  # a miss at block 0 (a cold prompt): hash nothing more
+            block_hashes = prompt_block_hashes(token_ids[: max_hit * bs], bs, extra_key)
+        hit: list[int] = []
+        append = hit.append
+        for entry in map(cache.get, block_hashes[:max_hit]):
             if entry is None:
                 break
             # with several blocks under one hash, any of them holds the KV
-            append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))
-        hit = list(map(_block_id, hit_blocks))
-        self._memo = _PrefixMemo(
-            tokens, extra_key, chunks, hashes, hit, hit_blocks, self.gpu_pool.num_evictions
-        )
-        return hit.copy()
+            append(entry.block_id if type(entry) is KVCacheBlock else next(iter(entry)))
+        return hit
 
     def _full_block_hashes(
-        self, token_ids: Sequence[int], num_full: int, extra_key: bytes | None
-    ) -> tuple[list[BlockHash], _PrefixMemo | None]:
-        """Chained hashes of the first num_full blocks, reusing lookup_prefix's work if it saw
-        the same tokens (then also returns its memo)."""
-        bs = self.block_size
-        memo = self._memo
-        self._memo = None
-        n_tok = num_full * bs
-        if (
-            memo is not None
-            and memo.extra_key == extra_key
-            and len(memo.chunks) >= num_full
-            and _same_tokens(memo.token_ids, token_ids, n_tok)
-        ):
-            chunks, hashes = memo.chunks, memo.hashes[:num_full]
-        else:
-            memo = None
-            head = token_ids if len(token_ids) == n_tok else token_ids[:n_tok]
-            chunks, hashes = split_blocks(pack_token_ids(head), bs * 4, 0, num_full), []
+        self, token_ids: Sequence[int], num_full: int, extra_key: bytes | None,
+        known: Sequence[BlockHash],
+    ) -> list[BlockHash]:
+        """Chained hashes of the first num_full blocks, the known ones taken as given."""
+        hashes = list(known[:num_full])
         if len(hashes) < num_full:
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes += chain_hashes(chunks[len(hashes) : num_full], parent, extra_key or b"")
-        return hashes, memo
+            bs = self.block_size
+            start = len(hashes)
+            hash_packed_blocks(pack_token_ids(token_ids[start * bs : num_full * bs]), bs, 0,
+                               num_full - start, hashes[-1] if hashes else None, extra_key, hashes)
+        return hashes
 
     # ---- allocation -----------------------------------------------------------------------
 
@@ -267,6 +228,7 @@ class KVCacheManager:
         prefix_block_ids: Sequence[int] = (),
         extra_key: bytes | None = None,
         admit: bool = False,
+        block_hashes: Sequence[BlockHash] = (),
     ) -> Allocation | None:
         """Reserve KV slots for the seq's next num_new_tokens tokens.
 
@@ -274,12 +236,15 @@ class KVCacheManager:
         token_ids[:num_slots(seq_id)]: num_slots grows by num_new_tokens, plus, on the first
         call, len(prefix_block_ids) * block_size tokens covered by the prefix blocks (which must
         come from lookup_prefix of the same tokens and extra_key, with no allocation between).
-        Returns None and changes nothing when too few GPU blocks are free; with admit=True it
-        also refuses when fewer than the watermark would remain free.
+        On the first call, block_hashes (as for lookup_prefix: the chained hashes of some
+        leading full blocks, usually the prompt's) spare hashing those blocks, now and when
+        later chunks fill them. Returns None and changes nothing when too few GPU blocks are
+        free; with admit=True it also refuses when fewer than the watermark would remain free.
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
-            return self._allocate_new(seq_id, token_ids, num_new_tokens, prefix_block_ids, extra_key, admit)
+            return self._allocate_new(seq_id, token_ids, num_new_tokens, prefix_block_ids, extra_key,
+                                      admit, block_hashes)
         if seq.swapped:
             raise ValueError(f"seq {seq_id} is swapped out; swap_in before allocating slots")
         if prefix_block_ids:
@@ -342,19 +307,27 @@ class KVCacheManager:
 
     def append_slot(self, seq_id: int, token_ids: Sequence[int]) -> Allocation | None:
         """allocate_slots(seq_id, token_ids, 1): the one-token decode step, same result and
-        side effects. The common case (a known GPU seq whose unshared last block has room)
-        skips the general checks; every other case, errors included, is allocate_slots'."""
+        side effects. The common cases (a known GPU seq, its last block unshared, with room
+        or full so that one new block opens) skip the general checks; every other case,
+        errors and a full pool included, is allocate_slots'."""
         seq = self._seqs.get(seq_id)
-        if seq is not None:
-            room = seq.tail_room
-            if room and not seq.shared_tail and not seq.swapped:
-                num_slots = seq.num_slots
-                if num_slots < len(token_ids):
+        if seq is not None and not seq.shared_tail and not seq.swapped:
+            num_slots = seq.num_slots
+            if num_slots < len(token_ids):
+                room = seq.tail_room
+                if room:
                     seq.num_slots = num_slots + 1
                     seq.tail_room = room - 1
                     if room == 1 and self.enable_prefix_caching:
                         self._cache_full_blocks(seq, token_ids)  # the last block just filled
                     return _NOTHING_NEW
+                pool = self.gpu_pool
+                if pool.free_block_queue.num_free_blocks and self.block_size > 1:
+                    block_id = pool.get_new_block().block_id  # the last block is full: open one
+                    seq.block_ids.append(block_id)
+                    seq.num_slots = num_slots + 1
+                    seq.tail_room = self.block_size - 1
+                    return Allocation([block_id], [])
         return self.allocate_slots(seq_id, token_ids, 1)
 
     def _allocate_new(
@@ -365,6 +338,7 @@ class KVCacheManager:
         prefix_block_ids: Sequence[int],
         extra_key: bytes | None,
         admit: bool,
+        known_hashes: Sequence[BlockHash],
     ) -> Allocation | None:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -391,9 +365,9 @@ class KVCacheManager:
         prefix_blocks: list[KVCacheBlock] = []
         revive = 0
         if self.enable_prefix_caching:
-            hashes, memo = self._full_block_hashes(token_ids, total // bs, extra_key)
+            hashes = self._full_block_hashes(token_ids, total // bs, extra_key, known_hashes)
             if num_prefix:
-                prefix_blocks = self._check_prefix(prefix_block_ids, hashes, memo)
+                prefix_blocks = self._check_prefix(prefix_block_ids, hashes)
                 revive = list(map(_ref_cnt, prefix_blocks)).count(0)
         num_new_blocks = -(-total // bs) - num_prefix
         needed = num_new_blocks + revive
@@ -405,26 +379,17 @@ class KVCacheManager:
         new_blocks = pool.get_new_blocks(num_new_blocks, hashes[num_prefix:] if num_prefix else hashes)
         new_ids = list(map(_block_id, new_blocks))
         table = list(prefix_block_ids) + new_ids if num_prefix else new_ids.copy()
-        self._seqs[seq_id] = _Seq(table, total, hashes, extra_key, tail_room=-total % bs)
+        self._seqs[seq_id] = _Seq(table, total, hashes, extra_key, tail_room=-total % bs,
+                                  known_hashes=known_hashes)
         if self.enable_prefix_caching:
             self.prefix_queries += len(token_ids)
             self.prefix_hits += num_prefix * bs
         return Allocation(new_ids, [])
 
-    def _check_prefix(
-        self, prefix_block_ids: Sequence[int], hashes: list[BlockHash], memo: _PrefixMemo | None
-    ) -> list[KVCacheBlock]:
-        """The prefix blocks, after checking that each still holds its position's chained hash.
-
-        Free when the ids are (a prefix of) what lookup_prefix just returned for these tokens
-        and nothing was evicted since: the blocks then still carry the hashes it found.
-        """
+    def _check_prefix(self, prefix_block_ids: Sequence[int], hashes: list[BlockHash]) -> list[KVCacheBlock]:
+        """The prefix blocks, after checking that each still holds its position's chained hash."""
         pool = self.gpu_pool
         n = len(prefix_block_ids)
-        if memo is not None and memo.evictions == pool.num_evictions and n <= len(memo.hit_ids):
-            ids = prefix_block_ids if type(prefix_block_ids) is list else list(prefix_block_ids)
-            if ids == (memo.hit_ids if n == len(memo.hit_ids) else memo.hit_ids[:n]):
-                return memo.hit_blocks if n == len(memo.hit_blocks) else memo.hit_blocks[:n]
         blocks = pool.blocks
         if 0 <= min(prefix_block_ids) and max(prefix_block_ids) < self.num_gpu_blocks:
             prefix_blocks = [blocks[b] for b in prefix_block_ids]
@@ -446,15 +411,27 @@ class KVCacheManager:
         blocks = pool.blocks
         table = seq.block_ids
         start, stop = len(hashes), seq.num_slots // bs
-        if stop - start == 1:  # a decode step filled one block
-            h = hash_block_tokens(hashes[-1] if hashes else None, token_ids[start * bs : stop * bs], seq.extra_key)
+        known = seq.known_hashes
+        if stop - start == 1:  # a decode step (or a short chunk) filled one block
+            if len(known) > start:
+                h = known[start]
+            else:
+                try:
+                    packed = self._pack_block(*token_ids[start * bs : stop * bs])
+                except struct.error as e:
+                    raise ValueError(f"token ids must fit in int32: {e}") from None
+                h = _xxh3_128((hashes[-1] if hashes else ROOT_HASH) + packed + (seq.extra_key or b""))
             hashes.append(h)
             pool.cache_block(blocks[table[start]], h)
             return
-        # a prefill chunk: pack once, hash block by block
-        chunks = split_blocks(pack_token_ids(token_ids[start * bs : stop * bs]), bs * 4, 0, stop - start)
-        new = chain_hashes(chunks, hashes[-1] if hashes else ROOT_HASH, seq.extra_key or b"")
-        hashes += new
+        if len(known) >= stop:  # a prefill chunk of a prompt hashed on arrival
+            new = known[start:stop]
+            hashes += new
+        else:
+            new_start = len(hashes)
+            hash_packed_blocks(pack_token_ids(token_ids[start * bs : stop * bs]), bs, 0, stop - start,
+                               hashes[-1] if hashes else None, seq.extra_key, hashes)
+            new = hashes[new_start:]
         pool.cache_blocks([blocks[b] for b in table[start:stop]], new)
 
     # ---- per-seq queries ------------------------------------------------------------------
@@ -493,6 +470,7 @@ class KVCacheManager:
         self._seqs[child_seq_id] = _Seq(
             list(parent.block_ids), parent.num_slots, list(parent.block_hashes),
             parent.extra_key, parent.swapped, shared_tail=True, tail_room=parent.tail_room,
+            known_hashes=parent.known_hashes,
         )
 
     def free(self, seq_id: int) -> None:

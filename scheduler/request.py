@@ -112,7 +112,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "n", "arrival_time",
                  "extra_key", "seqs", "status", "forked", "num_cached_tokens", "scheduled_step",
-                 "admitted", "stop_token_ids", "max_output", "plain")
+                 "admitted", "stop_token_ids", "max_output", "plain", "block_hashes")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float,
@@ -125,6 +125,9 @@ class Request:
         self.n = sp.n
         self.arrival_time = arrival_time
         self.extra_key = extra_key
+        # The prompt's chained full-block hashes (kvcache.hashing.prompt_block_hashes), set on
+        # arrival when prefix caching is on, so no scheduling step ever hashes the prompt.
+        self.block_hashes: list[bytes] = []
         self.seqs: list[Sequence] = [parent]
         self.status = SequenceStatus.WAITING
         self.forked = sp.n == 1

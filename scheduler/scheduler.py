@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcache import Allocation, KVCacheManager
+from kvcache import Allocation, KVCacheManager, prompt_block_hashes
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import IncrementalDetokenizer, StopStringBuffer
 from scheduler.output_processor import flush_text, process_token
@@ -138,6 +138,8 @@ class Scheduler:
                       time.monotonic() if arrival_time is None else arrival_time,
                       cache_salt.encode() if cache_salt else None, parent,
                       self.eos_token_ids, max_len)
+        if self.kv.enable_prefix_caching:
+            req.block_hashes = prompt_block_hashes(prompt, self.block_size, req.extra_key)
         if sp.n > 1 and num_prompt == 1:
             # Nothing to share before the first (and only) prompt token: start n independent
             # sequences.
@@ -352,7 +354,7 @@ class Scheduler:
             computed = seq.num_computed
             prefix: list[int] = []
             if computed == 0 and not kv.has_seq(seq.seq_id):
-                prefix = kv.lookup_prefix(seq.token_ids, req.extra_key)
+                prefix = kv.lookup_prefix(seq.token_ids, req.extra_key, req.block_hashes)
                 if not req.forked and len(prefix) * bs >= seq.prompt_len - 1:
                     prefix = prefix[:-1]  # an unforked parent computes >= 1 token before forking
                 computed = len(prefix) * bs
@@ -361,7 +363,7 @@ class Scheduler:
             if chunk <= 0 or (chunk < to_compute and not self.config.enable_chunked_prefill):
                 return 0
             alloc = kv.allocate_slots(seq.seq_id, seq.token_ids, chunk, prefix, req.extra_key,
-                                      admit)
+                                      admit, req.block_hashes)
             if alloc is not None:
                 break
             if not may_preempt:

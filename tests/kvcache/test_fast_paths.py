@@ -1,11 +1,12 @@
-"""The shortcuts taken for speed (batched hashing and map updates, the lookup memo, the
-decode fast path) give exactly the results of the step-by-step definitions."""
+"""The shortcuts taken for speed (batched hashing and map updates, hashes computed once on
+arrival, the decode fast path) give exactly the results of the step-by-step definitions."""
 
 import random
 
 import pytest
 
 from kvcache import Allocation, BlockPool, KVCacheManager, hash_block_tokens
+from kvcache.hashing import prompt_block_hashes
 
 A = list(range(100, 112))  # three blocks of 4
 B = list(range(200, 212))
@@ -80,7 +81,7 @@ def test_chunked_prefill_hashes_every_block_it_fills():
     m.check_invariants()
 
 
-def test_lookup_memo_is_not_trusted_after_a_decode_step_evicted_a_hit_block():
+def test_prefix_blocks_evicted_between_lookup_and_allocate_are_refused():
     m = mgr(gpu=4)
     m.allocate_slots(2, B[:8], 8)
     m.allocate_slots(1, A[:8], 8)
@@ -93,7 +94,7 @@ def test_lookup_memo_is_not_trusted_after_a_decode_step_evicted_a_hit_block():
     m.check_invariants()
 
 
-def test_lookup_memo_accepts_a_shortened_prefix_and_other_sequence_types():
+def test_allocate_accepts_a_shortened_prefix_and_other_sequence_types():
     m = mgr()
     m.allocate_slots(1, A, 12)
     m.free(1)
@@ -106,7 +107,7 @@ def test_lookup_memo_accepts_a_shortened_prefix_and_other_sequence_types():
     m.check_invariants()
 
 
-def test_lookup_memo_is_not_used_for_other_tokens():
+def test_prefix_from_other_tokens_is_refused():
     m = mgr()
     m.allocate_slots(1, A, 12)
     m.free(1)
@@ -116,6 +117,46 @@ def test_lookup_memo_is_not_used_for_other_tokens():
         m.allocate_slots(2, other, 1, prefix)
     assert m.allocate_slots(2, other, 9, prefix[:1]) == Allocation([3, 4, 5], [])
     assert [m.gpu_pool.blocks[b].block_hash for b in (0, 3, 4)] == chain(other, 4)
+    m.check_invariants()
+
+
+def test_prompt_block_hashes_are_the_block_by_block_chain():
+    assert prompt_block_hashes(A + [7], 4) == chain(A, 4)
+    assert prompt_block_hashes(A, 4, b"salt") == chain(A, 4, b"salt")
+    assert prompt_block_hashes(A[:3], 4) == []
+
+
+def test_given_block_hashes_give_the_same_lookup_and_tables():
+    def run(with_hashes: bool) -> tuple:
+        m = mgr(gpu=12)
+        prompt = A + B[:5]
+        given = prompt_block_hashes(prompt, 4) if with_hashes else None
+        m.allocate_slots(1, A, 12, block_hashes=given[:3] if given else ())
+        m.free(1)
+        prefix = m.lookup_prefix(prompt, None, given)
+        alloc = m.allocate_slots(2, prompt, len(prompt) - 4 * len(prefix), prefix,
+                                 block_hashes=given or ())
+        m.check_invariants()
+        return prefix, alloc, m.block_table(2), [m.gpu_pool.blocks[b].block_hash for b in m.block_table(2)]
+
+    assert run(True) == run(False)
+    prefix, alloc, table, hashes = run(True)
+    assert (prefix, alloc, table) == ([0, 1, 2], Allocation([3, 4], []), [0, 1, 2, 3, 4])
+    assert hashes == chain(A + B[:5], 4) + [None]
+
+
+def test_given_hashes_are_trusted_for_every_chunk_they_cover():
+    # Hashes given on arrival name the blocks as later prefill chunks fill them, unhashed:
+    # proven here with made-up names, which only a caller breaking the contract would pass.
+    names = [H, X, Y]
+    m = mgr()
+    assert m.allocate_slots(1, A, 2, block_hashes=names) == Allocation([0], [])
+    assert m.allocate_slots(1, A, 5) == Allocation([1], [])  # fills block 0 only
+    assert m.allocate_slots(1, A, 5) == Allocation([2], [])  # fills blocks 1 and 2
+    assert [m.gpu_pool.blocks[b].block_hash for b in (0, 1, 2)] == names
+    assert m.lookup_prefix(A + [7], None, names) == [0, 1, 2]
+    m.allocate_slots(1, A + [5, 6, 7, 8], 4)  # past the given hashes: hashed from the tokens
+    assert m.gpu_pool.blocks[m.block_table(1)[3]].block_hash == hash_block_tokens(Y, [5, 6, 7, 8])
     m.check_invariants()
 
 
