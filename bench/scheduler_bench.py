@@ -11,6 +11,7 @@ the timed region. Token ids from [100, 150000) with a fixed seed (docs BENCHMARK
 
     python bench/scheduler_bench.py [--num-seqs 256] [--contexts 128,1024,4096] [--json out.json]
     python bench/scheduler_bench.py --tokenizer   # also detokenize with the real Qwen3 tokenizer
+        [--detokenizer rust|python]  # the engine's (tokenizers' DecodeStream) or the pure-Python one
 """
 
 from __future__ import annotations
@@ -48,11 +49,14 @@ def _result(plan: StepPlan, rng: np.random.Generator) -> StepResult:
     return StepResult(plan.step_id, ids, rng.integers(100, 150000, ids.shape[0]))
 
 
+DETOKENIZER_FACTORY = None  # set by main() for --detokenizer rust
+
+
 def _make(num_seqs: int, max_len: int, tokenizer) -> Scheduler:
     blocks = num_seqs * (-(-max_len // BLOCK_SIZE) + 1)
     kv = KVCacheManager(blocks, 0, BLOCK_SIZE)
     cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=8192, max_model_len=max_len)
-    return Scheduler(cfg, kv, tokenizer=tokenizer)
+    return Scheduler(cfg, kv, tokenizer=tokenizer, detokenizer_factory=DETOKENIZER_FACTORY)
 
 
 def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer) -> dict:
@@ -124,13 +128,21 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", action="store_true",
                     help="detokenize outputs with the real Qwen3 tokenizer")
+    ap.add_argument("--detokenizer", choices=("rust", "python"), default="rust",
+                    help="with --tokenizer: the engine's detokenizer (rust) or IncrementalDetokenizer")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args()
     tok = _qwen_tokenizer() if args.tokenizer else None
+    if tok is not None and args.detokenizer == "rust":
+        from cluster.fast_detokenizer import detokenizer_factory
+
+        global DETOKENIZER_FACTORY
+        DETOKENIZER_FACTORY = detokenizer_factory(tok)
     rows = [bench_decode(args.num_seqs, int(c), args.steps, args.seed, tok)
             for c in args.contexts.split(",")]
     rows.append(bench_admit(args.num_seqs, args.admit_prompt, args.seed, tok))
-    print(f"scheduler overhead, block_size {BLOCK_SIZE}, tokenizer {'qwen3' if tok else 'none'}, "
+    detok = f"qwen3, {args.detokenizer} detokenizer" if tok else "none"
+    print(f"scheduler overhead, block_size {BLOCK_SIZE}, tokenizer {detok}, "
           f"python {platform.python_version()}, numpy {np.__version__}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'row':<7}{'seqs':>6}{'context':>9}{'steps':>7}{'schedule us':>13}{'apply us':>10}"
@@ -141,7 +153,8 @@ def main() -> None:
               f"{r['step_us']:>18}{r['step_us_mean']:>9}{r['step_us_min']:>9}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "tokenizer": bool(tok), "block_size": BLOCK_SIZE,
+            json.dump({"rows": rows, "tokenizer": bool(tok),
+                       "detokenizer": args.detokenizer if tok else None, "block_size": BLOCK_SIZE,
                        "python": platform.python_version(), "numpy": np.__version__}, f, indent=1)
 
 

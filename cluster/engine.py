@@ -20,6 +20,7 @@ from cluster.executor import (
     RayExecutor,
     WorkerDiedError,
 )
+from cluster.fast_detokenizer import detokenizer_factory
 from cluster.metrics import LatencyMetrics, RequestTimes
 from kvcache import KVCacheManager
 from scheduler import RequestOutput, SamplingParams, Scheduler, SchedulerConfig
@@ -100,7 +101,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
                             max_model_len=self.max_model_len, preemption_mode=preemption),
-            kv, tokenizer=self.tokenizer, eos_token_ids=self.model_config.eos_token_ids)
+            kv, tokenizer=self.tokenizer, eos_token_ids=self.model_config.eos_token_ids,
+            detokenizer_factory=detokenizer_factory(self.tokenizer))
         self.latency = LatencyMetrics()
         self._times: dict[str, RequestTimes] = {}
         self.num_steps = 0

@@ -7,13 +7,18 @@ The tokenizer is duck-typed (a Hugging Face tokenizer: `convert_ids_to_tokens`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens kept as left context so the
 # first output token is spelled as it would be mid-text (leading spaces, merges).
-_INITIAL_OFFSET = 5
+INITIAL_OFFSET = 5
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+# (prompt_token_ids, skip_special_tokens) -> a new sequence's detokenizer: any object with
+# IncrementalDetokenizer's `step(token_id) -> str` and `flush() -> str`.
+DetokenizerFactory = Callable[[Sequence[int], bool], Any]
 
 
 class IncrementalDetokenizer:
@@ -38,11 +43,11 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._cache = {} if token_cache is None else token_cache
-        tail = list(prompt_token_ids[-(_INITIAL_OFFSET + 2):])
+        tail = list(prompt_token_ids[-(INITIAL_OFFSET + 2):])
         self.tokens: list[str] = list(tokenizer.convert_ids_to_tokens(
             tail, skip_special_tokens=skip_special_tokens))
         self.read_offset = len(self.tokens)
-        self.prefix_offset = max(self.read_offset - _INITIAL_OFFSET, 0)
+        self.prefix_offset = max(self.read_offset - INITIAL_OFFSET, 0)
         self._prefix_text: str | None = None  # text of tokens[prefix_offset:read_offset]
         self._vocab_size = len(tokenizer)
 

@@ -83,7 +83,7 @@ class Sequence:
         self.num_computed = 0
         self.status = status
         self.on_worker = False
-        self.detokenizer = None  # IncrementalDetokenizer when the scheduler has a tokenizer
+        self.detokenizer = None  # a detokenizer (step/flush) when the scheduler has a tokenizer
         self.stop_buffer = None  # StopStringBuffer when text is produced
         self.stop_reason: str | int | None = None
         # len(token_ids) at which it finishes with "length": prompt_len + the request's

@@ -42,7 +42,7 @@ import numpy as np
 
 from kvcache import Allocation, KVCacheManager, prompt_block_hashes
 from scheduler.config import SchedulerConfig
-from scheduler.detokenizer import IncrementalDetokenizer, StopStringBuffer
+from scheduler.detokenizer import DetokenizerFactory, IncrementalDetokenizer, StopStringBuffer
 from scheduler.output_processor import flush_text, process_token
 from scheduler.outputs import CompletionOutput, RequestOutput, SchedulerStats
 from scheduler.plan import NewSeq, StepPlan, StepResult
@@ -64,7 +64,11 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, tokenizer: Any = None,
-                 eos_token_ids: SequenceABC[int] = ()) -> None:
+                 eos_token_ids: SequenceABC[int] = (),
+                 detokenizer_factory: DetokenizerFactory | None = None) -> None:
+        """`detokenizer_factory(prompt_token_ids, skip_special_tokens)` makes each sequence's
+        detokenizer (the engine passes a Rust-backed one); by default IncrementalDetokenizer
+        over `tokenizer`, which only needs the tokenizer's Python API."""
         mode = config.preemption_mode or ("swap" if kv.num_cpu_blocks > 0 else "recompute")
         if mode == "swap" and kv.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs CPU swap blocks (num_cpu_blocks > 0); "
@@ -72,6 +76,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.tokenizer = tokenizer
+        self.detokenizer_factory = detokenizer_factory
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.preemption_mode = mode
         self.block_size = kv.block_size
@@ -622,9 +627,12 @@ class Scheduler:
         if self.tokenizer is None:
             return
         sp = req.sampling_params
-        seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, sp.skip_special_tokens,
-            self._token_cache[sp.skip_special_tokens])
+        if self.detokenizer_factory is not None:
+            seq.detokenizer = self.detokenizer_factory(req.prompt_token_ids, sp.skip_special_tokens)
+        else:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, sp.skip_special_tokens,
+                self._token_cache[sp.skip_special_tokens])
         if sp.stop:
             seq.stop_buffer = StopStringBuffer(sp.stop, sp.include_stop_str_in_output)
 
