@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # the tests and Ray, so each rank takes at most this much.
 CPU_KV_CACHE_BYTES = 1 << 30
 _GIB = 1 << 30
+_T = TypeVar("_T")
 
 
 class Worker:
@@ -87,7 +89,7 @@ class Worker:
         self.sampler = Sampler(self.device, cfg.seed)
 
     def kv_block_bytes(self) -> int:
-        mc = self._require_model()
+        mc = _loaded(self.model_config)
         return mc.kv_block_bytes(self.config.block_size, self.tp.world_size,
                                  torch.empty(0, dtype=self.dtype).element_size())
 
@@ -133,7 +135,7 @@ class Worker:
 
     def _profile_run(self) -> int:
         """Peak bytes allocated above the baseline by a forward + sampling at the largest batch."""
-        cfg, mc = self.config, self._require_model()
+        cfg, mc = self.config, _loaded(self.model_config)
         num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
         num_seqs = min(cfg.max_num_seqs, num_tokens)
         lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
@@ -157,32 +159,32 @@ class Worker:
         self._execute(plan)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        self._require_runner().drop_states(list(range(num_seqs)))
-        for attn in self._require_model_obj().attention_layers():
+        _loaded(self.model_runner).drop_states(list(range(num_seqs)))
+        for attn in _loaded(self.model).attention_layers():
             attn.k_cache = attn.v_cache = torch.tensor([])
         del scratch
         return max(0, peak - baseline)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate the KV cache and swap space, then capture decode CUDA graphs (CUDA, not eager)."""
-        cfg, mc = self.config, self._require_model()
+        cfg, mc = self.config, _loaded(self.model_config)
         self.cache_engine = CacheEngine(
             mc.num_hidden_layers, mc.num_kv_heads_per_rank(self.tp.world_size), mc.head_dim,
             cfg.block_size, num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
         self._bind_cache(self.cache_engine)
-        runner = self._require_runner()
+        runner = _loaded(self.model_runner)
         if self.device.type == "cuda" and not cfg.enforce_eager \
                 and cfg.attention_backend != "torch":
             # The torch reference attention reads lengths on the host, so it cannot be captured.
-            graphs = CUDAGraphRunner(self._require_model_obj(), cfg.max_num_seqs,
+            graphs = CUDAGraphRunner(_loaded(self.model), cfg.max_num_seqs,
                                      runner.max_blocks_per_seq, cfg.max_model_len,
                                      mc.hidden_size, self.dtype, self.device)
             graphs.capture()
             runner.graph_runner = graphs
 
     def _bind_cache(self, cache: CacheEngine) -> None:
-        cache.bind(self._require_model_obj().attention_layers())
-        self._require_runner().num_gpu_blocks = cache.num_gpu_blocks
+        cache.bind(_loaded(self.model).attention_layers())
+        _loaded(self.model_runner).num_gpu_blocks = cache.num_gpu_blocks
 
     # ---- steps ----------------------------------------------------------------------------
 
@@ -202,7 +204,7 @@ class Worker:
         return result, logits
 
     def _execute(self, plan: StepPlan) -> tuple[StepResult | None, torch.Tensor | None]:
-        runner = self._require_runner()
+        runner = _loaded(self.model_runner)
         runner.drop_states(plan.dropped_seq_ids)
         if self.cache_engine is not None:
             self.cache_engine.swap_out(plan.swap_out)
@@ -218,8 +220,8 @@ class Worker:
         seq_ids = plan.seq_ids[plan.do_sample].astype(np.int64)
         if logits is None:
             return StepResult(plan.step_id, seq_ids, empty), None
-        md = runner.sampling_metadata(inp, self._require_model().vocab_size)
-        out = self._require_sampler()(logits, md)
+        md = runner.sampling_metadata(inp, _loaded(self.model_config).vocab_size)
+        out = _loaded(self.sampler)(logits, md)
         result = StepResult(plan.step_id, seq_ids, out.token_ids.cpu().numpy())
         if out.logprobs is not None:
             result.logprobs = out.logprobs.cpu().numpy()
@@ -237,24 +239,9 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ---- helpers --------------------------------------------------------------------------
 
-    def _require_model(self) -> ModelConfig:
-        if self.model_config is None:
-            raise RuntimeError("call load_model() first")
-        return self.model_config
-
-    def _require_model_obj(self) -> Qwen3ForCausalLM:
-        if self.model is None:
-            raise RuntimeError("call load_model() first")
-        return self.model
-
-    def _require_runner(self) -> ModelRunner:
-        if self.model_runner is None:
-            raise RuntimeError("call load_model() first")
-        return self.model_runner
-
-    def _require_sampler(self) -> Sampler:
-        if self.sampler is None:
-            raise RuntimeError("call load_model() first")
-        return self.sampler
+def _loaded(value: _T | None) -> _T:
+    """`value`, one of the attributes `load_model()` sets; a clear error where it is still None."""
+    if value is None:
+        raise RuntimeError("the worker has no model loaded; call load_model() first")
+    return value

@@ -109,3 +109,13 @@ def test_execute_before_init_cache_is_an_error(tiny_dir: str) -> None:
     w.load_model()
     with pytest.raises(RuntimeError, match="init_cache"):
         w.execute(_plan(0, [], [], [], [], []))
+
+
+def test_calls_before_load_model_name_the_missing_step(tiny_dir: str) -> None:
+    w = Worker(WorkerConfig(model=tiny_dir, max_model_len=512))
+    w.init_distributed()
+    for call in (w.kv_block_bytes, w.determine_num_blocks, lambda: w.init_cache(4, 0)):
+        with pytest.raises(RuntimeError, match=r"^the worker has no model loaded; "
+                                               r"call load_model\(\) first$"):
+            call()
+    assert w.cache_engine is None  # init_cache allocated nothing
