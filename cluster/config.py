@@ -75,6 +75,22 @@ class EngineConfig:
     def uses_ray(self) -> bool:
         return self.executor == "ray" or (self.executor == "auto" and self.tensor_parallel_size > 1)
 
+    def resolve_device(self, *, from_ray: bool) -> str:
+        """`device`, with "auto" made "cuda" or "cpu".
+
+        `from_ray`: whether the workers run where Ray places them, so the answer is whether
+        the connected Ray cluster has a GPU; otherwise whether this process sees CUDA.
+        """
+        if self.device != "auto":
+            return self.device
+        if from_ray:
+            import ray
+
+            return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> EngineConfig:
         """Build from a manifest's `args`; unknown keys are an error that lists the valid ones."""

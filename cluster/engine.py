@@ -39,18 +39,6 @@ class EngineDeadError(RuntimeError):
     """The engine cannot serve any more requests (a worker died); the replica must be replaced."""
 
 
-def _resolve_device(config: EngineConfig) -> str:
-    if config.device != "auto":
-        return config.device
-    if config.uses_ray:
-        import ray
-
-        return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 class LLMEngine:
     """Owns one model replica: every request, every KV block, every step."""
 
@@ -73,7 +61,8 @@ class LLMEngine:
 
             if not ray.is_initialized():
                 ray.init(ignore_reinit_error=True, log_to_driver=False)
-        self.device = _resolve_device(config)
+        # Ray workers run where Ray places them; an in-process worker runs here.
+        self.device = config.resolve_device(from_ray=config.uses_ray)
         worker_config = WorkerConfig(
             model=self.model_path, dtype=config.dtype, device=self.device,
             tensor_parallel_size=config.tensor_parallel_size,

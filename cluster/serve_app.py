@@ -20,13 +20,15 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import EngineConfig
-from cluster.openai_api import DEFAULT_RETRY_AFTER_S, ModelInfo, create_app
+from cluster.openai_api import ModelInfo, create_app
+from cluster.openai_errors import DEFAULT_RETRY_AFTER_S
 from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -224,22 +226,12 @@ def placement_bundles(config: EngineConfig, serving: dict[str, Any],
     return [replica] + [dict(rank) for _ in range(config.tensor_parallel_size)]
 
 
-def _wants_gpu(config: EngineConfig) -> bool:
-    if config.device != "auto":
-        return config.device == "cuda"
-    import ray
-
-    if ray.is_initialized():
-        return ray.cluster_resources().get("GPU", 0) >= 1
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve app builder named by the manifests (`cluster.serve_app:build_app`)."""
     config, serving = split_args(dict(args or {}))
-    bundles = placement_bundles(config, serving, _wants_gpu(config))
+    # The replica may land on any node: ask the cluster (when connected), not this process.
+    use_gpu = config.resolve_device(from_ray=ray.is_initialized()) == "cuda"
+    bundles = placement_bundles(config, serving, use_gpu)
     backpressure = BackpressureConfig(status_code=503, retry_after_s=DEFAULT_RETRY_AFTER_S)
     replicas: dict[str, Any] = {"num_replicas": serving["num_replicas"]}
     if serving["autoscaling_config"]:
