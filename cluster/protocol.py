@@ -5,7 +5,7 @@ Request models are strict: a JSON value of the wrong type (`"max_tokens": "ten"`
 not use (`user`, `logit_bias` left empty, ...) are ignored, as vLLM does; fields whose
 meaning we cannot honour (`suffix`, `tools`, prompt logprobs) are rejected with a 400
 naming the field, so a client never silently gets something else than it asked for.
-Responses are built as plain dicts in `openai_api.py`: one `json.dumps` per SSE chunk is
+Responses are built as plain dicts in `openai_responses.py`: one `json.dumps` per SSE chunk is
 the hot path, and pydantic models there would only add latency.
 """
 

@@ -1,0 +1,99 @@
+"""Prompts in, token ids out: tokenization, chat-template rendering and length checks.
+
+Invariant: every id list returned here is non-empty and inside the vocabulary, and every
+max_tokens fits the context next to its prompt, so nothing a client sends can crash a worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cluster.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+
+# Arguments of apply_chat_template that the request's own fields (or this server) set.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "return_dict", "tokenizer",
+                                       "add_generation_prompt", "continue_final_message"})
+
+
+class PromptProcessor:
+    """Request prompts -> validated token ids, and token ids -> text for logprobs and echo."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self._token_text: dict[int, str] = {}
+
+    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        """/v1/completions' `prompt` (a string, ids, or a batch of either) as id lists."""
+        if isinstance(prompt, str):
+            batch: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            batch = [prompt]
+        else:
+            batch = list(prompt)
+        if not batch:
+            raise RequestError("prompt is empty; send a string or a list of token ids",
+                               param="prompt")
+        out = []
+        for p in batch:
+            ids = self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p
+            out.append(self.check_ids(ids, "prompt"))
+        return out
+
+    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
+        """The messages rendered through the model's chat template, tokenized."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        bad = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if bad:
+            raise RequestError(f"chat_template_kwargs may not set {bad}; use the request's own "
+                               "fields for them", param="chat_template_kwargs")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise RequestError("continue_final_message needs add_generation_prompt: false",
+                               param="continue_final_message")
+        messages = [m.to_template_dict() for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, **kwargs)
+        except Exception as e:  # noqa: BLE001 - template errors are the client's messages
+            raise RequestError(f"the chat template rejected the messages: {e}",
+                               param="messages") from None
+        return self.check_ids(self.tokenizer.encode(text, add_special_tokens=False), "messages")
+
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise RequestError(f"{param} is empty after tokenization; send at least one token",
+                               param=param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                               param=param)
+        return ids
+
+    @staticmethod
+    def max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+        """`requested`, or all the room the context has left when None; 400 if it does not fit."""
+        if requested is not None and requested < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1; got {requested}",
+                               param="max_tokens")
+        room = max_model_len - prompt_len
+        if room < 1 or (requested is not None and requested > room):
+            want = prompt_len + (requested or 1)
+            raise RequestError(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"you requested {want} tokens ({prompt_len} in the prompt, {requested or 1} in "
+                "the completion). Please reduce the length of the prompt or completion.",
+                param="max_tokens")
+        return room if requested is None else requested
+
+    def echo_text(self, prompt: list[int], req: CompletionRequest) -> str:
+        if not req.echo:
+            return ""
+        return self.tokenizer.decode(prompt, skip_special_tokens=req.skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, cached: logprobs ask for the same few tokens on every step."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text

@@ -1,0 +1,263 @@
+"""The engine's `RequestOutput` deltas as OpenAI response bodies and SSE chunks.
+
+A builder follows one HTTP request: `stream` yields the SSE chunks as deltas arrive,
+`collect` waits for the end and returns the whole body. Responses are plain dicts with one
+`json.dumps` per chunk (the hot path). Invariants: an SSE stream always ends with
+`data: [DONE]`, an error after the headers went out is sent in-band as an error chunk, and
+the engine stream is closed however the builder stops reading it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from cluster.async_streams import aclose
+from cluster.openai_errors import error_response, map_exception
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+
+# JSON has no -inf; vLLM reports impossible tokens with this value instead.
+_MIN_LOGPROB = -9999.0
+
+
+class _Choice:
+    """What one choice has produced so far."""
+
+    __slots__ = ("text", "num_tokens", "finish_reason", "stop_reason", "lp_content",
+                 "lp_tokens", "lp_token_logprobs", "lp_top", "lp_offsets", "offset")
+
+    def __init__(self, prefix: str = "") -> None:
+        self.text = prefix
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.lp_content: list[dict[str, Any]] = []
+        self.lp_tokens: list[str] = []
+        self.lp_token_logprobs: list[float] = []
+        self.lp_top: list[dict[str, float]] = []
+        self.lp_offsets: list[int] = []
+        self.offset = len(prefix)
+
+
+class ResponseBuilder(ABC):
+    """One request's response; choice `prompt_idx * n + c.index` is sample c of that prompt."""
+
+    object_name = ""
+
+    def __init__(self, model: str | None, token_text: Callable[[int], str], rid: str, n: int,
+                 num_prompts: int, prompt_tokens: int, include_usage: bool) -> None:
+        self.token_text = token_text
+        self.rid = rid
+        self.n = n
+        self.created = int(time.time())
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = [0] * num_prompts
+        self.include_usage = include_usage
+        self.choices = [_Choice() for _ in range(n * num_prompts)]
+
+    def usage(self) -> dict[str, Any]:
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+    def chunk(self, choices: list[dict[str, Any]]) -> str:
+        body: dict[str, Any] = {"id": self.rid, "object": self.object_name,
+                                "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = None
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    def usage_chunk(self) -> str:
+        body = {"id": self.rid, "object": self.object_name, "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage()}
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    def absorb(self, prompt_idx: int, out: Any) -> list[tuple[int, Any]]:
+        """Record one delta; returns (choice index, CompletionOutput) for each output in it."""
+        self.cached_tokens[prompt_idx] = out.num_cached_tokens or 0
+        seen = []
+        for c in out.outputs:
+            idx = prompt_idx * self.n + c.index
+            ch = self.choices[idx]
+            ch.num_tokens += len(c.token_ids)
+            if c.finish_reason is not None:
+                ch.finish_reason = c.finish_reason
+                ch.stop_reason = c.stop_reason
+            seen.append((idx, c))
+        return seen
+
+    @abstractmethod
+    def top_logprobs_k(self) -> int:
+        """How many alternatives per token the request asked for (0: none)."""
+
+    @abstractmethod
+    def delta_chunk(self, prompt_idx: int, out: Any, render: bool = True) -> str:
+        """Absorb one delta; its SSE chunk when `render`, else ""."""
+
+    @abstractmethod
+    def final(self) -> dict[str, Any]:
+        """The whole non-streaming response body, once every delta is absorbed."""
+
+    def _ranked(self, lps: dict[int, float]) -> list[tuple[int, float]]:
+        return sorted(lps.items(), key=lambda kv: -kv[1])[:self.top_logprobs_k()]
+
+    async def stream(self, first: tuple[int, Any] | None,
+                     rest: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
+        try:
+            for chunk in self.preamble():
+                yield chunk
+            if first is not None:
+                yield self.delta_chunk(*first)
+                async for prompt_idx, out in rest:
+                    yield self.delta_chunk(prompt_idx, out)
+            if self.include_usage:
+                yield self.usage_chunk()
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as vLLM does
+            yield f"data: {json.dumps(map_exception(e).body())}\n\n"
+        finally:
+            await aclose(rest)
+        yield "data: [DONE]\n\n"
+
+    async def collect(self, first: tuple[int, Any] | None,
+                      rest: AsyncIterator[tuple[int, Any]]) -> dict[str, Any]:
+        try:
+            if first is not None:
+                self.delta_chunk(*first, render=False)
+                async for prompt_idx, out in rest:
+                    self.delta_chunk(prompt_idx, out, render=False)
+        finally:
+            await aclose(rest)
+        return self.final()
+
+    def preamble(self) -> list[str]:
+        return []
+
+
+class CompletionBuilder(ResponseBuilder):
+    object_name = "text_completion"
+
+    def __init__(self, model: str | None, token_text: Callable[[int], str], rid: str,
+                 req: CompletionRequest, prompts: list[list[int]], echo: list[str]) -> None:
+        super().__init__(model, token_text, rid, req.n, len(prompts),
+                         sum(len(p) for p in prompts), req.include_usage)
+        self.req = req
+        self.echo_pending = [bool(e) for e in echo for _ in range(req.n)]
+        self.echo = [e for e in echo for _ in range(req.n)]
+        for ch, e in zip(self.choices, self.echo):
+            ch.offset = len(e)
+
+    def top_logprobs_k(self) -> int:
+        return self.req.logprobs or 0
+
+    def delta_chunk(self, prompt_idx: int, out: Any, render: bool = True) -> str:
+        parts = []
+        for idx, c in self.absorb(prompt_idx, out):
+            ch = self.choices[idx]
+            text = c.text
+            if self.echo_pending[idx]:
+                text = self.echo[idx] + text
+                self.echo_pending[idx] = False
+            ch.text += text
+            lp = self._logprobs(ch, c) if self.req.logprobs is not None else None
+            parts.append({"index": idx, "text": text, "logprobs": lp,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return self.chunk(parts) if render else ""
+
+    def _logprobs(self, ch: _Choice, c: Any) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, lps in zip(c.token_ids, c.logprobs or []):
+            tok = self.token_text(tid)
+            tokens.append(tok)
+            token_lps.append(max(lps.get(tid, _MIN_LOGPROB), _MIN_LOGPROB))
+            tops.append({self.token_text(t): max(v, _MIN_LOGPROB) for t, v in self._ranked(lps)})
+            offsets.append(ch.offset)
+            ch.offset += len(tok)
+        ch.lp_tokens += tokens
+        ch.lp_token_logprobs += token_lps
+        ch.lp_top += tops
+        ch.lp_offsets += offsets
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def final(self) -> dict[str, Any]:
+        choices = []
+        for idx, ch in enumerate(self.choices):
+            lp = None
+            if self.req.logprobs is not None:
+                lp = {"tokens": ch.lp_tokens, "token_logprobs": ch.lp_token_logprobs,
+                      "top_logprobs": ch.lp_top, "text_offset": ch.lp_offsets}
+            choices.append({"index": idx, "text": ch.text, "logprobs": lp,
+                            "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+        return {"id": self.rid, "object": self.object_name, "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage()}
+
+
+class ChatBuilder(ResponseBuilder):
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, model: str | None, token_text: Callable[[int], str], rid: str,
+                 req: ChatCompletionRequest, prompt: list[int]) -> None:
+        super().__init__(model, token_text, rid, req.n, 1, len(prompt), req.include_usage)
+        self.req = req
+
+    def top_logprobs_k(self) -> int:
+        return self.req.top_logprobs or 0
+
+    def preamble(self) -> list[str]:
+        # OpenAI opens every choice with a role-only delta.
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}
+                            for i in range(self.n)])]
+
+    def delta_chunk(self, prompt_idx: int, out: Any, render: bool = True) -> str:
+        parts = []
+        for idx, c in self.absorb(prompt_idx, out):
+            ch = self.choices[idx]
+            ch.text += c.text
+            lp = None
+            if self.req.logprobs:
+                lp = {"content": self._logprobs(c)}
+                ch.lp_content += lp["content"]
+            delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+            parts.append({"index": idx, "delta": delta, "logprobs": lp,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return self.chunk(parts) if render else ""
+
+    def _logprobs(self, c: Any) -> list[dict[str, Any]]:
+        entries = []
+        for tid, lps in zip(c.token_ids, c.logprobs or []):
+            tok = self.token_text(tid)
+            entries.append({
+                "token": tok, "logprob": max(lps.get(tid, _MIN_LOGPROB), _MIN_LOGPROB),
+                "bytes": list(tok.encode()),
+                "top_logprobs": [{"token": (t := self.token_text(i)),
+                                  "logprob": max(v, _MIN_LOGPROB), "bytes": list(t.encode())}
+                                 for i, v in self._ranked(lps)]})
+        return entries
+
+    def final(self) -> dict[str, Any]:
+        choices = [{"index": idx, "message": {"role": "assistant", "content": ch.text},
+                    "logprobs": {"content": ch.lp_content} if self.req.logprobs else None,
+                    "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                   for idx, ch in enumerate(self.choices)]
+        return {"id": self.rid, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage()}
+
+
+async def respond(builder: ResponseBuilder, first: tuple[int, Any] | None,
+                  stream: AsyncIterator[tuple[int, Any]], streaming: bool) -> Response:
+    """SSE for a streaming request, else the whole body once the engine is done."""
+    if streaming:
+        return StreamingResponse(builder.stream(first, stream), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        return JSONResponse(await builder.collect(first, stream))
+    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
+        return error_response(map_exception(e))
