@@ -10,7 +10,9 @@ Starts a Ray cluster and the app from a manifest (default manifests/qwen3-tiny.y
   2. for each workload (`random`: prompts uniform 32-256 tokens; `shared-prefix`: a 256-token
      prefix shared by all + uniform 16-64 own tokens) and each request rate, Poisson arrivals
      for `--duration` s; outputs uniform 16-64 tokens, greedy, ignore_eos.
-Prints a table, writes `--json PATH` and a PNG of latency vs load (`--plot PATH`).
+Prints a table, writes `--json PATH` and a PNG of latency vs load (`--plot PATH`). Failed
+requests are counted per reason: `http_<status>`, a transport error's exception type
+(ReadTimeout, RemoteProtocolError, ...), or `sse_error`/`empty_stream` for a 200 with no token.
 
   RAY_AUTH_MODE=disabled .venv/bin/python bench/serving.py --duration 30 --json out.json
 """
@@ -52,6 +54,34 @@ class Result:
     itls: list[float] = field(default_factory=list)
     e2e: float = 0.0
     output_tokens: int = 0
+    # Why a request failed (see `failure_reason`); "" while it has not.
+    error: str = ""
+
+
+def failure_reason(status: int, exc: BaseException | None = None, sse_error: bool = False) -> str:
+    """A failure's key in the breakdown: "http_<status>" for an HTTP error status, the
+    exception's type for a transport error (ReadTimeout, RemoteProtocolError, ...), and for a
+    200 that streamed no token "sse_error" (an in-band error chunk) or "empty_stream"."""
+    if exc is not None:
+        return type(exc).__name__
+    if status != 200:
+        return f"http_{status}"
+    return "sse_error" if sse_error else "empty_stream"
+
+
+def failure_breakdown(results: list[Result]) -> dict[str, int]:
+    """Failed requests per reason, most frequent first (ties by name)."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            key = r.error or failure_reason(r.status)
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def format_failures(failures: dict[str, int]) -> str:
+    """`failure_breakdown` for the table: "http_503=12 ReadTimeout=3", "-" when none."""
+    return " ".join(f"{k}={v}" for k, v in failures.items()) or "-"
 
 
 def make_requests(workload: str, n: int, seed: int) -> list[tuple[list[int], int]]:
@@ -77,18 +107,22 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int],
     start = time.perf_counter()
     last = start
     res = Result(ok=False)
+    sse_error = False
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             res.status = resp.status_code
             if resp.status_code != 200:
                 await resp.aread()
+                res.error = failure_reason(res.status)
                 return res
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 now = time.perf_counter()
-                if not json.loads(line[6:]).get("choices"):
-                    continue  # the usage-only chunk
+                chunk = json.loads(line[6:])
+                if not chunk.get("choices"):
+                    sse_error = sse_error or "error" in chunk
+                    continue  # the usage-only chunk, or an error sent after the headers
                 # One chunk per engine step per request: a step adds one token.
                 if res.output_tokens == 0:
                     res.ttft = now - start
@@ -96,10 +130,13 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int],
                     res.itls.append(now - last)
                 last = now
                 res.output_tokens += 1
-    except httpx.HTTPError:
+    except httpx.HTTPError as e:
+        res.error = failure_reason(res.status, e)
         return res
     res.e2e = time.perf_counter() - start
     res.ok = res.output_tokens > 0
+    if not res.ok:
+        res.error = failure_reason(res.status, sse_error=sse_error)
     return res
 
 
@@ -139,7 +176,7 @@ def summarize(workload: str, rate: float, results: list[Result], wall: float) ->
     ttft = [r.ttft for r in ok]
     itl = [x for r in ok for x in r.itls]
     return {"workload": workload, "rate": rate, "sent": len(results), "completed": len(ok),
-            "failed": len(results) - len(ok),
+            "failed": len(results) - len(ok), "failures": failure_breakdown(results),
             "output_tok_per_s": sum(r.output_tokens for r in ok) / wall,
             "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
             "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
@@ -378,7 +415,8 @@ def main() -> None:
             print(f"{workload:>13} {rate:6.1f} req/s  sent {r['sent']:4d} ok {r['completed']:4d} "
                   f"fail {r['failed']:3d}  {r['output_tok_per_s']:7.1f} tok/s  "
                   f"TTFT p50/p99 {r['ttft_p50_ms']:8.1f}/{r['ttft_p99_ms']:8.1f} ms  "
-                  f"ITL p50/p99 {r['itl_p50_ms']:6.1f}/{r['itl_p99_ms']:6.1f} ms", flush=True)
+                  f"ITL p50/p99 {r['itl_p50_ms']:6.1f}/{r['itl_p99_ms']:6.1f} ms  "
+                  f"failures {format_failures(r['failures'])}", flush=True)
 
     if rows:
         series = {}
