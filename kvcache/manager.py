@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 
 import xxhash
@@ -34,37 +34,15 @@ from kvcache.hashing import (
     pack_token_ids,
     prompt_block_hashes,
 )
+from kvcache.invariants import check_manager_invariants
+from kvcache.swap import SwapMixin
+from kvcache.tables import NOTHING_NEW as _NOTHING_NEW
+from kvcache.tables import Allocation, SeqBlocks
 
 _xxh3_128 = xxhash.xxh3_128_digest
 _block_id = attrgetter("block_id")
 _block_hash = attrgetter("block_hash")
 _ref_cnt = attrgetter("ref_cnt")
-
-
-@dataclass(slots=True)
-class Allocation:
-    """What one allocate_slots call changed in the sequence's GPU block table."""
-
-    new_block_ids: list[int]  # appended to the table, in order
-    copies: list[tuple[int, int]]  # copy-on-write (src, dst); dst replaced src in the table
-    # Read-only: a step that changes nothing returns one shared instance whose lists raise
-    # TypeError on mutation.
-
-
-class _FrozenList(list):
-    """An empty list that refuses mutation, so one 'nothing changed' Allocation can be shared."""
-
-    __slots__ = ()
-
-    def _refuse(self, *args: object, **kwargs: object) -> None:
-        raise TypeError("an Allocation's lists are read-only; copy them before changing them")
-
-    append = extend = insert = remove = pop = clear = sort = reverse = _refuse
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
-
-
-# Most decode steps allocate nothing; sharing one result keeps them allocation-free.
-_NOTHING_NEW = Allocation(_FrozenList(), _FrozenList())
 
 
 @dataclass(slots=True)
@@ -80,25 +58,7 @@ class KVCacheStats:
     evictions: int  # cached blocks evicted (cumulative)
 
 
-@dataclass(slots=True)
-class _Seq:
-    block_ids: list[int]
-    num_slots: int
-    block_hashes: list[BlockHash] = field(default_factory=list)
-    extra_key: bytes | None = None
-    swapped: bool = False
-    # False guarantees the last block is not shared; True (set by fork) means "check ref_cnt".
-    # Only fork shares a partially filled block, so decode steps skip touching the block.
-    shared_tail: bool = False
-    # Free slots in the last block: len(block_ids) * block_size - num_slots. Kept so a decode
-    # step needs no arithmetic on (large, heap-allocated) token counts.
-    tail_room: int = 0
-    # The caller's precomputed hashes of leading full blocks (the request's prompt hashes,
-    # read-only): blocks that fill later, in further prefill chunks, take theirs from here.
-    known_hashes: Sequence[BlockHash] = ()
-
-
-class KVCacheManager:
+class KVCacheManager(SwapMixin):
     """Block tables of all sequences; the scheduler's only view of KV memory.
 
     Ids returned are physical block ids in [0, num_gpu_blocks) (GPU) or [0, num_cpu_blocks)
@@ -131,7 +91,7 @@ class KVCacheManager:
         self.watermark_blocks = math.ceil(watermark * num_gpu_blocks)
         self.gpu_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
-        self._seqs: dict[int, _Seq] = {}
+        self._seqs: dict[int, SeqBlocks] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -379,7 +339,7 @@ class KVCacheManager:
         new_blocks = pool.get_new_blocks(num_new_blocks, hashes[num_prefix:] if num_prefix else hashes)
         new_ids = list(map(_block_id, new_blocks))
         table = list(prefix_block_ids) + new_ids if num_prefix else new_ids.copy()
-        self._seqs[seq_id] = _Seq(table, total, hashes, extra_key, tail_room=-total % bs,
+        self._seqs[seq_id] = SeqBlocks(table, total, hashes, extra_key, tail_room=-total % bs,
                                   known_hashes=known_hashes)
         if self.enable_prefix_caching:
             self.prefix_queries += len(token_ids)
@@ -403,7 +363,7 @@ class KVCacheManager:
                 )
         raise AssertionError("unreachable: the batched prefix check failed but no block differs")
 
-    def _cache_full_blocks(self, seq: _Seq, token_ids: Sequence[int]) -> None:
+    def _cache_full_blocks(self, seq: SeqBlocks, token_ids: Sequence[int]) -> None:
         """Hash and cache the seq's blocks that became full since the last call."""
         bs = self.block_size
         hashes = seq.block_hashes
@@ -467,7 +427,7 @@ class KVCacheManager:
         pool = self.cpu_pool if parent.swapped else self.gpu_pool
         pool.touch(pool.blocks[b] for b in parent.block_ids)
         parent.shared_tail = True
-        self._seqs[child_seq_id] = _Seq(
+        self._seqs[child_seq_id] = SeqBlocks(
             list(parent.block_ids), parent.num_slots, list(parent.block_hashes),
             parent.extra_key, parent.swapped, shared_tail=True, tail_room=parent.tail_room,
             known_hashes=parent.known_hashes,
@@ -484,79 +444,6 @@ class KVCacheManager:
         pool = self.cpu_pool if seq.swapped else self.gpu_pool
         blocks = pool.blocks
         pool.free_blocks(blocks[b] for b in reversed(seq.block_ids))
-
-    # ---- swap -----------------------------------------------------------------------------
-
-    def _group(self, seq_ids: Sequence[int], swapped: bool) -> list[_Seq]:
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"duplicate seq ids in swap group {list(seq_ids)}")
-        group = []
-        for sid in seq_ids:
-            seq = self._seqs.get(sid)
-            if seq is None:
-                raise ValueError(f"unknown seq {sid} in swap group")
-            if seq.swapped != swapped:
-                state = "already swapped out" if seq.swapped else "not swapped out"
-                raise ValueError(f"seq {sid} is {state}")
-            group.append(seq)
-        return group
-
-    @staticmethod
-    def _distinct_blocks(group: list[_Seq]) -> list[int]:
-        return list(dict.fromkeys(b for seq in group for b in seq.block_ids))
-
-    def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
-        """Whether the CPU pool can hold every distinct GPU block of the group."""
-        group = self._group(seq_ids, swapped=False)
-        return len(self._distinct_blocks(group)) <= self.cpu_pool.num_free_blocks
-
-    def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
-        """Whether the group fits on the GPU with the watermark still free."""
-        group = self._group(seq_ids, swapped=True)
-        needed = len(self._distinct_blocks(group))
-        return self.gpu_pool.num_free_blocks - needed >= self.watermark_blocks
-
-    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Move a group to CPU: (gpu, cpu) per distinct GPU block; GPU refs released tail-first."""
-        group = self._group(seq_ids, swapped=False)
-        mapping = self._move(group, self.gpu_pool, self.cpu_pool, "swap_out", "CPU swap space")
-        for seq in group:
-            seq.swapped = True
-        return mapping
-
-    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Move a group back to GPU: (cpu, gpu) per distinct CPU block; full blocks re-cached."""
-        group = self._group(seq_ids, swapped=True)
-        mapping = self._move(group, self.cpu_pool, self.gpu_pool, "swap_in", "free GPU blocks")
-        pool = self.gpu_pool
-        for seq in group:
-            seq.swapped = False
-            for i, h in enumerate(seq.block_hashes):
-                block = pool.blocks[seq.block_ids[i]]
-                if block.block_hash is None:  # a block shared in the group is cached once
-                    pool.cache_block(block, h)
-        return mapping
-
-    def _move(
-        self, group: list[_Seq], src: BlockPool, dst: BlockPool, op: str, what: str
-    ) -> list[tuple[int, int]]:
-        distinct = self._distinct_blocks(group)
-        if len(distinct) > dst.num_free_blocks:
-            raise ValueError(
-                f"{op} needs {len(distinct)} blocks, only {dst.num_free_blocks} {what} are free; "
-                f"check can_{op} first"
-            )
-        new_blocks = dst.get_new_blocks(len(distinct))
-        remap: dict[int, KVCacheBlock] = {}
-        for old, new in zip(distinct, new_blocks):
-            new.ref_cnt = 0
-            remap[old] = new
-        for seq in group:
-            src.free_blocks(src.blocks[b] for b in reversed(seq.block_ids))
-            for b in seq.block_ids:
-                remap[b].ref_cnt += 1
-            seq.block_ids = [remap[b].block_id for b in seq.block_ids]
-        return [(old, remap[old].block_id) for old in distinct]
 
     # ---- stats / invariants ---------------------------------------------------------------
 
@@ -577,58 +464,4 @@ class KVCacheManager:
         """Raise AssertionError naming the first violation: every block is free xor referenced,
         ref counts equal the number of tables holding the block, the cache map only points at
         blocks whose hash matches, free counts add up, tables match num_slots."""
-        self.gpu_pool.check_invariants()
-        self.cpu_pool.check_invariants()
-        bs = self.block_size
-        refs = {False: [0] * self.num_gpu_blocks, True: [0] * self.num_cpu_blocks}
-        for sid, seq in self._seqs.items():
-            if len(seq.block_ids) != -(-seq.num_slots // bs):
-                raise AssertionError(
-                    f"seq {sid}: {len(seq.block_ids)} blocks for {seq.num_slots} slots"
-                )
-            if seq.tail_room != len(seq.block_ids) * bs - seq.num_slots:
-                raise AssertionError(
-                    f"seq {sid}: tail_room {seq.tail_room} but {len(seq.block_ids)} blocks hold "
-                    f"{seq.num_slots} slots"
-                )
-            counts = refs[seq.swapped]
-            for b in seq.block_ids:
-                if not 0 <= b < len(counts):
-                    raise AssertionError(f"seq {sid} holds out-of-range block id {b}")
-                counts[b] += 1
-            pool = self.cpu_pool if seq.swapped else self.gpu_pool
-            if (
-                seq.num_slots % bs
-                and not seq.shared_tail
-                and pool.blocks[seq.block_ids[-1]].ref_cnt > 1
-            ):
-                raise AssertionError(
-                    f"seq {sid}: partially filled last block {seq.block_ids[-1]} is shared but "
-                    "shared_tail is False (a decode step would skip copy-on-write)"
-                )
-            if self.enable_prefix_caching:
-                if len(seq.block_hashes) != seq.num_slots // bs:
-                    raise AssertionError(
-                        f"seq {sid}: {len(seq.block_hashes)} block hashes for "
-                        f"{seq.num_slots // bs} full blocks"
-                    )
-                if not seq.swapped:
-                    for i, h in enumerate(seq.block_hashes):
-                        if self.gpu_pool.blocks[seq.block_ids[i]].block_hash != h:
-                            raise AssertionError(
-                                f"seq {sid}: full block {seq.block_ids[i]} (position {i}) "
-                                "does not carry the seq's chained hash"
-                            )
-        for swapped, pool in ((False, self.gpu_pool), (True, self.cpu_pool)):
-            name = "CPU" if swapped else "GPU"
-            referenced = 0
-            for block, count in zip(pool.blocks, refs[swapped]):
-                if block.ref_cnt != count:
-                    raise AssertionError(
-                        f"{name} block {block.block_id}: ref_cnt {block.ref_cnt}, held by {count} tables"
-                    )
-                referenced += count > 0
-            if referenced + pool.num_free_blocks != pool.num_blocks:
-                raise AssertionError(
-                    f"{name}: {referenced} referenced + {pool.num_free_blocks} free != {pool.num_blocks}"
-                )
+        check_manager_invariants(self)

@@ -28,6 +28,9 @@ Protocol with the workers (scheduler/plan.py): one plan in flight; every plan re
 Slots are reserved, and num_computed advanced, when a chunk is scheduled; the KV cache enters
 full blocks into the prefix cache at that point, so a request admitted later in the same step
 may hit blocks this step computes (workers write the whole batch's KV before attending).
+
+Scheduler is this file plus two mixins: seq_scheduling.py (one sequence's chunk, the fork,
+preemption) and results.py (`apply_result()` and finishing sequences).
 """
 
 from __future__ import annotations
@@ -38,23 +41,21 @@ from collections import deque
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
-import numpy as np
-
-from kvcache import Allocation, KVCacheManager, prompt_block_hashes
+from kvcache import KVCacheManager, prompt_block_hashes
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import DetokenizerFactory, IncrementalDetokenizer, StopStringBuffer
-from scheduler.output_processor import flush_text, process_token
 from scheduler.outputs import CompletionOutput, RequestOutput, SchedulerStats
-from scheduler.plan import NewSeq, StepPlan, StepResult
+from scheduler.plan import StepPlan
 from scheduler.request import Request, Sequence, SequenceStatus
+from scheduler.results import ResultsMixin
 from scheduler.sampling_params import SamplingParams
+from scheduler.seq_scheduling import SeqSchedulingMixin
 from scheduler.step_builder import StepBuilder
 
 _RUNNING = SequenceStatus.RUNNING
-_FINISHED_LENGTH = SequenceStatus.FINISHED_LENGTH
 
 
-class Scheduler:
+class Scheduler(SeqSchedulingMixin, ResultsMixin):
     """Requests in, StepPlans out, RequestOutput deltas back.
 
     Invariants between calls: `running` holds RUNNING requests in (re)admission order (the
@@ -333,294 +334,7 @@ class Scheduler:
         self._inflight = step.step_id
         return step.to_plan()
 
-    def _schedule_request(self, req: Request, step: StepBuilder, admit: bool) -> None:
-        """Schedule every live sequence of a just-resumed request, preempting nobody."""
-        if not req.forked:
-            parent = req.seqs[0]
-            if parent.num_computed == parent.prompt_len - 1:
-                self._schedule_fork(req, step, may_preempt=False)
-                return
-        for seq in req.seqs:
-            if seq.status is _RUNNING and req.target_len(seq) > seq.num_computed:
-                if step.budget == 0 or step.seq_slots == 0:
-                    return
-                self._schedule_seq(req, seq, step, admit=admit)
-
-    def _schedule_seq(self, req: Request, seq: Sequence, step: StepBuilder, admit: bool = False,
-                      may_preempt: bool = False) -> int:
-        """Reserve slots for the sequence's next chunk and add it to the step.
-
-        Returns the tokens scheduled (> 0), 0 when nothing was scheduled, or -1 when the
-        request had to preempt itself.
-        """
-        kv = self.kv
-        bs = self.block_size
-        while True:
-            computed = seq.num_computed
-            prefix: list[int] = []
-            if computed == 0 and not kv.has_seq(seq.seq_id):
-                prefix = kv.lookup_prefix(seq.token_ids, req.extra_key, req.block_hashes)
-                if not req.forked and len(prefix) * bs >= seq.prompt_len - 1:
-                    prefix = prefix[:-1]  # an unforked parent computes >= 1 token before forking
-                computed = len(prefix) * bs
-            to_compute = (len(seq.token_ids) if req.forked else seq.prompt_len - 1) - computed
-            chunk = min(to_compute, step.budget)
-            if chunk <= 0 or (chunk < to_compute and not self.config.enable_chunked_prefill):
-                return 0
-            alloc = kv.allocate_slots(seq.seq_id, seq.token_ids, chunk, prefix, req.extra_key,
-                                      admit, req.block_hashes)
-            if alloc is not None:
-                break
-            if not may_preempt:
-                return 0
-            victim = self._pick_victim(req, step)
-            if victim is not None:
-                self._preempt(victim, step)
-                continue
-            if req.scheduled_step == step.step_id:
-                return 0  # some of its sequences already run this step: wait for the next
-            if len(self.running) > 1:
-                self._preempt(req, step)
-                return -1
-            self._finish_for_capacity(req, seq, step)
-            return 0
-        if prefix and not req.admitted:
-            req.num_cached_tokens = computed
-        self._record(req, seq, step, alloc, computed, chunk)
-        return chunk
-
-    def _schedule_fork(self, req: Request, step: StepBuilder, may_preempt: bool) -> None:
-        """Fork the n - 1 children from the parent (whose prompt is computed but for its last
-        token) and schedule that token for all n sequences, all or nothing."""
-        n = req.n
-        if step.budget < n or step.seq_slots < n:
-            return
-        kv = self.kv
-        parent = req.seqs[0]
-        # Children copy the parent's partial last block on write; a full one means a new block each.
-        need = n - 1 + kv.num_blocks_needed(parent.seq_id, 1)
-        while kv.num_free_gpu_blocks < need:
-            victim = self._pick_victim(req, step) if may_preempt else None
-            if victim is None:
-                if may_preempt and len(self.running) > 1:
-                    self._preempt(req, step)
-                return
-            self._preempt(victim, step)
-        for i in range(1, n):
-            child = Sequence(next(self._seq_ids), i, list(parent.token_ids), parent.prompt_len,
-                             _RUNNING)
-            child.num_computed = parent.num_computed
-            kv.fork(parent.seq_id, child.seq_id)
-            self._init_seq(req, child)
-            req.seqs.append(child)
-            self._seqs[child.seq_id] = (req, child)
-        req.forked = True
-        start = parent.num_computed
-        allocs: dict[int, Allocation] = {}
-        for seq in req.seqs[1:] + [parent]:  # children first: the parent keeps its block
-            alloc = kv.allocate_slots(seq.seq_id, seq.token_ids, 1)
-            if alloc is None:
-                raise RuntimeError(f"KV cache refused the fork of request {req.request_id!r} "
-                                   f"after reporting {need} blocks needed and "
-                                   f"{kv.num_free_gpu_blocks} free")
-            allocs[seq.seq_id] = alloc
-        for seq in req.seqs:
-            self._record(req, seq, step, allocs[seq.seq_id], start, 1)
-
-    def _record(self, req: Request, seq: Sequence, step: StepBuilder, alloc: Allocation, start: int,
-                chunk: int) -> None:
-        """Add a scheduled chunk to the step: batch entry, table diff, copy-on-write pairs."""
-        sid = seq.seq_id
-        seq.num_computed = end = start + chunk
-        req.scheduled_step = step.step_id
-        if not seq.on_worker:
-            step.new_seqs.append(NewSeq(sid, req.request_id, seq.index, seq.prompt_len,
-                                        seq.token_ids[:start], list(self.kv.block_table(sid)),
-                                        req.sampling_params))
-            seq.on_worker = True
-        elif alloc.copies:
-            step.replaced[sid] = list(self.kv.block_table(sid))
-        elif alloc.new_block_ids:
-            step.appended[sid] = alloc.new_block_ids
-        if alloc.copies:
-            step.copies.extend(alloc.copies)
-        step.budget -= chunk
-        step.seq_slots -= 1
-        tokens = seq.token_ids
-        if chunk == 1 and end == len(tokens):
-            step.dec_ids.append(sid)
-            step.dec_pos.append(start)
-            step.dec_tokens.append(tokens[start])
-        else:
-            step.pre_ids.append(sid)
-            step.pre_lens.append(chunk)
-            step.pre_pos.append(start)
-            step.pre_sample.append(end == len(tokens))
-            step.pre_tokens.extend(tokens[start:end])
-
-    # ---- preemption -------------------------------------------------------------------------
-
-    def _pick_victim(self, req: Request, step: StepBuilder) -> Request | None:
-        """The most recently admitted running request other than `req` with nothing in this
-        step (its blocks hold only KV computed in earlier steps, so freeing them is safe)."""
-        for victim in reversed(self.running):
-            if victim is not req and victim.scheduled_step != step.step_id:
-                return victim
-        return None
-
-    def _preempt(self, req: Request, step: StepBuilder) -> None:
-        self.running.remove(req)
-        step.preempted = True
-        live = req.live_seqs()
-        for seq in live:
-            if seq.on_worker:
-                step.dropped.append(seq.seq_id)
-                seq.on_worker = False
-        ids = [s.seq_id for s in live if self.kv.has_seq(s.seq_id)]
-        if self.preemption_mode == "swap" and ids and self.kv.can_swap_out(ids):
-            step.swap_out.extend(self.kv.swap_out(ids))
-            req.move(SequenceStatus.SWAPPED)
-            self.swapped.appendleft(req)
-            self.preemptions_swap += 1
-        else:
-            self._reset_for_recompute(req)
-            self.waiting.appendleft(req)
-            self.preemptions_recompute += 1
-
-    def _reset_for_recompute(self, req: Request) -> None:
-        """Free the request's KV; its prompt + outputs so far become the tokens to compute."""
-        for seq in req.live_seqs():
-            self.kv.free(seq.seq_id)
-            seq.num_computed = 0
-        req.move(SequenceStatus.PREEMPTED)
-
-    def _finish_for_capacity(self, req: Request, seq: Sequence, step: StepBuilder) -> None:
-        self._release(seq, step.dropped)
-        comp = self._finish_output(req, seq, _FINISHED_LENGTH, [], "", None, None)
-        finished = req.is_finished
-        if finished:
-            self.running.remove(req)
-            self._forget(req)
-        self._deferred.append(RequestOutput(req.request_id, req.prompt_token_ids, [comp],
-                                            finished, req.num_cached_tokens))
-
-    # ---- results ----------------------------------------------------------------------------
-
-    def apply_result(self, plan: StepPlan, result: StepResult | None) -> list[RequestOutput]:
-        """Append the sampled tokens, check stop conditions, and return output deltas.
-
-        `result` may be None for a plan in which no sequence samples. Tokens of sequences
-        aborted while the step ran are ignored.
-        """
-        if self._inflight != plan.step_id:
-            raise RuntimeError(f"apply_result() for step {plan.step_id}, but the plan awaiting "
-                               f"results is {self._inflight}")
-        outputs, self._deferred = self._deferred, []
-        if result is None:
-            if plan.do_sample.any():
-                raise ValueError(f"step {plan.step_id} samples {np.count_nonzero(plan.do_sample)} "
-                                 "sequences but no StepResult was given")
-            self._inflight = None
-            return outputs
-        num_sampled = int(np.count_nonzero(plan.do_sample))
-        if result.step_id != plan.step_id or result.seq_ids.shape[0] != num_sampled:
-            raise ValueError(f"StepResult of step {result.step_id} with {result.seq_ids.shape[0]} "
-                             f"tokens does not answer plan {plan.step_id} "
-                             f"({num_sampled} sequences sample)")
-        self._inflight = None
-        touched: dict[str, tuple[Request, RequestOutput]] = {}
-        seqs_get = self._seqs.get
-        emit = outputs.append
-        new_obj = object.__new__
-        num_tokens = 0
-        for row, (sid, token) in enumerate(zip(result.seq_ids.tolist(),
-                                               result.token_ids.tolist())):
-            entry = seqs_get(sid)
-            if entry is None:
-                continue  # aborted while the step ran
-            req, seq = entry
-            tokens = seq.token_ids
-            tokens.append(token)
-            num_tokens += 1
-            if req.plain and token not in req.stop_token_ids and len(tokens) < seq.max_len:
-                # No text, no logprobs, no stop: the delta is just the token. Built field by
-                # field: the dataclass __init__ call costs more than the rest of this loop.
-                comp = new_obj(CompletionOutput)
-                comp.index = seq.index
-                comp.token_ids = [token]
-                comp.text = ""
-                comp.finish_reason = comp.stop_reason = comp.logprobs = None
-                if req.n == 1:
-                    out = new_obj(RequestOutput)
-                    out.request_id = req.request_id
-                    out.prompt_token_ids = req.prompt_token_ids
-                    out.outputs = [comp]
-                    out.finished = False
-                    out.num_cached_tokens = req.num_cached_tokens
-                    emit(out)
-                    continue
-            else:
-                comp = self._token_output(req, seq, token, result, row)
-                if req.n == 1:
-                    out = RequestOutput(req.request_id, req.prompt_token_ids, [comp],
-                                        comp.finish_reason is not None, req.num_cached_tokens)
-                    emit(out)
-                    if out.finished:
-                        self._running_dirty = True
-                        self._forget(req)
-                    continue
-            hit = touched.get(req.request_id)
-            if hit is None:
-                out = RequestOutput(req.request_id, req.prompt_token_ids, [comp], False,
-                                    req.num_cached_tokens)
-                touched[req.request_id] = (req, out)
-                emit(out)
-            else:
-                hit[1].outputs.append(comp)
-        self.generation_tokens_total += num_tokens
-        for req, out in touched.values():
-            if req.is_finished:
-                out.finished = True
-                self._running_dirty = True
-                self._forget(req)
-        return outputs
-
-    def _token_output(self, req: Request, seq: Sequence, token: int, result: StepResult,
-                      row: int) -> CompletionOutput:
-        """The output delta of a token just appended: stop checks, text, logprobs."""
-        status, text, stop_reason, logprobs = process_token(req, seq, token, result, row)
-        if status is None:
-            return CompletionOutput(seq.index, [token], text, None, None, logprobs)
-        self._release(seq, self._pending_drops)
-        return self._finish_output(req, seq, status, [token], text, stop_reason, logprobs)
-
-    def _finish_output(self, req: Request, seq: Sequence, status: SequenceStatus,
-                       token_ids: list[int], text: str, stop_reason: str | int | None,
-                       logprobs: list[dict[int, float]] | None) -> CompletionOutput:
-        """Finish a sequence whose blocks are released; its held-back text goes out unless a
-        stop string ended it (then the rest is cut off)."""
-        if not isinstance(stop_reason, str):
-            text += flush_text(seq)
-        seq.stop_reason = stop_reason
-        req.finish_seq(seq, status)
-        if logprobs is None and req.sampling_params.logprobs is not None:
-            logprobs = []
-        return CompletionOutput(seq.index, token_ids, text, status.finish_reason, stop_reason,
-                                logprobs)
-
     # ---- helpers ----------------------------------------------------------------------------
-
-    def _release(self, seq: Sequence, drops: list[int]) -> None:
-        """Free the sequence's blocks and have the workers drop its state."""
-        self.kv.free(seq.seq_id)
-        if seq.on_worker:
-            drops.append(seq.seq_id)
-            seq.on_worker = False
-
-    def _forget(self, req: Request) -> None:
-        self.requests.pop(req.request_id, None)
-        for seq in req.seqs:
-            self._seqs.pop(seq.seq_id, None)
 
     def _init_seq(self, req: Request, seq: Sequence) -> None:
         seq.max_len = seq.prompt_len + req.max_output

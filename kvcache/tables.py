@@ -1,0 +1,55 @@
+"""What KVCacheManager keeps per sequence and returns per allocation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcache.hashing import BlockHash
+
+
+@dataclass(slots=True)
+class Allocation:
+    """What one allocate_slots call changed in the sequence's GPU block table."""
+
+    new_block_ids: list[int]  # appended to the table, in order
+    copies: list[tuple[int, int]]  # copy-on-write (src, dst); dst replaced src in the table
+    # Read-only: a step that changes nothing returns one shared instance whose lists raise
+    # TypeError on mutation.
+
+
+class _FrozenList(list):
+    """An empty list that refuses mutation, so one 'nothing changed' Allocation can be shared."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("an Allocation's lists are read-only; copy them before changing them")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+
+
+# Most decode steps allocate nothing; sharing one result keeps them allocation-free.
+NOTHING_NEW = Allocation(_FrozenList(), _FrozenList())
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    """One sequence's block table and hash chain, as KVCacheManager keeps it (its invariants
+    are in kvcache/manager.py's docstring)."""
+
+    block_ids: list[int]
+    num_slots: int
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    extra_key: bytes | None = None
+    swapped: bool = False
+    # False guarantees the last block is not shared; True (set by fork) means "check ref_cnt".
+    # Only fork shares a partially filled block, so decode steps skip touching the block.
+    shared_tail: bool = False
+    # Free slots in the last block: len(block_ids) * block_size - num_slots. Kept so a decode
+    # step needs no arithmetic on (large, heap-allocated) token counts.
+    tail_room: int = 0
+    # The caller's precomputed hashes of leading full blocks (the request's prompt hashes,
+    # read-only): blocks that fill later, in further prefill chunks, take theirs from here.
+    known_hashes: Sequence[BlockHash] = ()

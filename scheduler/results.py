@@ -1,0 +1,138 @@
+"""Applying a step's sampled tokens: output deltas, stop conditions, finished sequences."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcache import KVCacheManager
+from scheduler.output_processor import flush_text, process_token
+from scheduler.outputs import CompletionOutput, RequestOutput
+from scheduler.plan import StepPlan, StepResult
+from scheduler.request import Request, Sequence, SequenceStatus
+
+
+class ResultsMixin:
+    """Scheduler's result side. Mixed into Scheduler, whose state it shares (declared below)."""
+
+    kv: KVCacheManager
+    requests: dict[str, Request]
+    _seqs: dict[int, tuple[Request, Sequence]]
+    _inflight: int | None
+    _pending_drops: list[int]
+    _deferred: list[RequestOutput]
+    _running_dirty: bool
+    generation_tokens_total: int
+
+    def apply_result(self, plan: StepPlan, result: StepResult | None) -> list[RequestOutput]:
+        """Append the sampled tokens, check stop conditions, and return output deltas.
+
+        `result` may be None for a plan in which no sequence samples. Tokens of sequences
+        aborted while the step ran are ignored.
+        """
+        if self._inflight != plan.step_id:
+            raise RuntimeError(f"apply_result() for step {plan.step_id}, but the plan awaiting "
+                               f"results is {self._inflight}")
+        outputs, self._deferred = self._deferred, []
+        if result is None:
+            if plan.do_sample.any():
+                raise ValueError(f"step {plan.step_id} samples {np.count_nonzero(plan.do_sample)} "
+                                 "sequences but no StepResult was given")
+            self._inflight = None
+            return outputs
+        num_sampled = int(np.count_nonzero(plan.do_sample))
+        if result.step_id != plan.step_id or result.seq_ids.shape[0] != num_sampled:
+            raise ValueError(f"StepResult of step {result.step_id} with {result.seq_ids.shape[0]} "
+                             f"tokens does not answer plan {plan.step_id} "
+                             f"({num_sampled} sequences sample)")
+        self._inflight = None
+        touched: dict[str, tuple[Request, RequestOutput]] = {}
+        seqs_get = self._seqs.get
+        emit = outputs.append
+        new_obj = object.__new__
+        num_tokens = 0
+        for row, (sid, token) in enumerate(zip(result.seq_ids.tolist(),
+                                               result.token_ids.tolist())):
+            entry = seqs_get(sid)
+            if entry is None:
+                continue  # aborted while the step ran
+            req, seq = entry
+            tokens = seq.token_ids
+            tokens.append(token)
+            num_tokens += 1
+            if req.plain and token not in req.stop_token_ids and len(tokens) < seq.max_len:
+                # No text, no logprobs, no stop: the delta is just the token. Built field by
+                # field: the dataclass __init__ call costs more than the rest of this loop.
+                comp = new_obj(CompletionOutput)
+                comp.index = seq.index
+                comp.token_ids = [token]
+                comp.text = ""
+                comp.finish_reason = comp.stop_reason = comp.logprobs = None
+                if req.n == 1:
+                    out = new_obj(RequestOutput)
+                    out.request_id = req.request_id
+                    out.prompt_token_ids = req.prompt_token_ids
+                    out.outputs = [comp]
+                    out.finished = False
+                    out.num_cached_tokens = req.num_cached_tokens
+                    emit(out)
+                    continue
+            else:
+                comp = self._token_output(req, seq, token, result, row)
+                if req.n == 1:
+                    out = RequestOutput(req.request_id, req.prompt_token_ids, [comp],
+                                        comp.finish_reason is not None, req.num_cached_tokens)
+                    emit(out)
+                    if out.finished:
+                        self._running_dirty = True
+                        self._forget(req)
+                    continue
+            hit = touched.get(req.request_id)
+            if hit is None:
+                out = RequestOutput(req.request_id, req.prompt_token_ids, [comp], False,
+                                    req.num_cached_tokens)
+                touched[req.request_id] = (req, out)
+                emit(out)
+            else:
+                hit[1].outputs.append(comp)
+        self.generation_tokens_total += num_tokens
+        for req, out in touched.values():
+            if req.is_finished:
+                out.finished = True
+                self._running_dirty = True
+                self._forget(req)
+        return outputs
+
+    def _token_output(self, req: Request, seq: Sequence, token: int, result: StepResult,
+                      row: int) -> CompletionOutput:
+        """The output delta of a token just appended: stop checks, text, logprobs."""
+        status, text, stop_reason, logprobs = process_token(req, seq, token, result, row)
+        if status is None:
+            return CompletionOutput(seq.index, [token], text, None, None, logprobs)
+        self._release(seq, self._pending_drops)
+        return self._finish_output(req, seq, status, [token], text, stop_reason, logprobs)
+
+    def _finish_output(self, req: Request, seq: Sequence, status: SequenceStatus,
+                       token_ids: list[int], text: str, stop_reason: str | int | None,
+                       logprobs: list[dict[int, float]] | None) -> CompletionOutput:
+        """Finish a sequence whose blocks are released; its held-back text goes out unless a
+        stop string ended it (then the rest is cut off)."""
+        if not isinstance(stop_reason, str):
+            text += flush_text(seq)
+        seq.stop_reason = stop_reason
+        req.finish_seq(seq, status)
+        if logprobs is None and req.sampling_params.logprobs is not None:
+            logprobs = []
+        return CompletionOutput(seq.index, token_ids, text, status.finish_reason, stop_reason,
+                                logprobs)
+
+    def _release(self, seq: Sequence, drops: list[int]) -> None:
+        """Free the sequence's blocks and have the workers drop its state."""
+        self.kv.free(seq.seq_id)
+        if seq.on_worker:
+            drops.append(seq.seq_id)
+            seq.on_worker = False
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        for seq in req.seqs:
+            self._seqs.pop(seq.seq_id, None)
