@@ -132,14 +132,13 @@ class KVCacheManager(SwapMixin):
             if hash_block_tokens(None, token_ids[:bs], extra_key) not in cache:
                 return []  # a miss at block 0 (a cold prompt): hash nothing more
             block_hashes = prompt_block_hashes(token_ids[: max_hit * bs], bs, extra_key)
-        hit: list[int] = []
-        append = hit.append
-        for entry in map(cache.get, block_hashes[:max_hit]):
-            if entry is None:
-                break
-            # with several blocks under one hash, any of them holds the KV
-            append(entry.block_id if type(entry) is KVCacheBlock else next(iter(entry)))
-        return hit
+        entries = list(map(cache.get, block_hashes[:max_hit]))
+        if None in entries:
+            del entries[entries.index(None):]
+        try:
+            return list(map(_block_id, entries))  # one C loop for the common case
+        except AttributeError:  # some hash names several blocks: any of them holds the KV
+            return [e.block_id if type(e) is KVCacheBlock else next(iter(e)) for e in entries]
 
     def _full_block_hashes(
         self, token_ids: Sequence[int], num_full: int, extra_key: bytes | None,

@@ -69,6 +69,7 @@ def test_prompt_partly_cached_by_a_running_seq_shares_the_entries():
     h = chain(prompt, 4)
     assert cache[h[0]] == {0: blocks[0], 3: blocks[3]} and cache[h[1]] == {1: blocks[1], 4: blocks[4]}
     assert cache[h[2]] is blocks[5]
+    assert m.lookup_prefix(prompt + [9]) == [0, 1, 5]  # a shared entry answers with its first block
     m.check_invariants()
 
 
