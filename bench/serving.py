@@ -226,10 +226,10 @@ def start_app(manifest: Path, port: int, overrides: list[str]) -> tuple[str, dic
     import ray
     from ray import serve
 
-    from cluster.serve_app import PROXY_ENV_VARS, build_app
+    from cluster.serve_app import build_app
+    from cluster.serve_env import apply_proxy_env
 
-    for key, value in PROXY_ENV_VARS.items():  # read by Serve's proxy, which ray.init starts
-        os.environ.setdefault(key, value)
+    apply_proxy_env()  # read by Serve's HTTP front, which ray.init starts
     args = dict(yaml.safe_load(manifest.read_text())["applications"][0]["args"])
     args.pop("api_key", None)
     for item in overrides:

@@ -29,6 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster.config import EngineConfig
 from cluster.openai_api import ModelInfo, create_app
 from cluster.openai_errors import DEFAULT_RETRY_AFTER_S
+from cluster.serve_env import REPLICA_ENV_VARS
 from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -37,25 +38,6 @@ logger = logging.getLogger("ray.serve")
 API_KEY_ENV = "QWEN3_SERVE_API_KEY"
 # How often a replica pushes its engine metrics into ray.util.metrics.
 METRICS_EXPORT_PERIOD_S = 5.0
-
-# Serve's latency knobs for the replicas (the same ones RAY_SERVE_THROUGHPUT_OPTIMIZED sets):
-# user code and the handle router on the replica's main event loop instead of extra threads.
-# Every cross-thread hand-off costs a wake-up per request and per streamed chunk, which on a
-# small CPU host is milliseconds of TTFT.
-REPLICA_ENV_VARS = {
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-}
-
-# The same knobs for Serve's HTTP proxy, plus gRPC (not Ray actor calls) from the proxy to the
-# ingress: measured -11 ms of TTFT at concurrency 1 on a 2-CPU host. The proxy is started by
-# Serve, not by this app, so these must be in the environment of the process that starts Ray
-# (`RAY_SERVE_PROXY_USE_GRPC=1 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 serve run ...`);
-# bench/serving.py sets them before ray.init.
-PROXY_ENV_VARS = {
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    "RAY_SERVE_PROXY_USE_GRPC": "1",
-}
 
 SERVING_DEFAULTS: dict[str, Any] = {
     "served_model_name": None,   # the name clients send as `model`; default: the `model` arg

