@@ -132,6 +132,8 @@ class KVCacheManager(SwapMixin):
             if hash_block_tokens(None, token_ids[:bs], extra_key) not in cache:
                 return []  # a miss at block 0 (a cold prompt): hash nothing more
             block_hashes = prompt_block_hashes(token_ids[: max_hit * bs], bs, extra_key)
+        if not block_hashes or block_hashes[0] not in cache:
+            return []  # a cold prompt: no map pass over its hashes
         entries = list(map(cache.get, block_hashes[:max_hit]))
         if None in entries:
             del entries[entries.index(None):]
