@@ -127,6 +127,42 @@ def run_hf_generate_batch(path: str, reqs: list, temperature: float,
     return {"tok_per_s": tokens / wall, "wall_s": wall, "tokens": tokens}
 
 
+def run_hf_continuous_exact(path: str, reqs: list, temperature: float,
+                            device: str) -> dict[str, float]:
+    """transformers' continuous batching with each request's own output length (the same
+    workload the engine runs): generate_batch's manager, fed through add_request with a
+    per-request max_new_tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    cfg = GenerationConfig(max_new_tokens=max(o for _, o in reqs), eos_token_id=-1,
+                           do_sample=temperature > 0, temperature=temperature or None)
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in reqs),
+                          max_generated_length=max(o for _, o in reqs), num_requests=len(reqs))
+    start = time.perf_counter()
+    tokens = 0
+    with torch.no_grad(), model.continuous_batching_context_manager(
+            generation_config=cfg, block=True, timeout=5, workload_hints=hints) as manager:
+        for p, o in reqs:
+            manager.add_request(p, max_new_tokens=o)
+        done = 0
+        while done < len(reqs):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                tokens += len(result.generated_tokens)
+                done += 1
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped early")
+    wall = time.perf_counter() - start
+    expected = sum(o for _, o in reqs)
+    if tokens != expected:
+        raise RuntimeError(f"continuous batching generated {tokens} tokens, expected {expected}")
+    return {"tok_per_s": tokens / wall, "wall_s": wall, "tokens": tokens}
+
+
 def machine() -> dict[str, str]:
     import torch
     import transformers
@@ -161,22 +197,38 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows: dict[str, dict[str, float]] = {}
 
-    def median_of(fn, *a) -> dict[str, float]:
-        runs = [fn(*a) for _ in range(args.runs)]
-        best = sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]
-        best["runs_tok_per_s"] = [round(r["tok_per_s"], 1) for r in runs]
-        return best
-
-    for tp in args.tp:
-        rows[f"engine tp={tp}"] = median_of(run_engine, path, reqs, w["temperature"], tp)
+    systems: list[tuple[str, Any, tuple]] = [
+        (f"engine tp={tp}", run_engine, (path, reqs, w["temperature"], tp)) for tp in args.tp]
     if not args.skip_hf:
-        rows[f"hf generate (batch {args.hf_batch})"] = median_of(
-            run_hf_generate, path, reqs, w["temperature"], args.hf_batch, device)
-        try:
-            rows["hf generate_batch"] = median_of(run_hf_generate_batch, path, reqs,
-                                                  w["temperature"], device)
-        except Exception as e:  # noqa: BLE001 — report, don't hide, a peer that fails here
-            rows["hf generate_batch"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        # generate_batch gives every request the longest output: the engine on that workload too
+        longest = [(p, max(o for _, o in reqs)) for p, _ in reqs]
+        systems += [
+            ("engine tp=1, all outputs longest", run_engine, (path, longest, w["temperature"], 1)),
+            (f"hf generate (batch {args.hf_batch})", run_hf_generate,
+             (path, reqs, w["temperature"], args.hf_batch, device)),
+            ("hf generate_batch", run_hf_generate_batch, (path, reqs, w["temperature"], device)),
+            ("hf continuous, exact lengths", run_hf_continuous_exact,
+             (path, reqs, w["temperature"], device)),
+        ]
+    # Round-robin, so a machine whose speed drifts over the run treats every system alike.
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in systems}
+    for _ in range(args.runs):
+        for name, fn, fn_args in systems:
+            if runs[name] and "error" in runs[name][0]:
+                continue
+            try:
+                runs[name].append(fn(*fn_args))
+            except Exception as e:  # noqa: BLE001 — report, don't hide, a peer that fails here
+                if name.startswith("engine"):
+                    raise
+                runs[name] = [{"error": f"{type(e).__name__}: {e}"[:200]}]
+    for name, rs in runs.items():
+        if "error" in rs[0]:
+            rows[name] = rs[0]
+            continue
+        best = sorted(rs, key=lambda r: r["tok_per_s"])[len(rs) // 2]
+        best["runs_tok_per_s"] = [round(r["tok_per_s"], 1) for r in rs]
+        rows[name] = best
     print(f"workload {args.workload}: {len(reqs)} requests, "
           f"{sum(o for _, o in reqs)} output tokens; {machine()}")
     print(f"{'system':32} {'tok/s':>9} {'wall s':>8} {'overhead ms/step':>17} {'overhead %':>11}")
