@@ -58,6 +58,16 @@ class KVCacheStats:
     evictions: int  # cached blocks evicted (cumulative)
 
 
+@dataclass(slots=True)
+class _LastHit:
+    """What the last lookup_prefix given a request's hashes found (see _prefix_blocks)."""
+
+    block_hashes: Sequence[BlockHash]
+    evictions: int  # the GPU pool's eviction count then
+    ids: list[int]
+    blocks: list[KVCacheBlock]
+
+
 class KVCacheManager(SwapMixin):
     """Block tables of all sequences; the scheduler's only view of KV memory.
 
@@ -92,6 +102,7 @@ class KVCacheManager(SwapMixin):
         self.gpu_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
         self._seqs: dict[int, SeqBlocks] = {}
+        self._last_hit: _LastHit | None = None
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -128,6 +139,7 @@ class KVCacheManager(SwapMixin):
         if max_hit <= 0:
             return []
         cache = self.gpu_pool.cached_block_hash_to_block
+        given = block_hashes is not None
         if block_hashes is None:
             if hash_block_tokens(None, token_ids[:bs], extra_key) not in cache:
                 return []  # a miss at block 0 (a cold prompt): hash nothing more
@@ -135,12 +147,18 @@ class KVCacheManager(SwapMixin):
         if not block_hashes or block_hashes[0] not in cache:
             return []  # a cold prompt: no map pass over its hashes
         entries = list(map(cache.get, block_hashes[:max_hit]))
-        if None in entries:
-            del entries[entries.index(None):]
         try:
-            return list(map(_block_id, entries))  # one C loop for the common case
-        except AttributeError:  # some hash names several blocks: any of them holds the KV
-            return [e.block_id if type(e) is KVCacheBlock else next(iter(e)) for e in entries]
+            ids = list(map(_block_id, entries))  # a full hit, one block per hash: C loops only
+        except AttributeError:  # a miss (None) ends the hit; a shared entry names several blocks
+            if None in entries:
+                del entries[entries.index(None):]
+            entries = [e if type(e) is KVCacheBlock else next(iter(e.values())) for e in entries]
+            ids = list(map(_block_id, entries))
+        if given:
+            # allocate_slots with these very hashes and ids takes the blocks from here unchecked
+            # while no block has been evicted since (then every one still holds its hash)
+            self._last_hit = _LastHit(block_hashes, self.gpu_pool.num_evictions, ids, entries)
+        return list(ids)
 
     def _full_block_hashes(
         self, token_ids: Sequence[int], num_full: int, extra_key: bytes | None,
@@ -328,7 +346,7 @@ class KVCacheManager(SwapMixin):
         if self.enable_prefix_caching:
             hashes = self._full_block_hashes(token_ids, total // bs, extra_key, known_hashes)
             if num_prefix:
-                prefix_blocks = self._check_prefix(prefix_block_ids, hashes)
+                prefix_blocks = self._prefix_blocks(prefix_block_ids, hashes, known_hashes)
                 revive = list(map(_ref_cnt, prefix_blocks)).count(0)
         num_new_blocks = -(-total // bs) - num_prefix
         needed = num_new_blocks + revive
@@ -346,6 +364,19 @@ class KVCacheManager(SwapMixin):
             self.prefix_queries += len(token_ids)
             self.prefix_hits += num_prefix * bs
         return Allocation(new_ids, [])
+
+    def _prefix_blocks(self, prefix_block_ids: Sequence[int], hashes: list[BlockHash],
+                       known_hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
+        """The blocks of prefix_block_ids: lookup_prefix's own when they are (a prefix of) what
+        it just returned for the same hashes object with no eviction since, else checked."""
+        last, self._last_hit = self._last_hit, None
+        if (last is not None and last.block_hashes is known_hashes
+                and last.evictions == self.gpu_pool.num_evictions):
+            n = len(prefix_block_ids)
+            ids = prefix_block_ids if type(prefix_block_ids) is list else list(prefix_block_ids)
+            if n <= len(last.ids) and ids == (last.ids if n == len(last.ids) else last.ids[:n]):
+                return last.blocks if n == len(last.blocks) else last.blocks[:n]
+        return self._check_prefix(prefix_block_ids, hashes)
 
     def _check_prefix(self, prefix_block_ids: Sequence[int], hashes: list[BlockHash]) -> list[KVCacheBlock]:
         """The prefix blocks, after checking that each still holds its position's chained hash."""

@@ -161,6 +161,46 @@ def test_given_hashes_are_trusted_for_every_chunk_they_cover():
     m.check_invariants()
 
 
+def test_allocate_takes_the_lookups_blocks_unchecked_only_while_nothing_was_evicted(monkeypatch):
+    m = mgr(gpu=5)
+    m.allocate_slots(1, A, 12)
+    m.free(1)  # blocks 0-2 cached and free
+    prompt = A + [7]
+    given = prompt_block_hashes(prompt, 4)
+    prefix = m.lookup_prefix(prompt, None, given)
+    assert prefix == [0, 1, 2]
+
+    def no_check(*args):
+        raise AssertionError("the prefix was checked block by block")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(m, "_check_prefix", no_check)
+        assert m.allocate_slots(2, prompt, 5, prefix[:2], block_hashes=given) == Allocation([3, 4], [])
+    assert m.block_table(2) == [0, 1, 3, 4] and m.gpu_pool.blocks[2].ref_cnt == 0
+    m.check_invariants()
+    # The same hashes object, but an eviction since the lookup: the blocks are checked again.
+    m = mgr(gpu=4)
+    m.allocate_slots(1, A, 12)
+    m.free(1)  # free queue: 3 (clean), then cached 2, 1, 0
+    prefix = m.lookup_prefix(prompt, None, given)
+    assert prefix == [0, 1, 2]
+    assert m.allocate_slots(3, B[:8], 8) == Allocation([3, 2], [])  # evicts block 2's hash
+    with pytest.raises(ValueError, match=r"prefix block 2 \(position 2\) no longer holds"):
+        m.allocate_slots(5, prompt, 1, prefix, block_hashes=given)
+    m.check_invariants()
+
+
+def test_allocate_checks_a_prefix_looked_up_under_other_hashes():
+    m = mgr()
+    m.allocate_slots(1, A, 12)
+    m.free(1)
+    prefix = m.lookup_prefix(A + [7], None, prompt_block_hashes(A + [7], 4))
+    other = A[:4] + B[:8] + [7]
+    with pytest.raises(ValueError, match=r"prefix block 1 \(position 1\) no longer holds"):
+        m.allocate_slots(2, other, 1, prefix, block_hashes=prompt_block_hashes(other, 4))
+    m.check_invariants()
+
+
 def test_decode_in_a_formerly_shared_block_writes_in_place():
     m = mgr()
     m.allocate_slots(1, A[:6], 6)
