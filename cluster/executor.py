@@ -208,18 +208,20 @@ class RayExecutor(Executor):
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        # The compiled graph first, while its actors live: tearing it down cancels their
+        # execution loops cleanly (killed first, each cancel fails with ActorDiedError).
+        dag, self._dag = getattr(self, "_dag", None), None
+        if dag is not None:
+            try:
+                dag.teardown()
+            except Exception:  # noqa: BLE001 — a dead worker: its loop is gone already
+                pass
         for w in getattr(self, "workers", []):
             try:
                 ray.kill(w, no_restart=True)
             except Exception:  # noqa: BLE001 — already gone
                 pass
         self.workers = []
-        dag, self._dag = getattr(self, "_dag", None), None
-        if dag is not None:
-            try:
-                dag.teardown()
-            except Exception:  # noqa: BLE001 — its actors are gone already
-                pass
         if self._owns_pg and self._pg is not None:
             try:
                 remove_placement_group(self._pg)
