@@ -49,21 +49,19 @@ def _result(plan: StepPlan, rng: np.random.Generator) -> StepResult:
     return StepResult(plan.step_id, ids, rng.integers(100, 150000, ids.shape[0]))
 
 
-DETOKENIZER_FACTORY = None  # set by main() for --detokenizer rust
-
-
-def _make(num_seqs: int, max_len: int, tokenizer) -> Scheduler:
+def _make(num_seqs: int, max_len: int, tokenizer, factory) -> Scheduler:
     blocks = num_seqs * (-(-max_len // BLOCK_SIZE) + 1)
     kv = KVCacheManager(blocks, 0, BLOCK_SIZE)
     cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=8192, max_model_len=max_len)
-    return Scheduler(cfg, kv, tokenizer=tokenizer, detokenizer_factory=DETOKENIZER_FACTORY)
+    return Scheduler(cfg, kv, tokenizer=tokenizer, detokenizer_factory=factory)
 
 
-def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer) -> dict:
+def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer,
+                 factory=None) -> dict:
     rng = np.random.default_rng(seed)
     # Early sequences decode while later ones prefill: leave room for both phases.
     prefill_steps = num_seqs * context // 8192 + 2
-    sched = _make(num_seqs, context + prefill_steps + steps + 8, tokenizer)
+    sched = _make(num_seqs, context + prefill_steps + steps + 8, tokenizer, factory)
     sp = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.6)
     for i in range(num_seqs):
         sched.add_request(f"r{i}", rng.integers(100, 150000, context - 1).tolist(), sp)
@@ -92,9 +90,9 @@ def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer) 
             "step_us_min": round(min(a + b for a, b in zip(t_sched, t_apply)) * 1e6, 1)}
 
 
-def bench_admit(num_seqs: int, prompt_len: int, seed: int, tokenizer) -> dict:
+def bench_admit(num_seqs: int, prompt_len: int, seed: int, tokenizer, factory=None) -> dict:
     rng = np.random.default_rng(seed)
-    sched = _make(num_seqs, prompt_len + 16, tokenizer)
+    sched = _make(num_seqs, prompt_len + 16, tokenizer, factory)
     sp = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.6)
     prompts = [rng.integers(100, 150000, prompt_len).tolist() for _ in range(num_seqs)]
     t0 = time.perf_counter()
@@ -133,14 +131,14 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args()
     tok = _qwen_tokenizer() if args.tokenizer else None
+    factory = None
     if tok is not None and args.detokenizer == "rust":
         from cluster.fast_detokenizer import detokenizer_factory
 
-        global DETOKENIZER_FACTORY
-        DETOKENIZER_FACTORY = detokenizer_factory(tok)
-    rows = [bench_decode(args.num_seqs, int(c), args.steps, args.seed, tok)
+        factory = detokenizer_factory(tok)
+    rows = [bench_decode(args.num_seqs, int(c), args.steps, args.seed, tok, factory)
             for c in args.contexts.split(",")]
-    rows.append(bench_admit(args.num_seqs, args.admit_prompt, args.seed, tok))
+    rows.append(bench_admit(args.num_seqs, args.admit_prompt, args.seed, tok, factory))
     detok = f"qwen3, {args.detokenizer} detokenizer" if tok else "none"
     print(f"scheduler overhead, block_size {BLOCK_SIZE}, tokenizer {detok}, "
           f"python {platform.python_version()}, numpy {np.__version__}, "
