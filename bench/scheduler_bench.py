@@ -6,6 +6,8 @@ Rows:
            context length.
   admit    N new requests (prompt P tokens) arriving at once; the steps that admit and
            prefill them, chunked by max_num_batched_tokens (prefix lookup, hashing included).
+Like the engine, the benchmark freezes the start-up heap (the KV blocks) out of the garbage
+collector's reach once the scheduler exists (`--no-gc-freeze` to compare).
 The "worker" answers every sampled sequence with a fixed-seed random token, built outside
 the timed region. Token ids from [100, 150000) with a fixed seed (docs BENCHMARKS.md).
 
@@ -29,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from cluster.engine import freeze_startup_heap  # noqa: E402
 from kvcache import KVCacheManager  # noqa: E402
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, StepPlan, StepResult  # noqa: E402
 
@@ -49,19 +52,22 @@ def _result(plan: StepPlan, rng: np.random.Generator) -> StepResult:
     return StepResult(plan.step_id, ids, rng.integers(100, 150000, ids.shape[0]))
 
 
-def _make(num_seqs: int, max_len: int, tokenizer, factory) -> Scheduler:
+def _make(num_seqs: int, max_len: int, tokenizer, factory, freeze_gc: bool) -> Scheduler:
     blocks = num_seqs * (-(-max_len // BLOCK_SIZE) + 1)
     kv = KVCacheManager(blocks, 0, BLOCK_SIZE)
     cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=8192, max_model_len=max_len)
-    return Scheduler(cfg, kv, tokenizer=tokenizer, detokenizer_factory=factory)
+    sched = Scheduler(cfg, kv, tokenizer=tokenizer, detokenizer_factory=factory)
+    if freeze_gc:
+        freeze_startup_heap()  # what LLMEngine does once its scheduler and KV cache exist
+    return sched
 
 
 def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer,
-                 factory=None) -> dict:
+                 factory=None, freeze_gc: bool = True) -> dict:
     rng = np.random.default_rng(seed)
     # Early sequences decode while later ones prefill: leave room for both phases.
     prefill_steps = num_seqs * context // 8192 + 2
-    sched = _make(num_seqs, context + prefill_steps + steps + 8, tokenizer, factory)
+    sched = _make(num_seqs, context + prefill_steps + steps + 8, tokenizer, factory, freeze_gc)
     sp = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.6)
     for i in range(num_seqs):
         sched.add_request(f"r{i}", rng.integers(100, 150000, context - 1).tolist(), sp)
@@ -90,9 +96,10 @@ def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer,
             "step_us_min": round(min(a + b for a, b in zip(t_sched, t_apply)) * 1e6, 1)}
 
 
-def bench_admit(num_seqs: int, prompt_len: int, seed: int, tokenizer, factory=None) -> dict:
+def bench_admit(num_seqs: int, prompt_len: int, seed: int, tokenizer, factory=None,
+                freeze_gc: bool = True) -> dict:
     rng = np.random.default_rng(seed)
-    sched = _make(num_seqs, prompt_len + 16, tokenizer, factory)
+    sched = _make(num_seqs, prompt_len + 16, tokenizer, factory, freeze_gc)
     sp = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.6)
     prompts = [rng.integers(100, 150000, prompt_len).tolist() for _ in range(num_seqs)]
     t0 = time.perf_counter()
@@ -128,17 +135,20 @@ def main() -> None:
                     help="detokenize outputs with the real Qwen3 tokenizer")
     ap.add_argument("--detokenizer", choices=("rust", "python"), default="rust",
                     help="with --tokenizer: the engine's detokenizer (rust) or IncrementalDetokenizer")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the start-up heap to the garbage collector (the engine freezes it)")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args()
+    freeze = not args.no_gc_freeze
     tok = _qwen_tokenizer() if args.tokenizer else None
     factory = None
     if tok is not None and args.detokenizer == "rust":
         from cluster.fast_detokenizer import detokenizer_factory
 
         factory = detokenizer_factory(tok)
-    rows = [bench_decode(args.num_seqs, int(c), args.steps, args.seed, tok, factory)
+    rows = [bench_decode(args.num_seqs, int(c), args.steps, args.seed, tok, factory, freeze)
             for c in args.contexts.split(",")]
-    rows.append(bench_admit(args.num_seqs, args.admit_prompt, args.seed, tok, factory))
+    rows.append(bench_admit(args.num_seqs, args.admit_prompt, args.seed, tok, factory, freeze))
     detok = f"qwen3, {args.detokenizer} detokenizer" if tok else "none"
     print(f"scheduler overhead, block_size {BLOCK_SIZE}, tokenizer {detok}, "
           f"python {platform.python_version()}, numpy {np.__version__}, "

@@ -8,6 +8,7 @@ stream many requests at once: each request gets a queue of output deltas.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,6 +38,15 @@ _HEALTH_PROBE_SECONDS = 2.0
 
 class EngineDeadError(RuntimeError):
     """The engine cannot serve any more requests (a worker died); the replica must be replaced."""
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (model, tokenizer, one KVCacheBlock per KV block: 10^5 of
+    them on a large GPU) out of the garbage collector's reach, as vLLM does after start-up.
+    The cyclic collector otherwise walks them all on each full collection, which the
+    per-token objects of every step trigger regularly: milliseconds taken out of a step."""
+    gc.collect()
+    gc.freeze()
 
 
 class LLMEngine:
@@ -97,6 +107,7 @@ class LLMEngine:
         self.num_steps = 0
         self.forward_seconds = 0.0
         self.step_seconds = 0.0
+        freeze_startup_heap()
 
     # ----- requests ---------------------------------------------------------------------
 
@@ -193,6 +204,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        # Back to the collector, so an engine shut down in a process that lives on (tests, a
+        # notebook) can be collected with whatever cycles it holds.
+        gc.unfreeze()
 
 
 class AsyncLLMEngine:
