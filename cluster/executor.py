@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 from abc import ABC, abstractmethod
@@ -208,25 +209,20 @@ class RayExecutor(Executor):
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        # Best effort throughout: shutdown also runs after a worker died.
         # The compiled graph first, while its actors live: tearing it down cancels their
         # execution loops cleanly (killed first, each cancel fails with ActorDiedError).
         dag, self._dag = getattr(self, "_dag", None), None
         if dag is not None:
-            try:
+            with contextlib.suppress(Exception):  # a dead worker: its loop is gone already
                 dag.teardown()
-            except Exception:  # noqa: BLE001 — a dead worker: its loop is gone already
-                pass
         for w in getattr(self, "workers", []):
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(w, no_restart=True)
-            except Exception:  # noqa: BLE001 — already gone
-                pass
         self.workers = []
         if self._owns_pg and self._pg is not None:
-            try:
+            with contextlib.suppress(Exception):  # removed with its job already
                 remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001
-                pass
             self._pg = None
         thread = getattr(self, "_thread", None)
         if thread is not None:
