@@ -157,8 +157,9 @@ class LLMEngine:
         result = self.executor.execute(plan)
         return self._finish_step(plan, result, start)
 
-    def _finish_step(self, plan: Any, result: Any, start: float) -> list[RequestOutput]:
-        outputs = self.scheduler.apply_result(plan, result)
+    def _finish_step(self, plan: Any, result: Any, start: float,
+                     defer_text: bool = False) -> list[RequestOutput]:
+        outputs = self.scheduler.apply_result(plan, result, defer_text)
         now = time.perf_counter()
         for out in outputs:
             times = self._times.get(out.request_id)
@@ -279,10 +280,19 @@ class AsyncLLMEngine:
             queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
     async def _run(self) -> None:
+        """The step loop. A step's outputs go out while the next step runs: apply_result
+        takes every decision at once (stop tokens, lengths, freed blocks) but leaves the text
+        of sequences without stop strings out; the next plan is scheduled and launched, and
+        only then is that text detokenized and the deltas delivered, overlapping the forward
+        pass (on other processes with Ray, on the GPU with CUDA)."""
         assert self._wake is not None
+        scheduler = self.engine.scheduler
+        undelivered: list[RequestOutput] = []
         try:
             while True:
                 if not self.engine.has_unfinished():
+                    self._deliver(undelivered)
+                    undelivered = []
                     self._wake.clear()
                     try:
                         await asyncio.wait_for(self._wake.wait(), _HEALTH_PROBE_SECONDS)
@@ -290,24 +300,30 @@ class AsyncLLMEngine:
                         await asyncio.to_thread(self.engine.executor.ping)
                     continue
                 start = time.perf_counter()
-                plan = self.engine.scheduler.schedule()
+                plan = scheduler.schedule()
                 self._stepping = True
                 try:
-                    result = await self.engine.executor.execute_async(plan)
+                    running = asyncio.ensure_future(self.engine.executor.execute_async(plan))
+                    self._deliver(undelivered)  # the previous step's, while this one runs
+                    undelivered = []
+                    await asyncio.sleep(0)  # consumers (HTTP streams) take them now
+                    result = await running
                 finally:
                     self._stepping = False
-                outputs = self.engine._finish_step(plan, result, start)
-                for out in outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                undelivered = self.engine._finish_step(plan, result, start, defer_text=True)
                 for request_id in self._pending_aborts:
                     self.engine.abort(request_id)
                 self._pending_aborts.clear()
-                # Give consumers (HTTP streams) a turn before the next step.
-                await asyncio.sleep(0)
         except Exception as e:  # noqa: BLE001 — anything here kills the engine; say why
             self._die(e)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Fill in the text apply_result deferred and hand each delta to its request's queue."""
+        self.engine.scheduler.finish_text()
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
 
     def _die(self, error: BaseException) -> None:
         self._dead = (str(error) if isinstance(error, WorkerDiedError)

@@ -14,11 +14,15 @@ from scheduler.plan import StepResult
 from scheduler.request import Request, Sequence, SequenceStatus
 
 
-def process_token(req: Request, seq: Sequence, token: int, result: StepResult, row: int
-                  ) -> tuple[SequenceStatus | None, str, str | int | None,
+def process_token(req: Request, seq: Sequence, token: int, result: StepResult, row: int,
+                  defer_text: bool = False
+                  ) -> tuple[SequenceStatus | None, str | None, str | int | None,
                              list[dict[int, float]] | None]:
     """For a token already appended to seq.token_ids: (finished status or None, new text,
-    stop reason, logprobs). The caller finishes the sequence."""
+    stop reason, logprobs). The caller finishes the sequence.
+
+    With defer_text, a sequence without stop strings (whose text cannot stop it) is not
+    detokenized here: the text comes back as None and `token_text` gives it later."""
     sp = req.sampling_params
     num_out = len(seq.token_ids) - seq.prompt_len
     can_stop = num_out > sp.min_tokens
@@ -27,8 +31,10 @@ def process_token(req: Request, seq: Sequence, token: int, result: StepResult, r
     if can_stop and token in req.stop_token_ids:
         status = SequenceStatus.FINISHED_STOPPED
         stop_reason = req.stop_token_ids[token]
-    text = ""
-    if seq.detokenizer is not None:
+    text: str | None = ""
+    if defer_text and seq.detokenizer is not None and seq.stop_buffer is None:
+        text = None
+    elif seq.detokenizer is not None:
         piece = (seq.detokenizer.step(token)
                  if status is None or sp.include_stop_str_in_output else "")
         if seq.stop_buffer is not None:
@@ -44,6 +50,16 @@ def process_token(req: Request, seq: Sequence, token: int, result: StepResult, r
     if sp.logprobs is not None:
         logprobs = [logprob_dict(result, row, token, sp.logprobs)]
     return status, text, stop_reason, logprobs
+
+
+def token_text(req: Request, seq: Sequence, token: int, stopped: bool, finished: bool) -> str:
+    """The text process_token deferred for a sequence without stop strings: the token's own
+    (not for a stop token, unless include_stop_str_in_output), then, if the sequence finished,
+    what its detokenizer held back. Called in token order, once per deferred token."""
+    detok = seq.detokenizer
+    text = (detok.step(token)
+            if not stopped or req.sampling_params.include_stop_str_in_output else "")
+    return text + detok.flush() if finished else text
 
 
 def flush_text(seq: Sequence) -> str:

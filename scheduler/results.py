@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvcache import KVCacheManager
-from scheduler.output_processor import flush_text, process_token
+from scheduler.output_processor import flush_text, process_token, token_text
 from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.plan import StepPlan, StepResult
 from scheduler.request import Request, Sequence, SequenceStatus
@@ -22,16 +22,25 @@ class ResultsMixin:
     _deferred: list[RequestOutput]
     _running_dirty: bool
     generation_tokens_total: int
+    # (delta, request, sequence, token, stopped by a stop token, finished): text owed by
+    # apply_result(defer_text=True), filled in by finish_text() in token order
+    _text_todo: list[tuple[CompletionOutput, Request, Sequence, int, bool, bool]]
 
-    def apply_result(self, plan: StepPlan, result: StepResult | None) -> list[RequestOutput]:
+    def apply_result(self, plan: StepPlan, result: StepResult | None,
+                     defer_text: bool = False) -> list[RequestOutput]:
         """Append the sampled tokens, check stop conditions, and return output deltas.
 
         `result` may be None for a plan in which no sequence samples. Tokens of sequences
-        aborted while the step ran are ignored.
+        aborted while the step ran are ignored. With defer_text, sequences without stop
+        strings (the only ones whose text cannot end them) get their deltas' text only when
+        finish_text() runs, so the engine can schedule and launch the next step first; every
+        other decision (stop tokens, lengths, freed blocks) is taken here as usual.
         """
         if self._inflight != plan.step_id:
             raise RuntimeError(f"apply_result() for step {plan.step_id}, but the plan awaiting "
                                f"results is {self._inflight}")
+        if self._text_todo:
+            self.finish_text()
         outputs, self._deferred = self._deferred, []
         if result is None:
             if plan.do_sample.any():
@@ -77,7 +86,7 @@ class ResultsMixin:
                     emit(out)
                     continue
             else:
-                comp = self._token_output(req, seq, token, result, row)
+                comp = self._token_output(req, seq, token, result, row, defer_text)
                 if req.n == 1:
                     out = RequestOutput(req.request_id, req.prompt_token_ids, [comp],
                                         comp.finish_reason is not None, req.num_cached_tokens)
@@ -103,20 +112,38 @@ class ResultsMixin:
         return outputs
 
     def _token_output(self, req: Request, seq: Sequence, token: int, result: StepResult,
-                      row: int) -> CompletionOutput:
+                      row: int, defer_text: bool = False) -> CompletionOutput:
         """The output delta of a token just appended: stop checks, text, logprobs."""
-        status, text, stop_reason, logprobs = process_token(req, seq, token, result, row)
+        status, text, stop_reason, logprobs = process_token(req, seq, token, result, row,
+                                                            defer_text)
+        deferred = text is None
         if status is None:
-            return CompletionOutput(seq.index, [token], text, None, None, logprobs)
-        self._release(seq, self._pending_drops)
-        return self._finish_output(req, seq, status, [token], text, stop_reason, logprobs)
+            comp = CompletionOutput(seq.index, [token], text or "", None, None, logprobs)
+        else:
+            self._release(seq, self._pending_drops)
+            comp = self._finish_output(req, seq, status, [token], text or "", stop_reason,
+                                       logprobs, flush=not deferred)
+        if deferred:
+            stopped = status is SequenceStatus.FINISHED_STOPPED
+            self._text_todo.append((comp, req, seq, token, stopped, status is not None))
+        return comp
+
+    def finish_text(self) -> None:
+        """Fill in the text apply_result(defer_text=True) left out, in token order."""
+        todo, self._text_todo = self._text_todo, []
+        for comp, req, seq, token, stopped, finished in todo:
+            comp.text = token_text(req, seq, token, stopped, finished)
 
     def _finish_output(self, req: Request, seq: Sequence, status: SequenceStatus,
                        token_ids: list[int], text: str, stop_reason: str | int | None,
-                       logprobs: list[dict[int, float]] | None) -> CompletionOutput:
+                       logprobs: list[dict[int, float]] | None,
+                       flush: bool = True) -> CompletionOutput:
         """Finish a sequence whose blocks are released; its held-back text goes out unless a
-        stop string ended it (then the rest is cut off)."""
-        if not isinstance(stop_reason, str):
+        stop string ended it (then the rest is cut off). flush=False leaves that to
+        finish_text (the sequence's last token is still to be detokenized)."""
+        if flush and not isinstance(stop_reason, str):
+            if self._text_todo:
+                self.finish_text()  # this sequence's earlier tokens come first
             text += flush_text(seq)
         seq.stop_reason = stop_reason
         req.finish_seq(seq, status)

@@ -92,6 +92,7 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
         self._pending_drops: list[int] = []  # seq ids to drop in the next plan
         self._deferred: list[RequestOutput] = []  # outputs decided in schedule()
         self._running_dirty = False  # some running request finished in apply_result
+        self._text_todo = []  # text owed by apply_result(defer_text=True), see finish_text
         # token id -> convert_ids_to_tokens result, per skip_special_tokens, for every
         # detokenizer of this scheduler's tokenizer
         self._token_cache: dict[bool, dict[int, list[str]]] = {True: {}, False: {}}

@@ -119,15 +119,22 @@ def test_qwen_special_tokens(qwen) -> None:
 class ScriptedRun:
     """Drives a Scheduler with a scripted model: each sequence emits given token ids in order."""
 
-    def __init__(self, sched, scripts: dict[tuple[str, int], list[int]]) -> None:
+    def __init__(self, sched, scripts: dict[tuple[str, int], list[int]],
+                 defer_text: bool = False) -> None:
         self.sched = sched
         self.scripts = {k: list(v) for k, v in scripts.items()}
         self.pos: dict[int, tuple[str, int]] = {}
+        self.defer_text = defer_text
 
     def run(self) -> dict[tuple[str, int], dict]:
+        """With defer_text, as the async engine does: apply_result leaves the text out, the
+        next step is scheduled, and only then finish_text fills it in and the deltas go out."""
         got: dict[tuple[str, int], dict] = {}
+        pending: list = []
         while self.sched.has_unfinished():
             plan = self.sched.schedule()
+            self.sched.finish_text()
+            self._record(got, pending)
             for ns in plan.new_seqs:
                 self.pos[ns.seq_id] = (ns.request_id, ns.seq_index)
             sampled = plan.seq_ids[plan.do_sample].tolist()
@@ -138,15 +145,24 @@ class ScriptedRun:
                                 logprobs=np.full(k, -0.5, dtype=np.float32),
                                 top_token_ids=np.tile(np.array([7, 8], dtype=np.int64), (k, 1)),
                                 top_logprobs=np.tile(np.array([-0.1, -2.0], np.float32), (k, 1)))
-            for out in self.sched.apply_result(plan, result):
-                for c in out.outputs:
-                    g = got.setdefault((out.request_id, c.index),
-                                       {"ids": [], "deltas": [], "lp": []})
-                    g["ids"] += c.token_ids
-                    g["deltas"].append(c.text)
-                    g["finish"], g["reason"] = c.finish_reason, c.stop_reason
-                    g["lp"] += c.logprobs or []
+            pending = self.sched.apply_result(plan, result, defer_text=self.defer_text)
+            if not self.defer_text:
+                self._record(got, pending)
+                pending = []
+        self.sched.finish_text()
+        self._record(got, pending)
         return got
+
+    @staticmethod
+    def _record(got: dict, outputs: list) -> None:
+        for out in outputs:
+            for c in out.outputs:
+                g = got.setdefault((out.request_id, c.index),
+                                   {"ids": [], "deltas": [], "lp": []})
+                g["ids"] += c.token_ids
+                g["deltas"].append(c.text)
+                g["finish"], g["reason"] = c.finish_reason, c.stop_reason
+                g["lp"] += c.logprobs or []
 
 
 def _qwen_sched(qwen, **sp):
@@ -193,3 +209,44 @@ def test_qwen_scheduler_stream_text_stop_string_and_eos(qwen) -> None:
     assert g["lp"] == [{t: -0.5, 7: pytest.approx(-0.1)} for t in ids[:4]]
     g = got[("min", 0)]  # ids[2] comes before min_tokens outputs: ignored; EOS stops it
     assert g["finish"] == "stop" and g["ids"] == ids + [eos]
+
+
+def test_qwen_deferred_text_gives_the_same_deltas(qwen) -> None:
+    """apply_result(defer_text=True) + finish_text after the next schedule() (the async
+    engine's order) streams exactly what the inline path does: stop tokens, lengths, stop
+    strings (never deferred), min_tokens, logprobs, n = 2, split characters."""
+    ids = qwen.encode(QWEN_TEXT)
+    prompt = qwen.encode("Tell me:")
+
+    def run(defer: bool) -> dict:
+        sched, eos = _qwen_sched(qwen)
+        sched.add_request("len", prompt, SamplingParams(max_tokens=len(ids), ignore_eos=True))
+        sched.add_request("eos", prompt, SamplingParams(max_tokens=100))
+        sched.add_request("eos+", prompt, SamplingParams(max_tokens=100,
+                                                         include_stop_str_in_output=True))
+        sched.add_request("stop", prompt, SamplingParams(max_tokens=100, stop=["café"]))
+        sched.add_request("ids", prompt, SamplingParams(max_tokens=100, stop_token_ids=[ids[3]],
+                                                        logprobs=1))
+        sched.add_request("min", prompt, SamplingParams(max_tokens=100, min_tokens=4,
+                                                        stop_token_ids=[ids[2]]))
+        sched.add_request("n2", prompt, SamplingParams(n=2, max_tokens=7, temperature=0.5))
+        scripts = {(r, i): ids + [eos] * 3 for r in sched.requests for i in range(2)}
+        return ScriptedRun(sched, scripts, defer_text=defer).run()
+
+    inline, deferred = run(False), run(True)
+    assert deferred == inline
+    assert "".join(inline[("len", 0)]["deltas"]) == QWEN_TEXT
+    assert "".join(inline[("eos", 0)]["deltas"]) == QWEN_TEXT
+    assert "".join(inline[("n2", 1)]["deltas"]) == qwen.decode(ids[:7])
+
+
+def test_qwen_deferred_text_is_filled_by_finish_text(qwen) -> None:
+    sched, _ = _qwen_sched(qwen)
+    sched.add_request("a", qwen.encode("Hi"), SamplingParams(max_tokens=5, ignore_eos=True))
+    plan = sched.schedule()
+    tok = qwen.encode(" there")[0]
+    result = StepResult(plan.step_id, plan.seq_ids[plan.do_sample], np.array([tok], np.int64))
+    (out,) = sched.apply_result(plan, result, defer_text=True)
+    assert out.outputs[0].token_ids == [tok] and out.outputs[0].text == ""
+    sched.finish_text()
+    assert out.outputs[0].text == " there"
