@@ -63,7 +63,9 @@ def _make(num_seqs: int, max_len: int, tokenizer, factory, freeze_gc: bool) -> S
 
 
 def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer,
-                 factory=None, freeze_gc: bool = True) -> dict:
+                 factory=None, freeze_gc: bool = True, defer_text: bool = False) -> dict:
+    """With defer_text (the async engine's order), `apply` is apply_result's share on the
+    critical path and `text_us` the finish_text that overlaps the next forward pass."""
     rng = np.random.default_rng(seed)
     # Early sequences decode while later ones prefill: leave room for both phases.
     prefill_steps = num_seqs * context // 8192 + 2
@@ -76,21 +78,24 @@ def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer,
         sched.apply_result(plan, _result(plan, rng))
         if plan.num_tokens == num_seqs and plan.do_sample.all():
             break
-    t_sched, t_apply = [], []
+    t_sched, t_apply, t_text = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = sched.schedule()
         t1 = time.perf_counter()
         result = _result(plan, rng)
         t2 = time.perf_counter()
-        sched.apply_result(plan, result)
+        sched.apply_result(plan, result, defer_text=defer_text)
         t3 = time.perf_counter()
+        sched.finish_text()
+        t_text.append(time.perf_counter() - t3)
         assert plan.num_seqs == num_seqs
         t_sched.append(t1 - t0)
         t_apply.append(t3 - t2)
     med_s, med_a = statistics.median(t_sched) * 1e6, statistics.median(t_apply) * 1e6
     return {"row": "decode", "num_seqs": num_seqs, "context": context, "steps": steps,
             "schedule_us": round(med_s, 1), "apply_us": round(med_a, 1),
+            "text_us": round(statistics.median(t_text) * 1e6, 1) if defer_text else None,
             "step_us": round(med_s + med_a, 1),
             "step_us_mean": round((sum(t_sched) + sum(t_apply)) / steps * 1e6, 1),
             "step_us_min": round(min(a + b for a, b in zip(t_sched, t_apply)) * 1e6, 1)}
@@ -135,6 +140,9 @@ def main() -> None:
                     help="detokenize outputs with the real Qwen3 tokenizer")
     ap.add_argument("--detokenizer", choices=("rust", "python"), default="rust",
                     help="with --tokenizer: the engine's detokenizer (rust) or IncrementalDetokenizer")
+    ap.add_argument("--defer-text", action="store_true",
+                    help="with --tokenizer: detokenize after apply_result, as the async engine "
+                         "does while the next step runs (reported as text us, off the step)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the start-up heap to the garbage collector (the engine freezes it)")
     ap.add_argument("--json", help="write the rows to this file")
@@ -146,19 +154,21 @@ def main() -> None:
         from cluster.fast_detokenizer import detokenizer_factory
 
         factory = detokenizer_factory(tok)
-    rows = [bench_decode(args.num_seqs, int(c), args.steps, args.seed, tok, factory, freeze)
-            for c in args.contexts.split(",")]
+    rows = [bench_decode(args.num_seqs, int(c), args.steps, args.seed, tok, factory, freeze,
+                         args.defer_text) for c in args.contexts.split(",")]
     rows.append(bench_admit(args.num_seqs, args.admit_prompt, args.seed, tok, factory, freeze))
     detok = f"qwen3, {args.detokenizer} detokenizer" if tok else "none"
     print(f"scheduler overhead, block_size {BLOCK_SIZE}, tokenizer {detok}, "
           f"python {platform.python_version()}, numpy {np.__version__}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'row':<7}{'seqs':>6}{'context':>9}{'steps':>7}{'schedule us':>13}{'apply us':>10}"
-          f"{'step us (median)':>18}{'mean':>9}{'min':>9}")
+          f"{'step us (median)':>18}{'mean':>9}{'min':>9}{'text us (off step)':>20}")
     for r in rows:
+        text = r.get("text_us")
         print(f"{r['row']:<7}{r['num_seqs']:>6}{r['context']:>9}{r['steps']:>7}"
               f"{r.get('schedule_us', ''):>13}{r.get('apply_us', ''):>10}"
-              f"{r['step_us']:>18}{r['step_us_mean']:>9}{r['step_us_min']:>9}")
+              f"{r['step_us']:>18}{r['step_us_mean']:>9}{r['step_us_min']:>9}"
+              f"{'' if text is None else text:>20}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "tokenizer": bool(tok),
