@@ -112,7 +112,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "n", "arrival_time",
                  "extra_key", "seqs", "status", "forked", "num_cached_tokens", "scheduled_step",
-                 "admitted", "stop_token_ids", "max_output", "plain", "block_hashes")
+                 "admitted", "stop_token_ids", "max_output", "plain", "deferrable", "block_hashes")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float,
@@ -142,6 +142,8 @@ class Request:
         limit = max_model_len - len(prompt_token_ids)
         self.max_output = limit if sp.max_tokens is None else min(sp.max_tokens, limit)
         self.plain = False  # no text, no logprobs: the output fast path applies (Scheduler)
+        # text, but no stop strings and no logprobs: with deferred text, the fast path too
+        self.deferrable = False
 
     @property
     def is_finished(self) -> bool:

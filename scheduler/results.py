@@ -58,6 +58,7 @@ class ResultsMixin:
         seqs_get = self._seqs.get
         emit = outputs.append
         new_obj = object.__new__
+        todo = self._text_todo.append
         num_tokens = 0
         for row, (sid, token) in enumerate(zip(result.seq_ids.tolist(),
                                                result.token_ids.tolist())):
@@ -68,14 +69,18 @@ class ResultsMixin:
             tokens = seq.token_ids
             tokens.append(token)
             num_tokens += 1
-            if req.plain and token not in req.stop_token_ids and len(tokens) < seq.max_len:
-                # No text, no logprobs, no stop: the delta is just the token. Built field by
-                # field: the dataclass __init__ call costs more than the rest of this loop.
+            if ((req.plain or (defer_text and req.deferrable))
+                    and token not in req.stop_token_ids and len(tokens) < seq.max_len):
+                # No logprobs, no stop, and no text now (none at all, or deferred): the delta
+                # is just the token. Built field by field: the dataclass __init__ call costs
+                # more than the rest of this loop.
                 comp = new_obj(CompletionOutput)
                 comp.index = seq.index
                 comp.token_ids = [token]
                 comp.text = ""
                 comp.finish_reason = comp.stop_reason = comp.logprobs = None
+                if not req.plain:
+                    todo((comp, req, seq, token, False, False))
                 if req.n == 1:
                     out = new_obj(RequestOutput)
                     out.request_id = req.request_id
@@ -130,9 +135,10 @@ class ResultsMixin:
 
     def finish_text(self) -> None:
         """Fill in the text apply_result(defer_text=True) left out, in token order."""
-        todo, self._text_todo = self._text_todo, []
+        todo = self._text_todo  # cleared in place: apply_result holds its append
         for comp, req, seq, token, stopped, finished in todo:
             comp.text = token_text(req, seq, token, stopped, finished)
+        todo.clear()
 
     def _finish_output(self, req: Request, seq: Sequence, status: SequenceStatus,
                        token_ids: list[int], text: str, stop_reason: str | int | None,

@@ -158,6 +158,7 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
             self._init_seq(req, seq)
             self._seqs[seq.seq_id] = (req, seq)
         req.plain = self.tokenizer is None and sp.logprobs is None
+        req.deferrable = self.tokenizer is not None and sp.logprobs is None and not sp.stop
         self.requests[request_id] = req
         self.waiting.append(req)
 

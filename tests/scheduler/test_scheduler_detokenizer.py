@@ -250,3 +250,24 @@ def test_qwen_deferred_text_is_filled_by_finish_text(qwen) -> None:
     assert out.outputs[0].token_ids == [tok] and out.outputs[0].text == ""
     sched.finish_text()
     assert out.outputs[0].text == " there"
+
+
+def test_qwen_deferred_text_survives_an_inline_finish_in_the_same_step(qwen) -> None:
+    """A sequence finished inline (it has stop strings, so its text is never deferred, and
+    it ends by length) flushes the text owed so far in the middle of apply_result; deltas of
+    later sequences in that step still get theirs."""
+    ids = qwen.encode(QWEN_TEXT)
+    prompt = qwen.encode("Tell me:")
+
+    def run(defer: bool) -> dict:
+        sched, _ = _qwen_sched(qwen)
+        sched.add_request("a", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+        sched.add_request("stop", prompt, SamplingParams(max_tokens=3, ignore_eos=True,
+                                                         stop=["zzz"]))
+        sched.add_request("b", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+        scripts = {(r, 0): list(ids) for r in sched.requests}
+        return ScriptedRun(sched, scripts, defer_text=defer).run()
+
+    inline, deferred = run(False), run(True)
+    assert deferred == inline
+    assert "".join(deferred[("b", 0)]["deltas"]) == qwen.decode(ids[:6])
