@@ -4,8 +4,8 @@
 API (two `convert_tokens_to_string` calls per token, ~9 us, and ~28 us for a token id not seen
 before). `tokenizers.decoders.DecodeStream` does the same prefix/read-offset algorithm in Rust
 (~3 us for any id), which is what a 256-sequence decode step needs. It lives here, not in
-scheduler/, because the scheduler imports no tokenizer library: the engine hands it
-`make_detokenizer` as its `detokenizer_factory`.
+scheduler/, because the scheduler imports no tokenizer library: the engine hands the
+scheduler `detokenizer_factory(tokenizer)`.
 """
 
 from __future__ import annotations

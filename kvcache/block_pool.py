@@ -283,13 +283,7 @@ class BlockPool:
                 return
             # a hash already in the map or repeated in the batch: build the shared entries
         for block, h in zip(blocks, block_hashes):
-            entry = cache.get(h)
-            if entry is None:
-                cache[h] = block
-            elif isinstance(entry, KVCacheBlock):
-                cache[h] = {entry.block_id: entry, block.block_id: block}
-            else:
-                entry[block.block_id] = block
+            self.cache_block(block, h)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """Any block holding block_hash, or None."""

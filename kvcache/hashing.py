@@ -18,7 +18,7 @@ Hashes are the 16-byte digests (`bytes`), which chain without int <-> bytes conv
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -81,8 +81,28 @@ def hash_block_tokens(
     parent_hash: BlockHash | None, token_ids: Sequence[int], extra_key: bytes | None = None
 ) -> BlockHash:
     """Hash of one full block given its parent's hash (None for the first block)."""
-    parent = ROOT_HASH if parent_hash is None else parent_hash
-    return _xxh3_128(parent + pack_token_ids(token_ids) + (extra_key or b""))
+    return _xxh3_128((ROOT_HASH if parent_hash is None else parent_hash)
+                     + pack_token_ids(token_ids) + (extra_key or b""))
+
+
+def block_hasher(
+    block_size: int,
+) -> Callable[[BlockHash | None, Sequence[int], bytes | None], BlockHash]:
+    """hash_block_tokens for blocks of exactly block_size tokens, its packer built once (the
+    decode step's block that just filled)."""
+    pack = struct.Struct(f"<{block_size}i").pack
+
+    def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int],
+                   extra_key: bytes | None = None) -> BlockHash:
+        try:
+            packed = pack(*token_ids)
+        except struct.error as e:
+            raise ValueError(f"token ids must fit in int32: {e}") from None
+        return _xxh3_128((ROOT_HASH if parent_hash is None else parent_hash) + packed
+                         + (extra_key or b""))
+
+    return hash_block
+
 
 
 def hash_packed_blocks(

@@ -18,18 +18,14 @@ step, and every layer writes the whole batch's KV before attending.
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
-import xxhash
-
 from kvcache.block_pool import BlockPool, KVCacheBlock
 from kvcache.hashing import (
-    ROOT_HASH,
     BlockHash,
-    hash_block_tokens,
+    block_hasher,
     hash_packed_blocks,
     pack_token_ids,
     prompt_block_hashes,
@@ -39,7 +35,6 @@ from kvcache.swap import SwapMixin
 from kvcache.tables import NOTHING_NEW as _NOTHING_NEW
 from kvcache.tables import Allocation, SeqBlocks
 
-_xxh3_128 = xxhash.xxh3_128_digest
 _block_id = attrgetter("block_id")
 _block_hash = attrgetter("block_hash")
 _ref_cnt = attrgetter("ref_cnt")
@@ -93,7 +88,7 @@ class KVCacheManager(SwapMixin):
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark is a fraction of GPU blocks in [0, 1), got {watermark}")
         self.block_size = block_size
-        self._pack_block = struct.Struct(f"<{block_size}i").pack  # one full block, as hashed
+        self._hash_block = block_hasher(block_size)
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -141,7 +136,7 @@ class KVCacheManager(SwapMixin):
         cache = self.gpu_pool.cached_block_hash_to_block
         given = block_hashes is not None
         if block_hashes is None:
-            if hash_block_tokens(None, token_ids[:bs], extra_key) not in cache:
+            if self._hash_block(None, token_ids[:bs], extra_key) not in cache:
                 return []  # a miss at block 0 (a cold prompt): hash nothing more
             block_hashes = prompt_block_hashes(token_ids[: max_hit * bs], bs, extra_key)
         if not block_hashes or block_hashes[0] not in cache:
@@ -405,14 +400,8 @@ class KVCacheManager(SwapMixin):
         start, stop = len(hashes), seq.num_slots // bs
         known = seq.known_hashes
         if stop - start == 1:  # a decode step (or a short chunk) filled one block
-            if len(known) > start:
-                h = known[start]
-            else:
-                try:
-                    packed = self._pack_block(*token_ids[start * bs : stop * bs])
-                except struct.error as e:
-                    raise ValueError(f"token ids must fit in int32: {e}") from None
-                h = _xxh3_128((hashes[-1] if hashes else ROOT_HASH) + packed + (seq.extra_key or b""))
+            h = known[start] if len(known) > start else self._hash_block(
+                hashes[-1] if hashes else None, token_ids[start * bs : stop * bs], seq.extra_key)
             hashes.append(h)
             pool.cache_block(blocks[table[start]], h)
             return

@@ -35,8 +35,7 @@ def process_token(req: Request, seq: Sequence, token: int, result: StepResult, r
     if defer_text and seq.detokenizer is not None and seq.stop_buffer is None:
         text = None
     elif seq.detokenizer is not None:
-        piece = (seq.detokenizer.step(token)
-                 if status is None or sp.include_stop_str_in_output else "")
+        piece = token_text(req, seq, token, status is not None, False)
         if seq.stop_buffer is not None:
             text, stop_str = seq.stop_buffer.feed(piece, can_stop and status is None)
             if stop_str is not None:

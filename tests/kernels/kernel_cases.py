@@ -7,10 +7,18 @@ sequence's length inside its last block are all filled with NaN.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import Tensor
+
+# CPU cases run only under Triton's interpreter (conftest sets TRITON_INTERPRET=1 without CUDA).
+INTERPRETER_ONLY = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU tensors need Triton's interpreter, which is off when CUDA is present; "
+           "test_kernels_triton_gpu.py runs these cases on the GPU")
 
 # Tolerances (atol = rtol) per dtype: fp32 is exact arithmetic up to summation order; fp16/bf16
 # allow two units in the last place at |x| ~ 1 (the kernel rounds P to the input dtype before

@@ -8,12 +8,11 @@ test_kernels_triton_gpu.py.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from kernel_cases import (
     DECODE,
+    INTERPRETER_ONLY,
     MIXED,
     check_paged_attention,
     check_rms_norm,
@@ -23,13 +22,9 @@ from kernel_cases import (
     make_paged_batch,
 )
 
-_INTERPRETER = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="CPU tensors need Triton's interpreter, which is off when CUDA is present; "
-           "the cuda cases run these on the GPU")
 _NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 DEVICE_DTYPES = (
-    [pytest.param("cpu", d, marks=_INTERPRETER, id=f"cpu-{_NAMES[d]}")
+    [pytest.param("cpu", d, marks=INTERPRETER_ONLY, id=f"cpu-{_NAMES[d]}")
      for d in (torch.float32, torch.float16)]
     + [pytest.param("cuda", d, marks=pytest.mark.gpu, id=f"cuda-{_NAMES[d]}")
        for d in (torch.float32, torch.float16, torch.bfloat16)])

@@ -4,21 +4,16 @@ with CUDA are in test_kernels_triton.py. Tolerances are kernel_cases.TOL.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from kernel_cases import (
+    INTERPRETER_ONLY,
     MIXED,
     check_paged_attention,
     make_paged_batch,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="CPU tensors need Triton's interpreter, which is off when CUDA is present; "
-           "test_kernels_triton_gpu.py runs these cases on the GPU",
-)
+pytestmark = INTERPRETER_ONLY
 
 
 def test_query_blocks_span_several_programs_per_sequence() -> None:

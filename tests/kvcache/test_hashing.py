@@ -4,7 +4,7 @@ import pytest
 import xxhash
 
 from kvcache import hash_block_tokens
-from kvcache.hashing import ROOT_HASH, hash_packed_blocks, pack_token_ids
+from kvcache.hashing import ROOT_HASH, block_hasher, hash_packed_blocks, pack_token_ids
 
 
 def test_hash_is_xxh3_128_over_parent_tokens_and_extra_key():
@@ -37,3 +37,12 @@ def test_packed_chain_equals_block_by_block_chain():
 def test_negative_token_id_is_a_value_error():
     with pytest.raises(ValueError, match="token ids must fit in int32"):
         hash_block_tokens(None, [-1 << 40])
+
+
+def test_block_hasher_is_hash_block_tokens_for_its_block_size():
+    hash4 = block_hasher(4)
+    parent = hash_block_tokens(None, [1, 2, 3, 4])
+    assert hash4(None, [1, 2, 3, 4]) == parent
+    assert hash4(parent, [5, 6, 7, 8], b"salt") == hash_block_tokens(parent, [5, 6, 7, 8], b"salt")
+    with pytest.raises(ValueError, match="int32"):
+        hash4(None, [1, 2, 3, 2**31])
