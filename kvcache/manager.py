@@ -5,7 +5,10 @@ Per-sequence state (invariants, checked by `check_invariants`):
   - len(block_ids) == ceil(num_slots / block_size); token i's KV lives in
     block_ids[i // block_size] at offset i % block_size;
   - with prefix caching, block_hashes[i] is the chained hash of full block i and
-    len(block_hashes) == num_slots // block_size; on the GPU every full block carries it;
+    len(block_hashes) == num_slots // block_size; on the GPU every full block carries it.
+    One exception: a slot reserved ahead of its token (`num_pending`, async scheduling) that
+    fills a block leaves that block unhashed until its token is known; the next block the
+    sequence opens hashes it first, so at most the last full block lags;
   - a swapped-out sequence's block_ids are CPU block ids.
 Per-step cost is O(new tokens): decode touches at most one new block and hashes at most one
 full block, never the whole context.
@@ -203,10 +206,14 @@ class KVCacheManager(SwapMixin):
         extra_key: bytes | None = None,
         admit: bool = False,
         block_hashes: Sequence[BlockHash] = (),
+        num_pending: int = 0,
     ) -> Allocation | None:
         """Reserve KV slots for the seq's next num_new_tokens tokens.
 
-        token_ids is the seq's whole known token list. Afterwards the seq has slots for
+        token_ids is the seq's whole known token list, followed by num_pending tokens still
+        being sampled (async scheduling computes a token in the step after the one that
+        samples it, before the scheduler knows it): blocks those fill are hashed later.
+        Afterwards the seq has slots for
         token_ids[:num_slots(seq_id)]: num_slots grows by num_new_tokens, plus, on the first
         call, len(prefix_block_ids) * block_size tokens covered by the prefix blocks (which must
         come from lookup_prefix of the same tokens and extra_key, with no allocation between).
@@ -227,10 +234,11 @@ class KVCacheManager(SwapMixin):
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         num_slots = seq.num_slots
         total = num_slots + num_new_tokens
-        if total > len(token_ids):
+        if total > len(token_ids) + num_pending:
             raise ValueError(
                 f"seq {seq_id}: {num_slots} slots + {num_new_tokens} new tokens exceeds the "
-                f"{len(token_ids)} known token ids; pass the seq's whole token list"
+                f"{len(token_ids)} known token ids + {num_pending} pending; pass the seq's "
+                "whole token list"
             )
         # The common decode step: the tokens fit in the last block, which this seq owns alone.
         # Decided from small ints on the seq alone: touching the table or the block (cache
@@ -279,15 +287,16 @@ class KVCacheManager(SwapMixin):
             self._cache_full_blocks(seq, token_ids)
         return Allocation(new_ids, copies)
 
-    def append_slot(self, seq_id: int, token_ids: Sequence[int]) -> Allocation | None:
-        """allocate_slots(seq_id, token_ids, 1): the one-token decode step, same result and
-        side effects. The common cases (a known GPU seq, its last block unshared, with room
-        or full so that one new block opens) skip the general checks; every other case,
-        errors and a full pool included, is allocate_slots'."""
+    def append_slot(self, seq_id: int, token_ids: Sequence[int],
+                    num_pending: int = 0) -> Allocation | None:
+        """allocate_slots(seq_id, token_ids, 1, num_pending=num_pending): the one-token decode
+        step, same result and side effects. The common cases (a known GPU seq, its last block
+        unshared, with room or full so that one new block opens) skip the general checks;
+        every other case, errors and a full pool included, is allocate_slots'."""
         seq = self._seqs.get(seq_id)
         if seq is not None and not seq.shared_tail and not seq.swapped:
             num_slots = seq.num_slots
-            if num_slots < len(token_ids):
+            if num_slots < len(token_ids) + num_pending:
                 room = seq.tail_room
                 if room:
                     seq.num_slots = num_slots + 1
@@ -297,12 +306,14 @@ class KVCacheManager(SwapMixin):
                     return _NOTHING_NEW
                 pool = self.gpu_pool
                 if pool.free_block_queue.num_free_blocks and self.block_size > 1:
+                    if self.enable_prefix_caching and len(seq.block_hashes) < len(seq.block_ids):
+                        self._cache_full_blocks(seq, token_ids)  # filled ahead of its token
                     block_id = pool.get_new_block().block_id  # the last block is full: open one
                     seq.block_ids.append(block_id)
                     seq.num_slots = num_slots + 1
                     seq.tail_room = self.block_size - 1
                     return Allocation([block_id], [])
-        return self.allocate_slots(seq_id, token_ids, 1)
+        return self.allocate_slots(seq_id, token_ids, 1, num_pending=num_pending)
 
     def _allocate_new(
         self,
@@ -391,14 +402,17 @@ class KVCacheManager(SwapMixin):
         raise AssertionError("unreachable: the batched prefix check failed but no block differs")
 
     def _cache_full_blocks(self, seq: SeqBlocks, token_ids: Sequence[int]) -> None:
-        """Hash and cache the seq's blocks that became full since the last call."""
+        """Hash and cache the seq's blocks that became full since the last call, as far as
+        token_ids reaches (a block filled ahead of its token waits for a later call)."""
         bs = self.block_size
         hashes = seq.block_hashes
         pool = self.gpu_pool
         blocks = pool.blocks
         table = seq.block_ids
-        start, stop = len(hashes), seq.num_slots // bs
+        start, stop = len(hashes), min(seq.num_slots, len(token_ids)) // bs
         known = seq.known_hashes
+        if stop <= start:
+            return
         if stop - start == 1:  # a decode step (or a short chunk) filled one block
             h = known[start] if len(known) > start else self._hash_block(
                 hashes[-1] if hashes else None, token_ids[start * bs : stop * bs], seq.extra_key)

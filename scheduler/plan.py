@@ -16,6 +16,12 @@ A worker executes a plan in this order:
      by each sequence's block table and positions `start_pos[i] .. start_pos[i]+query_lens[i]-1`;
   5. sample one token for every sequence with `do_sample[i]`, in batch order (rank 0 returns
      them in a StepResult).
+
+Async scheduling: the scheduler may build plan N+1 before it has plan N's result. A decode
+in plan N+1 whose input is the token plan N samples for that sequence carries
+`PENDING_TOKEN` in `input_ids`; the workers fill it in from the token they sampled for that
+sequence in the plan they executed just before (rank 0 broadcasts it to the other ranks),
+so plans run strictly in order and a pending token always refers to the previous plan.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import numpy as np
 from scheduler.sampling_params import SamplingParams
 
 _EMPTY_PAIRS = np.zeros((0, 2), dtype=np.int64)
+
+# In StepPlan.input_ids: the token the previous plan samples for this sequence.
+PENDING_TOKEN = -1
 
 
 def empty_pairs() -> np.ndarray:
@@ -91,6 +100,12 @@ class StepPlan:
     def is_empty(self) -> bool:
         """No forward pass; the plan may still carry drops and swaps."""
         return self.num_seqs == 0
+
+    @property
+    def is_noop(self) -> bool:
+        """Nothing at all for the workers: no batch, no drops, no swaps or copies."""
+        return (self.num_seqs == 0 and not self.dropped_seq_ids and not len(self.swap_out)
+                and not len(self.swap_in) and not len(self.copies))
 
 
 @dataclass(slots=True)

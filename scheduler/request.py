@@ -49,8 +49,10 @@ _FINISHED = (_S.FINISHED_STOPPED, _S.FINISHED_LENGTH, _S.FINISHED_ABORTED)
 _TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
     _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED}),
     _S.RUNNING: frozenset({_S.SWAPPED, _S.PREEMPTED, *_FINISHED}),
-    _S.SWAPPED: frozenset({_S.RUNNING, _S.PREEMPTED, _S.FINISHED_ABORTED}),
-    _S.PREEMPTED: frozenset({_S.RUNNING, _S.FINISHED_ABORTED}),
+    # A preempted sequence still finishes by the token it sampled in a step that was in
+    # flight when it was preempted (async scheduling).
+    _S.SWAPPED: frozenset({_S.RUNNING, _S.PREEMPTED, *_FINISHED}),
+    _S.PREEMPTED: frozenset({_S.RUNNING, *_FINISHED}),
     _S.FINISHED_STOPPED: frozenset(),
     _S.FINISHED_LENGTH: frozenset(),
     _S.FINISHED_ABORTED: frozenset(),
@@ -67,7 +69,9 @@ class Sequence:
 
     Invariants: token_ids[:prompt_len] is the prompt; while the sequence holds GPU blocks,
     num_computed == KVCacheManager.num_slots(seq_id) (slots are reserved for the tokens being
-    computed in the current step, so this counts them as computed); `on_worker` is True
+    computed in the current step, so this counts them as computed); while it runs,
+    num_computed >= len(token_ids) means its next token is still being sampled by a plan in
+    flight (num_computed == len(token_ids) + 1: two plans, async scheduling); `on_worker` is True
     exactly when the workers hold state for seq_id (a NewSeq was sent and no drop since).
     """
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from kvcache import KVCacheManager
@@ -10,6 +12,8 @@ from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.plan import StepPlan, StepResult
 from scheduler.request import Request, Sequence, SequenceStatus
 
+_RUNNING = SequenceStatus.RUNNING
+
 
 class ResultsMixin:
     """Scheduler's result side. Mixed into Scheduler, whose state it shares (declared below)."""
@@ -17,7 +21,9 @@ class ResultsMixin:
     kv: KVCacheManager
     requests: dict[str, Request]
     _seqs: dict[int, tuple[Request, Sequence]]
-    _inflight: int | None
+    _inflight: deque[int]
+    waiting: deque[Request]
+    swapped: deque[Request]
     _pending_drops: list[int]
     _deferred: list[RequestOutput]
     _running_dirty: bool
@@ -36,9 +42,10 @@ class ResultsMixin:
         finish_text() runs, so the engine can schedule and launch the next step first; every
         other decision (stop tokens, lengths, freed blocks) is taken here as usual.
         """
-        if self._inflight != plan.step_id:
-            raise RuntimeError(f"apply_result() for step {plan.step_id}, but the plan awaiting "
-                               f"results is {self._inflight}")
+        inflight = self._inflight
+        if not inflight or inflight[0] != plan.step_id:
+            raise RuntimeError(f"apply_result() for step {plan.step_id}, but the plans awaiting "
+                               f"results are {list(inflight)} (apply them in order)")
         if self._text_todo:
             self.finish_text()
         outputs, self._deferred = self._deferred, []
@@ -46,14 +53,14 @@ class ResultsMixin:
             if plan.do_sample.any():
                 raise ValueError(f"step {plan.step_id} samples {np.count_nonzero(plan.do_sample)} "
                                  "sequences but no StepResult was given")
-            self._inflight = None
+            inflight.popleft()
             return outputs
         num_sampled = int(np.count_nonzero(plan.do_sample))
         if result.step_id != plan.step_id or result.seq_ids.shape[0] != num_sampled:
             raise ValueError(f"StepResult of step {result.step_id} with {result.seq_ids.shape[0]} "
                              f"tokens does not answer plan {plan.step_id} "
                              f"({num_sampled} sequences sample)")
-        self._inflight = None
+        inflight.popleft()
         touched: dict[str, tuple[Request, RequestOutput]] = {}
         seqs_get = self._seqs.get
         emit = outputs.append
@@ -64,7 +71,7 @@ class ResultsMixin:
                                                result.token_ids.tolist())):
             entry = seqs_get(sid)
             if entry is None:
-                continue  # aborted while the step ran
+                continue  # aborted, or finished by the token of the step before (async)
             req, seq = entry
             tokens = seq.token_ids
             tokens.append(token)
@@ -152,7 +159,11 @@ class ResultsMixin:
                 self.finish_text()  # this sequence's earlier tokens come first
             text += flush_text(seq)
         seq.stop_reason = stop_reason
-        req.finish_seq(seq, status)
+        before = req.status
+        self._seqs.pop(seq.seq_id, None)  # a later plan's token for it is ignored
+        if req.finish_seq(seq, status) and before is not _RUNNING:
+            # Preempted with its last token in flight (async scheduling): leave the queue now.
+            (self.swapped if before is SequenceStatus.SWAPPED else self.waiting).remove(req)
         if logprobs is None and req.sampling_params.logprobs is not None:
             logprobs = []
         return CompletionOutput(seq.index, token_ids, text, status.finish_reason, stop_reason,

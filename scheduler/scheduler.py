@@ -23,8 +23,18 @@ partially filled last block is copied on write for each child (`copies`, childre
 the parent keeps its block). A one-token prompt has nothing to share: its n sequences start
 independent.
 
-Protocol with the workers (scheduler/plan.py): one plan in flight; every plan returned by
-`schedule()` must be executed and passed to `apply_result()` before the next `schedule()`.
+Protocol with the workers (scheduler/plan.py): plans execute in the order `schedule()`
+returns them and are passed to `apply_result()` in that order. At most two are in flight:
+with async scheduling the engine schedules step N+1 while step N runs, so N+1 is ready the
+moment N ends. A sequence whose token step N samples then decodes that token in N+1 as a
+`PENDING_TOKEN` (the workers have it; the scheduler does not yet): its slot is reserved
+ahead, and the block that slot fills is hashed once the token is known. A sequence whose
+pending token would end it by length is left out of N+1; one that the token ends by a stop
+has computed one token in vain, and its result in N+1 is dropped. Preemption may pick a
+sequence with a token in flight: the token still lands and counts (swap keeps the KV it
+was computed from; recompute computes it again), so streams equal the synchronous ones.
+Every plan that runs after another runs after it on the workers too, so blocks freed while
+a plan is in flight can be handed out by the next plan: their old owner's writes come first.
 Slots are reserved, and num_computed advanced, when a chunk is scheduled; the KV cache enters
 full blocks into the prefix cache at that point, so a request admitted later in the same step
 may hit blocks this step computes (workers write the whole batch's KV before attending).
@@ -45,7 +55,7 @@ from kvcache import KVCacheManager, prompt_block_hashes
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import DetokenizerFactory, IncrementalDetokenizer, StopStringBuffer
 from scheduler.outputs import CompletionOutput, RequestOutput, SchedulerStats
-from scheduler.plan import StepPlan
+from scheduler.plan import PENDING_TOKEN, StepPlan
 from scheduler.request import Request, Sequence, SequenceStatus
 from scheduler.results import ResultsMixin
 from scheduler.sampling_params import SamplingParams
@@ -53,6 +63,9 @@ from scheduler.seq_scheduling import SeqSchedulingMixin
 from scheduler.step_builder import StepBuilder
 
 _RUNNING = SequenceStatus.RUNNING
+_PENDING = PENDING_TOKEN
+# The step being executed and the one scheduled ahead of its result (async scheduling).
+MAX_PLANS_IN_FLIGHT = 2
 
 
 class Scheduler(SeqSchedulingMixin, ResultsMixin):
@@ -88,7 +101,7 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
         self._seqs: dict[int, tuple[Request, Sequence]] = {}
         self._seq_ids = itertools.count()
         self._step_id = 0
-        self._inflight: int | None = None  # step_id of the plan awaiting apply_result
+        self._inflight: deque[int] = deque()  # step ids of plans awaiting apply_result
         self._pending_drops: list[int] = []  # seq ids to drop in the next plan
         self._deferred: list[RequestOutput] = []  # outputs decided in schedule()
         self._running_dirty = False  # some running request finished in apply_result
@@ -194,9 +207,9 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
 
     def schedule(self) -> StepPlan:
         """Decide the next step (see the module docstring) and return its plan."""
-        if self._inflight is not None:
-            raise RuntimeError(f"schedule() called before apply_result() of step {self._inflight}; "
-                               "every plan must be applied before the next one")
+        if len(self._inflight) >= MAX_PLANS_IN_FLIGHT:
+            raise RuntimeError(f"schedule() called with steps {list(self._inflight)} in flight; "
+                               f"at most {MAX_PLANS_IN_FLIGHT} plans may await apply_result()")
         if self._running_dirty:
             self.running = [r for r in self.running if r.status is _RUNNING]
             self._running_dirty = False
@@ -241,14 +254,24 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
                     continue
                 tokens = seq.token_ids
                 start = seq.num_computed
-                if not start or len(tokens) - start != 1:
-                    has_prefill = True
-                    continue
+                num_known = len(tokens)
+                if num_known - start == 1 and start:
+                    ahead = 0
+                elif num_known == start:
+                    # Its last token is being sampled by the step in flight: compute it next,
+                    # unless that token ends the sequence by length.
+                    if start + 1 >= seq.max_len:
+                        continue
+                    ahead = 1
+                else:
+                    if start < num_known:
+                        has_prefill = True
+                    continue  # else two plans in flight already compute its tokens
                 if taken == cap:
                     full = True
                     break
                 sid = seq.seq_id
-                alloc = append_slot(sid, tokens)
+                alloc = append_slot(sid, tokens, ahead)
                 if alloc is None or alloc.copies or not seq.on_worker:
                     step.budget -= taken
                     step.seq_slots -= taken
@@ -269,7 +292,7 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
                     appended[sid] = new_ids
                 dec_ids.append(sid)
                 dec_pos.append(start)
-                dec_tokens.append(tokens[start])
+                dec_tokens.append(_PENDING if ahead else tokens[start])
                 taken += 1
             if has_prefill:
                 prefill_reqs.append(req)
@@ -333,7 +356,7 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
                         break
                     self._schedule_seq(req, seq, step, admit=admit)
 
-        self._inflight = step.step_id
+        self._inflight.append(step.step_id)
         return step.to_plan()
 
     # ---- helpers ----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from kvcache import Allocation, KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import RequestOutput
-from scheduler.plan import NewSeq
+from scheduler.plan import PENDING_TOKEN, NewSeq
 from scheduler.request import Request, Sequence, SequenceStatus
 from scheduler.step_builder import StepBuilder
 
@@ -67,12 +67,16 @@ class SeqSchedulingMixin:
                 if not req.forked and len(prefix) * bs >= seq.prompt_len - 1:
                     prefix = prefix[:-1]  # an unforked parent computes >= 1 token before forking
                 computed = len(prefix) * bs
-            to_compute = (len(seq.token_ids) if req.forked else seq.prompt_len - 1) - computed
+            target = req.target_len(seq)
+            # A decode of the token the step in flight samples (see Scheduler): one ahead.
+            # (schedule() leaves out one whose pending token ends it by length.)
+            ahead = int(computed == target and computed > 0 and req.forked)
+            to_compute = target + ahead - computed
             chunk = min(to_compute, step.budget)
             if chunk <= 0 or (chunk < to_compute and not self.config.enable_chunked_prefill):
                 return 0
             alloc = kv.allocate_slots(seq.seq_id, seq.token_ids, chunk, prefix, req.extra_key,
-                                      admit, req.block_hashes)
+                                      admit, req.block_hashes, ahead)
             if alloc is not None:
                 break
             if not may_preempt:
@@ -86,7 +90,8 @@ class SeqSchedulingMixin:
             if len(self.running) > 1:
                 self._preempt(req, step)
                 return -1
-            self._finish_for_capacity(req, seq, step)
+            if not ahead:  # (else decide once the token in flight has landed)
+                self._finish_for_capacity(req, seq, step)
             return 0
         if prefix and not req.admitted:
             req.num_cached_tokens = computed
@@ -151,10 +156,10 @@ class SeqSchedulingMixin:
         step.budget -= chunk
         step.seq_slots -= 1
         tokens = seq.token_ids
-        if chunk == 1 and end == len(tokens):
+        if chunk == 1 and end >= len(tokens):  # end > len: its token is in flight
             step.dec_ids.append(sid)
             step.dec_pos.append(start)
-            step.dec_tokens.append(tokens[start])
+            step.dec_tokens.append(tokens[start] if start < len(tokens) else PENDING_TOKEN)
         else:
             step.pre_ids.append(sid)
             step.pre_lens.append(chunk)

@@ -23,6 +23,7 @@ from scheduler import (
     StepPlan,
     StepResult,
 )
+from scheduler.plan import PENDING_TOKEN
 
 VOCAB = 500
 EOS = 1
@@ -95,6 +96,7 @@ class _WorkerSeq:
     seq_index: int
     prompt_len: int
     sampling_params: SamplingParams
+    last_sampled: tuple[int, int] | None = None  # (step id, token) of its latest sample
 
 
 class FakeWorker:
@@ -107,6 +109,7 @@ class FakeWorker:
         self.seqs: dict[int, _WorkerSeq] = {}
         self.last_step = 0
         self.num_sampled = 0
+        self.num_pending_filled = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
         assert plan.step_id > self.last_step, "step ids must increase"
@@ -162,8 +165,19 @@ class FakeWorker:
                 f"seq {sid}: start_pos {start} but the worker has {len(st.history)} tokens")
             assert len(st.table) * self.bs >= start + q, f"seq {sid}: table too short"
             for p in range(start, start + q):
-                self.gpu[st.table[p // self.bs], p % self.bs] = ids[off]
-                st.history.append(ids[off])
+                token = ids[off]
+                if token == PENDING_TOKEN:
+                    # Async scheduling: the token this worker sampled for it in the plan before.
+                    assert q == 1, f"seq {sid}: a pending token in a chunk of {q}"
+                    assert st.last_sampled is not None and \
+                        st.last_sampled[0] == plan.step_id - 1, (
+                            f"seq {sid}: pending token in step {plan.step_id}, but its last "
+                            f"sample was {st.last_sampled}")
+                    token = st.last_sampled[1]
+                    self.num_pending_filled += 1
+                assert token >= 0, f"seq {sid}: token id {token}"
+                self.gpu[st.table[p // self.bs], p % self.bs] = token
+                st.history.append(token)
                 off += 1
         out_ids, out_tokens = [], []
         for sid, sample in zip(plan.seq_ids.tolist(), plan.do_sample.tolist()):
@@ -175,6 +189,7 @@ class FakeWorker:
             assert context == st.history, f"seq {sid}: KV cache content differs from its tokens"
             out_ids.append(sid)
             out_tokens.append(next_token(context, st.seq_index))
+            st.last_sampled = (plan.step_id, out_tokens[-1])
         self.num_sampled += len(out_ids)
         k = max((self.seqs[s].sampling_params.logprobs or 0 for s in out_ids), default=0)
         want_lp = any(self.seqs[s].sampling_params.logprobs is not None for s in out_ids)
@@ -239,7 +254,10 @@ def check_consistency(sched: Scheduler, kv: KVCacheManager, worker: FakeWorker) 
             if seq.on_worker:
                 st = worker.seqs[seq.seq_id]
                 assert st.table == kv.block_table(seq.seq_id), f"seq {seq.seq_id} table differs"
-                assert st.history == seq.token_ids[:seq.num_computed]
+                # Tokens in flight (async scheduling) are on the worker, not yet in token_ids.
+                assert len(st.history) == seq.num_computed
+                known = min(seq.num_computed, len(seq.token_ids))
+                assert st.history[:known] == seq.token_ids[:known]
             else:
                 assert seq.seq_id not in worker.seqs or seq.seq_id in sched._pending_drops
             if kv.has_seq(seq.seq_id):
@@ -252,14 +270,43 @@ def step(sched: Scheduler, worker: FakeWorker) -> tuple[StepPlan, list[RequestOu
     return plan, sched.apply_result(plan, result)
 
 
+class Pipeline:
+    """Async scheduling as the engine drives it: step N+1 is scheduled (and, the fake worker
+    being synchronous, executed) before step N's result is applied."""
+
+    def __init__(self, sched: Scheduler, worker: FakeWorker) -> None:
+        self.sched = sched
+        self.worker = worker
+        self.inflight: list[tuple[StepPlan, StepResult]] = []
+
+    def launch(self) -> StepPlan:
+        plan = self.sched.schedule()
+        self.inflight.append((plan, self.worker.execute(plan)))
+        return plan
+
+    def step(self) -> list[RequestOutput]:
+        """Keep two plans in flight while requests remain; apply the oldest."""
+        if not self.inflight:
+            self.launch()
+        if self.sched.has_unfinished():
+            self.launch()
+        plan, result = self.inflight.pop(0)
+        return self.sched.apply_result(plan, result)
+
+    def busy(self) -> bool:
+        return self.sched.has_unfinished() or bool(self.inflight)
+
+
 def run_to_completion(sched: Scheduler, kv: KVCacheManager, worker: FakeWorker,
-                      max_steps: int = 10_000) -> dict[tuple[str, int], Collected]:
+                      max_steps: int = 10_000,
+                      pipelined: bool = False) -> dict[tuple[str, int], Collected]:
     got: dict[tuple[str, int], Collected] = {}
     finished: set[str] = set()
+    pipe = Pipeline(sched, worker)
     for _ in range(max_steps):
-        if not sched.has_unfinished():
+        if not pipe.busy():
             return got
-        _, outs = step(sched, worker)
+        outs = pipe.step() if pipelined else step(sched, worker)[1]
         collect(outs, got, finished)
         check_consistency(sched, kv, worker)
     raise AssertionError(f"not finished after {max_steps} steps: {sched.requests}")

@@ -333,15 +333,20 @@ def test_n2_abort_after_one_sequence_finished() -> None:
 # ---- protocol -------------------------------------------------------------------------------
 
 
-def test_schedule_twice_without_apply_result_raises() -> None:
+def test_at_most_two_plans_in_flight_applied_in_order() -> None:
     sched, kv, worker = make()
-    sched.add_request("a", [5, 6], SamplingParams(max_tokens=2, **GREEDY))
-    plan = sched.schedule()
-    with pytest.raises(RuntimeError, match="before apply_result"):
+    sched.add_request("a", [5, 6], SamplingParams(max_tokens=3, **GREEDY))
+    first = sched.schedule()
+    second = sched.schedule()  # async scheduling: one ahead of the first's result
+    with pytest.raises(RuntimeError, match="at most 2 plans"):
         sched.schedule()
+    results = [worker.execute(first), worker.execute(second)]
+    with pytest.raises(RuntimeError, match="apply them in order"):
+        sched.apply_result(second, results[1])
     with pytest.raises(ValueError, match="no StepResult"):
-        sched.apply_result(plan, None)
-    sched.apply_result(plan, worker.execute(plan))
+        sched.apply_result(first, None)
+    sched.apply_result(first, results[0])
+    sched.apply_result(second, results[1])
     check_consistency(sched, kv, worker)
 
 

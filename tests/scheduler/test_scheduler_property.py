@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from scheduler_harness import (
     VOCAB,
     Collected,
+    Pipeline,
     check_consistency,
     collect,
     make,
@@ -31,6 +32,7 @@ def workloads(draw: st.DrawFn) -> dict:
         "prefix_caching": draw(st.booleans()),
         "watermark": draw(st.sampled_from([0.0, 0.1])),
         "max_num_seqs": draw(st.integers(2, 8)),
+        "pipelined": draw(st.booleans()),  # async scheduling: two plans in flight
     }
     reqs = []
     for i in range(draw(st.integers(2, 10))):
@@ -70,6 +72,7 @@ def test_random_mixes_finish_match_reference_and_free_everything(w: dict) -> Non
     got: dict[tuple[str, int], Collected] = {}
     finished: set[str] = set()
     aborted: set[str] = set()
+    pipe = Pipeline(sched, worker)
     pending = sorted(w["reqs"], key=lambda r: r[3])
     for t in range(2000):
         while pending and pending[0][3] <= t:
@@ -82,9 +85,9 @@ def test_random_mixes_finish_match_reference_and_free_everything(w: dict) -> Non
                     aborted.add(rid)
                     assert out.finished and all(c.finish_reason == "abort" for c in out.outputs)
                     collect([out], got, finished)
-        if not pending and not sched.has_unfinished():
+        if not pending and not pipe.busy():
             break
-        _, outs = step(sched, worker)
+        outs = pipe.step() if cfg["pipelined"] else step(sched, worker)[1]
         collect(outs, got, finished)
         check_consistency(sched, kv, worker)
     else:
@@ -109,5 +112,6 @@ def test_random_mixes_finish_match_reference_and_free_everything(w: dict) -> Non
     event(f"preempted: swap={stats.preemptions_swap > 0} recompute={stats.preemptions_recompute > 0}")
     event(f"prefix hits: {stats.prefix_hits > 0}")
     event(f"aborted: {bool(aborted)}")
+    event(f"pipelined: {cfg['pipelined']}, pending tokens: {worker.num_pending_filled > 0}, preempted: {stats.preemptions_swap + stats.preemptions_recompute > 0}")
     assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
     assert not sched.requests and not sched._seqs
