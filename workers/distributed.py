@@ -78,6 +78,12 @@ class TensorParallelGroup:
         dist.gather(x, parts, dst=0, group=self.group)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
+    def broadcast_from_first(self, x: Tensor) -> Tensor:
+        """Every rank gets rank 0's `x` (same shape and dtype on every rank), in place."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

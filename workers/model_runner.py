@@ -124,8 +124,13 @@ class ModelRunner:
 
     # ---- inputs ---------------------------------------------------------------------------
 
-    def prepare_inputs(self, plan: StepPlan) -> ModelInput:
-        """Positions, slot mapping, block tables and query/context lengths of the batch."""
+    def prepare_inputs(self, plan: StepPlan, input_ids: np.ndarray | None = None) -> ModelInput:
+        """Positions, slot mapping, block tables and query/context lengths of the batch.
+
+        `input_ids` replaces plan.input_ids: the worker's copy with pending tokens filled in.
+        """
+        if input_ids is None:
+            input_ids = plan.input_ids
         num_seqs, bs = plan.num_seqs, self.block_size
         states = [self._state(s) for s in plan.seq_ids.tolist()]
         query_lens = plan.query_lens.astype(np.int64)
@@ -162,7 +167,10 @@ class ModelRunner:
         if block_tables.size and int(block_tables.max()) >= self.num_gpu_blocks:
             raise ValueError(f"a block table names block {int(block_tables.max())}; the cache "
                              f"has {self.num_gpu_blocks} blocks")
-        self._extend_histories(states, plan.input_ids, cu)
+        if (input_ids < 0).any():
+            raise ValueError(f"plan {plan.step_id} has pending or negative token ids; the worker "
+                             "resolves pending tokens before preparing inputs")
+        self._extend_histories(states, input_ids, cu)
         sample = np.flatnonzero(plan.do_sample)
         sample_states = [states[i] for i in sample]
         dev = self.device
@@ -174,7 +182,7 @@ class ModelRunner:
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()))
         return ModelInput(
-            input_ids=_to(plan.input_ids.astype(np.int64, copy=False), dev),
+            input_ids=_to(input_ids.astype(np.int64, copy=False), dev),
             positions=_to(positions, dev),
             attn_metadata=md,
             logits_indices=_to(cu[1:][sample] - 1, dev),
@@ -197,10 +205,11 @@ class ModelRunner:
     # ---- forward --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, plan: StepPlan) -> tuple[Tensor | None, ModelInput]:
+    def execute_model(self, plan: StepPlan,
+                      input_ids: np.ndarray | None = None) -> tuple[Tensor | None, ModelInput]:
         """Run the batch; logits `[S, vocab]` of the sampled sequences on rank 0 (None elsewhere,
         and None everywhere when no sequence samples this step)."""
-        inp = self.prepare_inputs(plan)
+        inp = self.prepare_inputs(plan, input_ids)
         md = inp.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(plan.num_seqs,
                                                                         md.max_query_len):

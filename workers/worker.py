@@ -17,7 +17,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from scheduler.plan import NewSeq, StepPlan, StepResult
+from scheduler.plan import PENDING_TOKEN, NewSeq, StepPlan, StepResult
 from scheduler.sampling_params import SamplingParams
 from workers.cache_engine import CacheEngine
 from workers.config import WorkerConfig
@@ -49,6 +49,10 @@ class Worker:
         self.sampler: Sampler | None = None
         self.device = torch.device("cpu")
         self.dtype = torch.float32
+        # (step id, seq ids, tokens) of the last plan rank 0 sampled for: pending tokens of
+        # the next plan come from here (async scheduling)
+        empty = np.zeros(0, dtype=np.int64)
+        self._last_sampled: tuple[int, np.ndarray, np.ndarray] = (-1, empty, empty)
 
     # ---- set-up ---------------------------------------------------------------------------
 
@@ -213,21 +217,51 @@ class Worker:
         runner.add_states(plan)
         empty = np.zeros(0, dtype=np.int64)
         if plan.is_empty:
+            self._last_sampled = (plan.step_id, empty, empty)
             return (StepResult(plan.step_id, empty, empty) if self.tp.is_first else None), None
-        logits, inp = runner.execute_model(plan)
+        logits, inp = runner.execute_model(plan, self._resolve_pending(plan))
         if not self.tp.is_first:
             return None, None
         seq_ids = plan.seq_ids[plan.do_sample].astype(np.int64)
         if logits is None:
+            self._last_sampled = (plan.step_id, empty, empty)
             return StepResult(plan.step_id, seq_ids, empty), None
         md = runner.sampling_metadata(inp, _loaded(self.model_config).vocab_size)
         out = _loaded(self.sampler)(logits, md)
         result = StepResult(plan.step_id, seq_ids, out.token_ids.cpu().numpy())
+        self._last_sampled = (plan.step_id, seq_ids, result.token_ids)
         if out.logprobs is not None:
             result.logprobs = out.logprobs.cpu().numpy()
             result.top_token_ids = out.top_token_ids.cpu().numpy()
             result.top_logprobs = out.top_logprobs.cpu().numpy()
         return result, logits
+
+    def _resolve_pending(self, plan: StepPlan) -> np.ndarray:
+        """plan.input_ids with every PENDING_TOKEN (async scheduling, see scheduler.plan)
+        replaced by the token this worker's group sampled for that sequence in the plan it
+        executed just before. Rank 0 sampled it; the other ranks get it by broadcast."""
+        ids = plan.input_ids
+        where = np.flatnonzero(ids == PENDING_TOKEN)
+        if not where.size:
+            return ids
+        values = torch.empty(where.size, dtype=torch.int64, device=self.device)
+        if self.tp.is_first:
+            step_id, seq_ids, tokens = self._last_sampled
+            if step_id != plan.step_id - 1:
+                raise ValueError(f"plan {plan.step_id} has pending tokens, but the last plan "
+                                 f"this worker sampled for was {step_id}")
+            sampled = dict(zip(seq_ids.tolist(), tokens.tolist()))
+            ends = np.cumsum(plan.query_lens)
+            owners = plan.seq_ids[np.searchsorted(ends, where, side="right")].tolist()
+            missing = [s for s in owners if s not in sampled]
+            if missing:
+                raise ValueError(f"plan {plan.step_id} has pending tokens for seqs {missing}, "
+                                 f"which plan {step_id} did not sample")
+            values.copy_(torch.tensor([sampled[s] for s in owners], dtype=torch.int64))
+        self.tp.broadcast_from_first(values)
+        filled = ids.copy()
+        filled[where] = values.cpu().numpy()
+        return filled
 
     def shutdown(self) -> None:
         """Release the cache, the model and the process group."""

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from workers_testlib import LocalExecutor, PlanBuilder
 
-from scheduler.plan import NewSeq, StepPlan
+from scheduler.plan import PENDING_TOKEN, NewSeq, StepPlan
 from scheduler.sampling_params import SamplingParams
 from workers.config import WorkerConfig
 from workers.worker import Worker
@@ -101,6 +101,29 @@ def test_chunk_without_sampling_returns_no_tokens(executor) -> None:
                                            new_seqs=[new]))
     assert result.seq_ids.shape == (0,) and result.token_ids.shape == (0,)
     executor.worker.execute(_plan(9, [], [], [], [], [], dropped_seq_ids=[60]))
+
+
+def test_pending_token_is_the_one_sampled_in_the_plan_before(executor) -> None:
+    """Async scheduling: a decode scheduled before the previous plan's result is known."""
+    params = SamplingParams(temperature=0)
+    prompt = list(range(300, 310))
+    new = NewSeq(70, "r", 0, 10, [], [0], params)
+    first = executor.worker.execute(_plan(20, [70], [10], [0], prompt, [True], new_seqs=[new]))
+    token = int(first.token_ids[0])
+    second = executor.worker.execute(_plan(21, [70], [1], [10], [PENDING_TOKEN], [True]))
+    state = executor.worker.model_runner.seqs[70]
+    assert state.num_tokens == 11
+    # The same as a plan that names the token outright.
+    again = NewSeq(71, "r", 0, 10, [], [1], params)
+    executor.worker.execute(_plan(22, [71], [10], [0], prompt, [True], new_seqs=[again]))
+    named = executor.worker.execute(_plan(23, [71], [1], [10], [token], [True]))
+    assert second.token_ids.tolist() == named.token_ids.tolist()
+    # A pending token must refer to the plan just before, for a sequence it sampled.
+    with pytest.raises(ValueError, match="last plan this worker sampled for was 23"):
+        executor.worker.execute(_plan(25, [70], [1], [11], [PENDING_TOKEN], [True]))
+    with pytest.raises(ValueError, match=r"pending tokens for seqs \[70\], which plan 23 did not"):
+        executor.worker.execute(_plan(24, [70], [1], [11], [PENDING_TOKEN], [True]))
+    executor.worker.execute(_plan(26, [], [], [], [], [], dropped_seq_ids=[70, 71]))
 
 
 def test_execute_before_init_cache_is_an_error(tiny_dir: str) -> None:
