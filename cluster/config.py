@@ -40,6 +40,9 @@ class EngineConfig:
     executor: str = "auto"
     worker_num_cpus: float = 1.0
     compiled_graph: bool = True  # Ray executor: broadcast plans through a Ray Compiled Graph
+    # Schedule step N+1 while step N runs (its decodes take N's tokens on the workers), as
+    # vLLM's async scheduling does; False: schedule only after each step's result is applied.
+    async_scheduling: bool = True
     max_waiting_requests: int | None = None  # beyond this, new requests are refused (HTTP 429)
 
     def __post_init__(self) -> None:

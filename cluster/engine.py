@@ -11,6 +11,7 @@ import asyncio
 import gc
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,7 +25,7 @@ from cluster.executor import (
 from cluster.fast_detokenizer import detokenizer_factory
 from cluster.metrics import LatencyMetrics, RequestTimes
 from kvcache import KVCacheManager
-from scheduler import RequestOutput, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import RequestOutput, SamplingParams, Scheduler, SchedulerConfig, StepPlan, StepResult
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
 from workers.model_config import load_model_config
@@ -107,6 +108,10 @@ class LLMEngine:
         self.num_steps = 0
         self.forward_seconds = 0.0
         self.step_seconds = 0.0
+        # Plans submitted and not yet applied, oldest first: (plan, executor handle or None
+        # for a plan with nothing for the workers, time its scheduling began).
+        self._inflight: deque[tuple[StepPlan, Any, float]] = deque()
+        self._last_done = 0.0  # when the last step's result was applied
         freeze_startup_heap()
 
     # ----- requests ---------------------------------------------------------------------
@@ -147,17 +152,38 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests in the scheduler, or plans whose results are still to be applied."""
+        return self.scheduler.has_unfinished() or bool(self._inflight)
 
     # ----- stepping ---------------------------------------------------------------------
+    #
+    # A step: make sure the next plan is submitted, then wait for the oldest plan's result
+    # and apply it. With async_scheduling the plan after it is scheduled and submitted before
+    # that wait, so the scheduler's work for step N+1 overlaps step N's forward pass and the
+    # workers find N+1 waiting when N ends (see scheduler/scheduler.py for what is safe).
 
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        result = self.executor.execute(plan)
+        self._submit_ahead()
+        plan, handle, start = self._inflight.popleft()
+        result = None if handle is None else self.executor.result(handle).result()
         return self._finish_step(plan, result, start)
 
-    def _finish_step(self, plan: Any, result: Any, start: float,
+    def _submit_ahead(self) -> None:
+        """Submit the next plan (and, with async scheduling, the one after the step in flight)."""
+        if not self._inflight:
+            self._submit()
+        if (self.config.async_scheduling and len(self._inflight) == 1
+                and self.scheduler.has_unfinished()):
+            self._submit()
+
+    def _submit(self) -> None:
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        # A plan with nothing for the workers (everyone waits on a token in flight) stays here.
+        handle = None if plan.is_noop else self.executor.submit(plan)
+        self._inflight.append((plan, handle, start))
+
+    def _finish_step(self, plan: StepPlan, result: StepResult | None, start: float,
                      defer_text: bool = False) -> list[RequestOutput]:
         outputs = self.scheduler.apply_result(plan, result, defer_text)
         now = time.perf_counter()
@@ -173,7 +199,10 @@ class LLMEngine:
         if not plan.is_empty:
             self.num_steps += 1
             self.forward_seconds += result.forward_seconds
-            self.step_seconds += now - start
+            # Wall time this step added: with a plan scheduled ahead, from the previous
+            # step's end, not from when this plan was scheduled.
+            self.step_seconds += now - max(start, self._last_done)
+        self._last_done = now
         return outputs
 
     # ----- observability ----------------------------------------------------------------
@@ -280,39 +309,40 @@ class AsyncLLMEngine:
             queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
     async def _run(self) -> None:
-        """The step loop. A step's outputs go out while the next step runs: apply_result
-        takes every decision at once (stop tokens, lengths, freed blocks) but leaves the text
-        of sequences without stop strings out; the next plan is scheduled and launched, and
-        only then is that text detokenized and the deltas delivered, overlapping the forward
-        pass (on other processes with Ray, on the GPU with CUDA)."""
+        """The step loop (LLMEngine.step's, awaiting instead of blocking). A step's outputs go
+        out while the next step runs: apply_result takes every decision at once (stop
+        tokens, lengths, freed blocks) but leaves the text of sequences without stop strings
+        out; the next plan is scheduled and submitted (with async scheduling, the one after
+        it too), and only then is that text detokenized and the deltas delivered, overlapping
+        the forward pass (on other processes with Ray, on the GPU with CUDA)."""
         assert self._wake is not None
-        scheduler = self.engine.scheduler
+        engine = self.engine
         undelivered: list[RequestOutput] = []
         try:
             while True:
-                if not self.engine.has_unfinished():
+                if not engine.has_unfinished():
                     self._deliver(undelivered)
                     undelivered = []
                     self._wake.clear()
                     try:
                         await asyncio.wait_for(self._wake.wait(), _HEALTH_PROBE_SECONDS)
                     except TimeoutError:
-                        await asyncio.to_thread(self.engine.executor.ping)
+                        await asyncio.to_thread(engine.executor.ping)
                     continue
-                start = time.perf_counter()
-                plan = scheduler.schedule()
                 self._stepping = True
                 try:
-                    running = asyncio.ensure_future(self.engine.executor.execute_async(plan))
+                    engine._submit_ahead()
+                    plan, handle, start = engine._inflight.popleft()
                     self._deliver(undelivered)  # the previous step's, while this one runs
                     undelivered = []
                     await asyncio.sleep(0)  # consumers (HTTP streams) take them now
-                    result = await running
+                    result = (None if handle is None else
+                              await asyncio.wrap_future(engine.executor.result(handle)))
                 finally:
                     self._stepping = False
-                undelivered = self.engine._finish_step(plan, result, start, defer_text=True)
+                undelivered = engine._finish_step(plan, result, start, defer_text=True)
                 for request_id in self._pending_aborts:
-                    self.engine.abort(request_id)
+                    engine.abort(request_id)
                 self._pending_aborts.clear()
         except Exception as e:  # noqa: BLE001 — anything here kills the engine; say why
             self._die(e)

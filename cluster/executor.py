@@ -29,18 +29,32 @@ class WorkerDiedError(RuntimeError):
 
 
 class Executor(ABC):
-    """Interface: sized KV cache after construction, then one `execute` per step."""
+    """Interface: sized KV cache after construction, then plans, in order.
+
+    `submit(plan)` starts a plan without waiting for it and `result(handle)` is a future of
+    its StepResult; with async scheduling the engine submits step N+1 before it asks for step
+    N's result. Plans run on the workers in submission order, and results must be asked for
+    in that order too. `execute` is both at once.
+    """
 
     num_gpu_blocks: int
     num_cpu_blocks: int
 
     @abstractmethod
+    def submit(self, plan: StepPlan) -> Any:
+        """Start `plan` on every rank; a handle for `result`."""
+
+    def result(self, handle: Any) -> concurrent.futures.Future:
+        """A future of the submitted plan's StepResult (rank 0's)."""
+        return handle
+
     def execute(self, plan: StepPlan) -> StepResult:
         """Run `plan` on every rank; rank 0's result."""
+        return self.result(self.submit(plan)).result()
 
-    @abstractmethod
     async def execute_async(self, plan: StepPlan) -> StepResult:
         """`execute` without blocking the event loop."""
+        return await asyncio.wrap_future(self.result(self.submit(plan)))
 
     def ping(self, timeout: float = 5.0) -> None:  # noqa: B027 — a real default
         """Probe the workers between steps (raise WorkerDiedError for a dead one); an
@@ -72,9 +86,8 @@ class InProcessExecutor(Executor):
         assert result is not None  # rank 0 always answers
         return result
 
-    async def execute_async(self, plan: StepPlan) -> StepResult:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, self.execute, plan)
+    def submit(self, plan: StepPlan) -> concurrent.futures.Future:
+        return self._thread.submit(self.execute, plan)
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
@@ -160,31 +173,38 @@ class RayExecutor(Executor):
         self.shutdown()
         raise WorkerDiedError(self._dead) from error
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        import ray
+    def submit(self, plan: StepPlan) -> concurrent.futures.Future:
+        """Every call on the compiled graph happens on `_thread` (the graph is not
+        thread-safe), in order: a plan submitted while the previous one runs is written to
+        the graph's input channel at once, so the workers start it the moment they finish."""
+        if self._dag is None:  # one actor call per rank, each plan after the last returned
+            return self._thread.submit(self._call_all, plan)
+        return self._thread.submit(self._dag_submit, plan)
 
+    def result(self, handle: concurrent.futures.Future) -> concurrent.futures.Future:
         if self._dag is None:
-            return self._wait_all([w.execute.remote(plan) for w in self.workers])[0]
+            return handle
+        return self._thread.submit(self._dag_get, handle)
+
+    def _call_all(self, plan: StepPlan) -> StepResult:
+        return self._wait_all([w.execute.remote(plan) for w in self.workers])[0]
+
+    def _dag_submit(self, plan: StepPlan) -> Any:
         self.check_health()
         try:
-            # Ray tears the graph down when an actor dies, which wakes this get with an error.
-            return ray.get(self._dag.execute(plan))[0]
+            return self._dag.execute(plan)
         except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
             self._fail(e)
 
-    async def execute_async(self, plan: StepPlan) -> StepResult:
-        if self._dag is not None:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._thread, self.execute, plan)
-        self.check_health()
-        futures = [asyncio.ensure_future(w.execute.remote(plan)) for w in self.workers]
-        done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
-        for f in done:
-            if f.exception() is not None:
-                for p in pending:
-                    p.cancel()
-                self._fail(f.exception())
-        return futures[0].result()
+    def _dag_get(self, submitted: concurrent.futures.Future) -> StepResult:
+        import ray
+
+        ref = submitted.result()  # done: submitted earlier on this same thread
+        try:
+            # Ray tears the graph down when an actor dies, which wakes this get with an error.
+            return ray.get(ref)[0]
+        except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
+            self._fail(e)
 
     def check_health(self) -> None:
         if self._dead is not None:

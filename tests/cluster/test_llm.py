@@ -71,18 +71,23 @@ def _assert_all_blocks_free(llm: LLM) -> None:
     assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
 
 
-def test_greedy_matches_transformers_in_process(oracle: list[list[int]]) -> None:
-    with LLM("qwen3-tiny", max_num_seqs=8, max_num_batched_tokens=64) as llm:
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_matches_transformers_in_process(oracle: list[list[int]],
+                                                async_scheduling: bool) -> None:
+    with LLM("qwen3-tiny", max_num_seqs=8, max_num_batched_tokens=64,
+             async_scheduling=async_scheduling) as llm:
         assert _token_ids(llm) == oracle
         _assert_all_blocks_free(llm)
         # The shared 56-token prefix is three full blocks, computed once and hit twice.
         assert llm.engine.scheduler.kv.stats().prefix_hits >= 2 * 48
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_tiny_cache_preempts_and_still_matches(long_oracle: list[list[int]], mode: str) -> None:
+def test_tiny_cache_preempts_and_still_matches(long_oracle: list[list[int]], mode: str,
+                                               async_scheduling: bool) -> None:
     with LLM("qwen3-tiny", num_gpu_blocks_override=8, swap_space=0.01,
-             preemption_mode=mode) as llm:
+             preemption_mode=mode, async_scheduling=async_scheduling) as llm:
         assert _token_ids(llm, _short_prompts_long_outputs(), LONG_NEW) == long_oracle
         stats = llm.engine.scheduler.stats()
         key = "preemptions_swap" if mode == "swap" else "preemptions_recompute"
@@ -127,10 +132,13 @@ def test_engine_config_rejects_unknown_and_bad_args() -> None:
 
 
 @pytest.mark.slow
-def test_greedy_matches_transformers_tp2_on_ray(ray_cluster: None,
-                                                oracle: list[list[int]]) -> None:
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_matches_transformers_tp2_on_ray(ray_cluster: None, oracle: list[list[int]],
+                                                async_scheduling: bool) -> None:
+    """Async scheduling on tp = 2: rank 0 broadcasts the tokens the next plan leaves pending."""
     with LLM("qwen3-tiny", tensor_parallel_size=2, worker_num_cpus=0.5,
-             max_num_seqs=8, max_num_batched_tokens=64) as llm:
+             max_num_seqs=8, max_num_batched_tokens=64,
+             async_scheduling=async_scheduling) as llm:
         assert llm.engine.executor.num_gpu_blocks > 0
         assert _token_ids(llm) == oracle
         _assert_all_blocks_free(llm)
