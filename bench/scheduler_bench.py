@@ -12,6 +12,7 @@ The "worker" answers every sampled sequence with a fixed-seed random token, buil
 the timed region. Token ids from [100, 150000) with a fixed seed (docs BENCHMARKS.md).
 
     python bench/scheduler_bench.py [--num-seqs 256] [--contexts 128,1024,4096] [--json out.json]
+        [--pipelined]  # async scheduling: every decode step schedules ahead of its input token
     python bench/scheduler_bench.py --tokenizer   # also detokenize with the real Qwen3 tokenizer
         [--detokenizer rust|python]  # the engine's (tokenizers' DecodeStream) or the pure-Python one
 """
@@ -63,9 +64,12 @@ def _make(num_seqs: int, max_len: int, tokenizer, factory, freeze_gc: bool) -> S
 
 
 def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer,
-                 factory=None, freeze_gc: bool = True, defer_text: bool = False) -> dict:
+                 factory=None, freeze_gc: bool = True, defer_text: bool = False,
+                 pipelined: bool = False) -> dict:
     """With defer_text (the async engine's order), `apply` is apply_result's share on the
-    critical path and `text_us` the finish_text that overlaps the next forward pass."""
+    critical path and `text_us` the finish_text that overlaps the next forward pass. With
+    pipelined (async scheduling), each step is scheduled before the previous step's result
+    is applied, so every decode carries a pending token."""
     rng = np.random.default_rng(seed)
     # Early sequences decode while later ones prefill: leave room for both phases.
     prefill_steps = num_seqs * context // 8192 + 2
@@ -79,13 +83,16 @@ def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer,
         if plan.num_tokens == num_seqs and plan.do_sample.all():
             break
     t_sched, t_apply, t_text = [], [], []
+    ahead = [sched.schedule()] if pipelined else []
+    ahead = [(p, _result(p, rng)) for p in ahead]
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = sched.schedule()
         t1 = time.perf_counter()
-        result = _result(plan, rng)
+        ahead.append((plan, _result(plan, rng)))
+        applied, result = ahead.pop(0)
         t2 = time.perf_counter()
-        sched.apply_result(plan, result, defer_text=defer_text)
+        sched.apply_result(applied, result, defer_text=defer_text)
         t3 = time.perf_counter()
         sched.finish_text()
         t_text.append(time.perf_counter() - t3)
@@ -98,7 +105,8 @@ def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer,
             "text_us": round(statistics.median(t_text) * 1e6, 1) if defer_text else None,
             "step_us": round(med_s + med_a, 1),
             "step_us_mean": round((sum(t_sched) + sum(t_apply)) / steps * 1e6, 1),
-            "step_us_min": round(min(a + b for a, b in zip(t_sched, t_apply)) * 1e6, 1)}
+            "step_us_min": round(min(a + b for a, b in zip(t_sched, t_apply)) * 1e6, 1),
+            "pipelined": pipelined}
 
 
 def bench_admit(num_seqs: int, prompt_len: int, seed: int, tokenizer, factory=None,
@@ -143,6 +151,8 @@ def main() -> None:
     ap.add_argument("--defer-text", action="store_true",
                     help="with --tokenizer: detokenize after apply_result, as the async engine "
                          "does while the next step runs (reported as text us, off the step)")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="async scheduling: schedule each step before applying the previous one")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the start-up heap to the garbage collector (the engine freezes it)")
     ap.add_argument("--json", help="write the rows to this file")
@@ -155,10 +165,11 @@ def main() -> None:
 
         factory = detokenizer_factory(tok)
     rows = [bench_decode(args.num_seqs, int(c), args.steps, args.seed, tok, factory, freeze,
-                         args.defer_text) for c in args.contexts.split(",")]
+                         args.defer_text, args.pipelined) for c in args.contexts.split(",")]
     rows.append(bench_admit(args.num_seqs, args.admit_prompt, args.seed, tok, factory, freeze))
     detok = f"qwen3, {args.detokenizer} detokenizer" if tok else "none"
     print(f"scheduler overhead, block_size {BLOCK_SIZE}, tokenizer {detok}, "
+          f"{'pipelined (async scheduling)' if args.pipelined else 'synchronous'}, "
           f"python {platform.python_version()}, numpy {np.__version__}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'row':<7}{'seqs':>6}{'context':>9}{'steps':>7}{'schedule us':>13}{'apply us':>10}"
@@ -171,7 +182,7 @@ def main() -> None:
               f"{'' if text is None else text:>20}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "tokenizer": bool(tok),
+            json.dump({"rows": rows, "tokenizer": bool(tok), "pipelined": args.pipelined,
                        "detokenizer": args.detokenizer if tok else None, "block_size": BLOCK_SIZE,
                        "python": platform.python_version(), "numpy": np.__version__}, f, indent=1)
 
