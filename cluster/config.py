@@ -42,7 +42,10 @@ class EngineConfig:
     compiled_graph: bool = True  # Ray executor: broadcast plans through a Ray Compiled Graph
     # Schedule step N+1 while step N runs (its decodes take N's tokens on the workers), as
     # vLLM's async scheduling does; False: schedule only after each step's result is applied.
-    async_scheduling: bool = True
+    # None: on where the forward pass leaves this process's CPU free (CUDA, or Ray workers);
+    # off for an in-process worker on CPU, where scheduling would take cycles from the
+    # forward pass itself (measured in docs/benchmarks.md).
+    async_scheduling: bool | None = None
     max_waiting_requests: int | None = None  # beyond this, new requests are refused (HTTP 429)
 
     def __post_init__(self) -> None:
@@ -54,6 +57,9 @@ class EngineConfig:
         _choice(self, "attention_backend", _BACKENDS)
         _choice(self, "executor", _EXECUTORS)
         _choice(self, "preemption_mode", (None, "swap", "recompute"))
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError("async_scheduling must be true, false or null (auto); "
+                             f"got {self.async_scheduling!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",

@@ -86,6 +86,8 @@ class LLMEngine:
             num_gpu_blocks_override=config.num_gpu_blocks_override, swap_space=config.swap_space,
             enforce_eager=config.enforce_eager, attention_backend=config.attention_backend,
             seed=config.seed)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device == "cuda" or config.uses_ray)
         self.executor: Executor
         if config.uses_ray:
             self.executor = RayExecutor(
@@ -172,7 +174,7 @@ class LLMEngine:
         """Submit the next plan (and, with async scheduling, the one after the step in flight)."""
         if not self._inflight:
             self._submit()
-        if (self.config.async_scheduling and len(self._inflight) == 1
+        if (self.async_scheduling and len(self._inflight) == 1
                 and self.scheduler.has_unfinished()):
             self._submit()
 

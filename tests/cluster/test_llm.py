@@ -97,6 +97,7 @@ def test_tiny_cache_preempts_and_still_matches(long_oracle: list[list[int]], mod
 
 def test_generate_returns_text_in_input_order_and_chat_works() -> None:
     with LLM("qwen3-tiny") as llm:
+        assert llm.engine.async_scheduling is False  # auto: an in-process worker on CPU
         tok = llm.get_tokenizer()
         outs = llm.generate(["Hello", "The capital of France is"],
                             SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
@@ -129,6 +130,8 @@ def test_engine_config_rejects_unknown_and_bad_args() -> None:
         EngineConfig(gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="executor 'inprocess' runs one worker"):
         EngineConfig(tensor_parallel_size=2, executor="inprocess")
+    with pytest.raises(ValueError, match=r"async_scheduling must be true, false or null \(auto\)"):
+        EngineConfig(async_scheduling="yes")
 
 
 @pytest.mark.slow
@@ -150,6 +153,7 @@ def test_killed_worker_fails_in_flight_requests_within_seconds(ray_cluster: None
 
     engine = AsyncLLMEngine(EngineConfig(model="qwen3-tiny", tensor_parallel_size=2,
                                          worker_num_cpus=0.5))
+    assert engine.engine.async_scheduling is True  # auto: Ray workers
 
     async def run() -> float:
         params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
