@@ -244,7 +244,7 @@ class Worker:
         where = np.flatnonzero(ids == PENDING_TOKEN)
         if not where.size:
             return ids
-        values = torch.empty(where.size, dtype=torch.int64, device=self.device)
+        filled = ids.copy()
         if self.tp.is_first:
             step_id, seq_ids, tokens = self._last_sampled
             if step_id != plan.step_id - 1:
@@ -257,10 +257,10 @@ class Worker:
             if missing:
                 raise ValueError(f"plan {plan.step_id} has pending tokens for seqs {missing}, "
                                  f"which plan {step_id} did not sample")
-            values.copy_(torch.tensor([sampled[s] for s in owners], dtype=torch.int64))
-        self.tp.broadcast_from_first(values)
-        filled = ids.copy()
-        filled[where] = values.cpu().numpy()
+            filled[where] = [sampled[s] for s in owners]
+        if self.tp.world_size > 1:  # the collective's tensors live on the group's device
+            values = torch.from_numpy(filled[where]).to(self.device)
+            filled[where] = self.tp.broadcast_from_first(values).cpu().numpy()
         return filled
 
     def shutdown(self) -> None:
