@@ -6,7 +6,7 @@ bf16, 256 requests, prompts 100-1024, outputs 100-1024, ignore_eos, temperature 
 Throughput = output tokens / wall seconds for the whole batch, prefill included.
 
     .venv/bin/python bench/throughput.py --workload offline-cpu [--tp 1 2] [--json out.json]
-        [--compare-sync]  # also each engine row without async scheduling
+        [--compare-async]  # also each engine row with async scheduling on and off
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def model_path(name: str) -> str:
 
 
 def run_engine(path: str, reqs: list, temperature: float, tp: int,
-               async_scheduling: bool = True) -> dict[str, float]:
+               async_scheduling: bool | None = None) -> dict[str, float]:
     from cluster import LLM, SamplingParams
 
     llm = LLM(path, tensor_parallel_size=tp, worker_num_cpus=max(0.5, 2 / tp) if tp > 1 else 1.0,
@@ -189,8 +189,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="median of this many runs")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--compare-sync", action="store_true",
-                    help="also run each engine row with async_scheduling=False")
+    ap.add_argument("--compare-async", action="store_true",
+                    help="also run each engine row with async_scheduling on and off "
+                         "(the plain rows take the engine's default, auto)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
@@ -203,9 +204,9 @@ def main() -> None:
 
     systems: list[tuple[str, Any, tuple]] = [
         (f"engine tp={tp}", run_engine, (path, reqs, w["temperature"], tp)) for tp in args.tp]
-    if args.compare_sync:
-        systems += [(f"engine tp={tp}, sync scheduling", run_engine,
-                     (path, reqs, w["temperature"], tp, False)) for tp in args.tp]
+    if args.compare_async:
+        systems += [(f"engine tp={tp}, async_scheduling {'on' if on else 'off'}", run_engine,
+                     (path, reqs, w["temperature"], tp, on)) for tp in args.tp for on in (True, False)]
     if not args.skip_hf:
         # generate_batch gives every request the longest output: the engine on that workload too
         longest = [(p, max(o for _, o in reqs)) for p, _ in reqs]

@@ -165,6 +165,11 @@ class LLMEngine:
     # workers find N+1 waiting when N ends (see scheduler/scheduler.py for what is safe).
 
     def step(self) -> list[RequestOutput]:
+        if not self.async_scheduling:  # on this thread: no hand-off to the executor's
+            start = time.perf_counter()
+            plan = self.scheduler.schedule()
+            result = None if plan.is_noop else self.executor.execute(plan)
+            return self._finish_step(plan, result, start)
         self._submit_ahead()
         plan, handle, start = self._inflight.popleft()
         result = None if handle is None else self.executor.result(handle).result()
