@@ -42,9 +42,9 @@ class EngineConfig:
     compiled_graph: bool = True  # Ray executor: broadcast plans through a Ray Compiled Graph
     # Schedule step N+1 while step N runs (its decodes take N's tokens on the workers), as
     # vLLM's async scheduling does; False: schedule only after each step's result is applied.
-    # None: on where the forward pass leaves this process's CPU free (CUDA, or Ray workers);
-    # off for an in-process worker on CPU, where scheduling would take cycles from the
-    # forward pass itself (measured in docs/benchmarks.md).
+    # None: on with CUDA, where the forward pass leaves the host CPU free; off on CPU, where
+    # scheduling ahead takes cycles from the forward pass it overlaps (measured in
+    # docs/benchmarks.md: slower at tp 1 and tp 2 on the 2-core CI machine).
     async_scheduling: bool | None = None
     max_waiting_requests: int | None = None  # beyond this, new requests are refused (HTTP 429)
 

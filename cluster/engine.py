@@ -8,6 +8,7 @@ stream many requests at once: each request gets a queue of output deltas.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import time
 import uuid
@@ -87,7 +88,7 @@ class LLMEngine:
             enforce_eager=config.enforce_eager, attention_backend=config.attention_backend,
             seed=config.seed)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.device == "cuda" or config.uses_ray)
+                                 else self.device == "cuda")
         self.executor: Executor
         if config.uses_ray:
             self.executor = RayExecutor(
@@ -169,19 +170,21 @@ class LLMEngine:
             start = time.perf_counter()
             plan = self.scheduler.schedule()
             result = None if plan.is_noop else self.executor.execute(plan)
-            return self._finish_step(plan, result, start)
-        self._submit_ahead()
-        plan, handle, start = self._inflight.popleft()
-        result = None if handle is None else self.executor.result(handle).result()
-        return self._finish_step(plan, result, start)
+            return self.finish_step(plan, result, start)
+        plan, result, start = self.next_step()
+        return self.finish_step(plan, None if result is None else result.result(), start)
 
-    def _submit_ahead(self) -> None:
-        """Submit the next plan (and, with async scheduling, the one after the step in flight)."""
+    def next_step(self) -> tuple[StepPlan, concurrent.futures.Future | None, float]:
+        """Submit the next plan (with async scheduling, also the one after the step in flight)
+        and hand back the oldest step in flight: its plan, a future of its StepResult (None
+        when nothing went to the workers) and when its scheduling began, for `finish_step`."""
         if not self._inflight:
             self._submit()
         if (self.async_scheduling and len(self._inflight) == 1
                 and self.scheduler.has_unfinished()):
             self._submit()
+        plan, handle, start = self._inflight.popleft()
+        return plan, None if handle is None else self.executor.result(handle), start
 
     def _submit(self) -> None:
         start = time.perf_counter()
@@ -190,8 +193,9 @@ class LLMEngine:
         handle = None if plan.is_noop else self.executor.submit(plan)
         self._inflight.append((plan, handle, start))
 
-    def _finish_step(self, plan: StepPlan, result: StepResult | None, start: float,
-                     defer_text: bool = False) -> list[RequestOutput]:
+    def finish_step(self, plan: StepPlan, result: StepResult | None, start: float,
+                    defer_text: bool = False) -> list[RequestOutput]:
+        """Apply a step's result (see Scheduler.apply_result) and record its timing."""
         outputs = self.scheduler.apply_result(plan, result, defer_text)
         now = time.perf_counter()
         for out in outputs:
@@ -338,16 +342,14 @@ class AsyncLLMEngine:
                     continue
                 self._stepping = True
                 try:
-                    engine._submit_ahead()
-                    plan, handle, start = engine._inflight.popleft()
+                    plan, future, start = engine.next_step()
                     self._deliver(undelivered)  # the previous step's, while this one runs
                     undelivered = []
                     await asyncio.sleep(0)  # consumers (HTTP streams) take them now
-                    result = (None if handle is None else
-                              await asyncio.wrap_future(engine.executor.result(handle)))
+                    result = None if future is None else await asyncio.wrap_future(future)
                 finally:
                     self._stepping = False
-                undelivered = engine._finish_step(plan, result, start, defer_text=True)
+                undelivered = engine.finish_step(plan, result, start, defer_text=True)
                 for request_id in self._pending_aborts:
                     engine.abort(request_id)
                 self._pending_aborts.clear()

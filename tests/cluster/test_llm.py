@@ -97,7 +97,7 @@ def test_tiny_cache_preempts_and_still_matches(long_oracle: list[list[int]], mod
 
 def test_generate_returns_text_in_input_order_and_chat_works() -> None:
     with LLM("qwen3-tiny") as llm:
-        assert llm.engine.async_scheduling is False  # auto: an in-process worker on CPU
+        assert llm.engine.async_scheduling is False  # auto: off on CPU
         tok = llm.get_tokenizer()
         outs = llm.generate(["Hello", "The capital of France is"],
                             SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
@@ -134,6 +134,41 @@ def test_engine_config_rejects_unknown_and_bad_args() -> None:
         EngineConfig(async_scheduling="yes")
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_async_engine_streams_match_the_oracle_and_an_abort_frees_its_blocks(
+        oracle: list[list[int]], async_scheduling: bool) -> None:
+    """The Serve replica's engine: concurrent streams, one of them abandoned mid-way."""
+    engine = AsyncLLMEngine(EngineConfig(model="qwen3-tiny", max_num_seqs=8,
+                                         max_num_batched_tokens=64,
+                                         async_scheduling=async_scheduling))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+
+    async def collect(prompt: list[int], rid: str) -> list[int]:
+        return [t async for out in engine.generate(prompt, params, rid)
+                for t in out.outputs[0].token_ids]
+
+    async def abandon() -> int:
+        stream = engine.generate(list(range(200, 240)),
+                                 SamplingParams(max_tokens=500, ignore_eos=True), "dropped")
+        got = [await stream.__anext__() for _ in range(3)]
+        await stream.aclose()  # what a client disconnect does
+        return len(got)
+
+    async def run() -> list:
+        return await asyncio.gather(abandon(), *(collect(p, f"r{i}")
+                                                 for i, p in enumerate(_prompts())))
+
+    try:
+        got = asyncio.run(asyncio.wait_for(run(), timeout=120))
+        assert got[0] == 3 and got[1:] == oracle
+        sched = engine.engine.scheduler
+        assert not sched.has_unfinished() and not engine.engine.has_unfinished()
+        kv = sched.kv.stats()
+        assert kv.num_free_gpu_blocks == kv.num_gpu_blocks
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_greedy_matches_transformers_tp2_on_ray(ray_cluster: None, oracle: list[list[int]],
@@ -148,12 +183,13 @@ def test_greedy_matches_transformers_tp2_on_ray(ray_cluster: None, oracle: list[
 
 
 @pytest.mark.slow
-def test_killed_worker_fails_in_flight_requests_within_seconds(ray_cluster: None) -> None:
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_killed_worker_fails_in_flight_requests_within_seconds(ray_cluster: None,
+                                                               async_scheduling: bool) -> None:
     import ray
 
     engine = AsyncLLMEngine(EngineConfig(model="qwen3-tiny", tensor_parallel_size=2,
-                                         worker_num_cpus=0.5))
-    assert engine.engine.async_scheduling is True  # auto: Ray workers
+                                         worker_num_cpus=0.5, async_scheduling=async_scheduling))
 
     async def run() -> float:
         params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
