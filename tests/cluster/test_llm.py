@@ -95,6 +95,18 @@ def test_tiny_cache_preempts_and_still_matches(long_oracle: list[list[int]], mod
         _assert_all_blocks_free(llm)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [None, False])
+def test_cuda_engine_greedy_matches_transformers(oracle: list[list[int]],
+                                                 async_scheduling: bool | None) -> None:
+    """On CUDA async scheduling is the default (None: auto): pending tokens, CUDA graphs."""
+    with LLM("qwen3-tiny", device="cuda", dtype="float32", max_num_seqs=8,
+             max_num_batched_tokens=64, async_scheduling=async_scheduling) as llm:
+        assert llm.engine.async_scheduling is (async_scheduling is None)
+        assert _token_ids(llm) == oracle
+        _assert_all_blocks_free(llm)
+
+
 def test_generate_returns_text_in_input_order_and_chat_works() -> None:
     with LLM("qwen3-tiny") as llm:
         assert llm.engine.async_scheduling is False  # auto: off on CPU
