@@ -95,6 +95,40 @@ def test_tiny_cache_preempts_and_still_matches(long_oracle: list[list[int]], mod
         _assert_all_blocks_free(llm)
 
 
+def test_async_scheduling_gives_the_synchronous_outputs_for_every_sampling_option() -> None:
+    """Seeded sampling, penalties, min_tokens, stop strings, logprobs and n = 2 see the same
+    histories and positions whether a step is scheduled ahead or not."""
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 150000) for _ in range(k)]}
+               for k in (5, 19, 33, 40, 8, 26)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=11, max_tokens=20),
+        SamplingParams(temperature=1.0, seed=5, presence_penalty=1.5, frequency_penalty=0.5,
+                       repetition_penalty=1.3, max_tokens=24),
+        SamplingParams(temperature=0.7, seed=9, min_tokens=6, max_tokens=16, logprobs=3),
+        SamplingParams(temperature=0.8, seed=2, n=2, max_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=30, stop=["a", "e", " "]),
+        SamplingParams(temperature=1.2, min_p=0.05, seed=4, max_tokens=18, stop_token_ids=[1000]),
+    ]
+    runs = []
+    for async_scheduling in (False, True):
+        with LLM("qwen3-tiny", max_num_seqs=8, max_num_batched_tokens=48,
+                 num_gpu_blocks_override=14, async_scheduling=async_scheduling) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append([[(c.token_ids, c.text, c.finish_reason,
+                           None if c.logprobs is None else
+                           [{k: round(v, 4) for k, v in lp.items()} for lp in c.logprobs])
+                          for c in o.outputs] for o in outs])
+            stats = llm.engine.scheduler.stats()
+            assert stats.preemptions_swap + stats.preemptions_recompute > 0  # 14 blocks
+            _assert_all_blocks_free(llm)
+    assert runs[1] == runs[0]
+    # Not a vacuous comparison: the options did bite.
+    assert any(c[2] == "stop" for c in runs[0][4])
+    assert len(runs[0][3]) == 2 and runs[0][3][0][0] != runs[0][3][1][0]
+    assert runs[0][2][0][3] is not None and len(runs[0][2][0][3]) == len(runs[0][2][0][0])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("async_scheduling", [None, False])
 def test_cuda_engine_greedy_matches_transformers(oracle: list[list[int]],
