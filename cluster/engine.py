@@ -26,7 +26,14 @@ from cluster.executor import (
 from cluster.fast_detokenizer import detokenizer_factory
 from cluster.metrics import LatencyMetrics, RequestTimes
 from kvcache import KVCacheManager
-from scheduler import RequestOutput, SamplingParams, Scheduler, SchedulerConfig, StepPlan, StepResult
+from scheduler import (
+    RequestOutput,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    StepPlan,
+    StepResult,
+)
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
 from workers.model_config import load_model_config

@@ -12,7 +12,6 @@ CPU actors, against 3.8 ms for one actor call per rank (8.5 ms with a ray.put fi
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -51,10 +50,6 @@ class Executor(ABC):
     def execute(self, plan: StepPlan) -> StepResult:
         """Run `plan` on every rank; rank 0's result."""
         return self.result(self.submit(plan)).result()
-
-    async def execute_async(self, plan: StepPlan) -> StepResult:
-        """`execute` without blocking the event loop."""
-        return await asyncio.wrap_future(self.result(self.submit(plan)))
 
     def ping(self, timeout: float = 5.0) -> None:  # noqa: B027 — a real default
         """Probe the workers between steps (raise WorkerDiedError for a dead one); an

@@ -213,8 +213,8 @@ class KVCacheManager(SwapMixin):
         token_ids is the seq's whole known token list, followed by num_pending tokens still
         being sampled (async scheduling computes a token in the step after the one that
         samples it, before the scheduler knows it): blocks those fill are hashed later.
-        Afterwards the seq has slots for
-        token_ids[:num_slots(seq_id)]: num_slots grows by num_new_tokens, plus, on the first
+        Afterwards the seq has slots for token_ids[:num_slots(seq_id)] (and the pending
+        tokens): num_slots grows by num_new_tokens, plus, on the first
         call, len(prefix_block_ids) * block_size tokens covered by the prefix blocks (which must
         come from lookup_prefix of the same tokens and extra_key, with no allocation between).
         On the first call, block_hashes (as for lookup_prefix: the chained hashes of some
