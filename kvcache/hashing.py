@@ -81,8 +81,13 @@ def hash_block_tokens(
     parent_hash: BlockHash | None, token_ids: Sequence[int], extra_key: bytes | None = None
 ) -> BlockHash:
     """Hash of one full block given its parent's hash (None for the first block)."""
-    return _xxh3_128((ROOT_HASH if parent_hash is None else parent_hash)
-                     + pack_token_ids(token_ids) + (extra_key or b""))
+    return _hash_packed_block(parent_hash, pack_token_ids(token_ids), extra_key)
+
+
+def _hash_packed_block(parent_hash: BlockHash | None, packed: bytes,
+                       extra_key: bytes | None) -> BlockHash:
+    return _xxh3_128((ROOT_HASH if parent_hash is None else parent_hash) + packed
+                     + (extra_key or b""))
 
 
 def block_hasher(
@@ -98,11 +103,9 @@ def block_hasher(
             packed = pack(*token_ids)
         except struct.error as e:
             raise ValueError(f"token ids must fit in int32: {e}") from None
-        return _xxh3_128((ROOT_HASH if parent_hash is None else parent_hash) + packed
-                         + (extra_key or b""))
+        return _hash_packed_block(parent_hash, packed, extra_key)
 
     return hash_block
-
 
 
 def hash_packed_blocks(

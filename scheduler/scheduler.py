@@ -63,7 +63,6 @@ from scheduler.seq_scheduling import SeqSchedulingMixin
 from scheduler.step_builder import StepBuilder
 
 _RUNNING = SequenceStatus.RUNNING
-_PENDING = PENDING_TOKEN
 # The step being executed and the one scheduled ahead of its result (async scheduling).
 MAX_PLANS_IN_FLIGHT = 2
 
@@ -292,7 +291,7 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
                     appended[sid] = new_ids
                 dec_ids.append(sid)
                 dec_pos.append(start)
-                dec_tokens.append(_PENDING if ahead else tokens[start])
+                dec_tokens.append(PENDING_TOKEN if ahead else tokens[start])
                 taken += 1
             if has_prefill:
                 prefill_reqs.append(req)

@@ -49,10 +49,8 @@ class Worker:
         self.sampler: Sampler | None = None
         self.device = torch.device("cpu")
         self.dtype = torch.float32
-        # (step id, seq ids, tokens) of the last plan rank 0 sampled for: pending tokens of
-        # the next plan come from here (async scheduling)
-        empty = np.zeros(0, dtype=np.int64)
-        self._last_sampled: tuple[int, np.ndarray, np.ndarray] = (-1, empty, empty)
+        # Rank 0's answer to the last plan: the next plan's pending tokens (async scheduling)
+        self._last_result: StepResult | None = None
 
     # ---- set-up ---------------------------------------------------------------------------
 
@@ -205,6 +203,7 @@ class Worker:
         result, logits = self._execute(plan)
         if result is not None:
             result.forward_seconds = time.perf_counter() - start
+            self._last_result = result
         return result, logits
 
     def _execute(self, plan: StepPlan) -> tuple[StepResult | None, torch.Tensor | None]:
@@ -217,19 +216,16 @@ class Worker:
         runner.add_states(plan)
         empty = np.zeros(0, dtype=np.int64)
         if plan.is_empty:
-            self._last_sampled = (plan.step_id, empty, empty)
             return (StepResult(plan.step_id, empty, empty) if self.tp.is_first else None), None
         logits, inp = runner.execute_model(plan, self._resolve_pending(plan))
         if not self.tp.is_first:
             return None, None
         seq_ids = plan.seq_ids[plan.do_sample].astype(np.int64)
         if logits is None:
-            self._last_sampled = (plan.step_id, empty, empty)
             return StepResult(plan.step_id, seq_ids, empty), None
         md = runner.sampling_metadata(inp, _loaded(self.model_config).vocab_size)
         out = _loaded(self.sampler)(logits, md)
         result = StepResult(plan.step_id, seq_ids, out.token_ids.cpu().numpy())
-        self._last_sampled = (plan.step_id, seq_ids, result.token_ids)
         if out.logprobs is not None:
             result.logprobs = out.logprobs.cpu().numpy()
             result.top_token_ids = out.top_token_ids.cpu().numpy()
@@ -246,11 +242,12 @@ class Worker:
             return ids
         filled = ids.copy()
         if self.tp.is_first:
-            step_id, seq_ids, tokens = self._last_sampled
-            if step_id != plan.step_id - 1:
+            last = self._last_result
+            step_id = -1 if last is None else last.step_id
+            if last is None or step_id != plan.step_id - 1:
                 raise ValueError(f"plan {plan.step_id} has pending tokens, but the last plan "
                                  f"this worker sampled for was {step_id}")
-            sampled = dict(zip(seq_ids.tolist(), tokens.tolist()))
+            sampled = dict(zip(last.seq_ids.tolist(), last.token_ids.tolist()))
             ends = np.cumsum(plan.query_lens)
             owners = plan.seq_ids[np.searchsorted(ends, where, side="right")].tolist()
             missing = [s for s in owners if s not in sampled]
