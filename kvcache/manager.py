@@ -7,8 +7,9 @@ Per-sequence state (invariants, checked by `check_invariants`):
   - with prefix caching, block_hashes[i] is the chained hash of full block i and
     len(block_hashes) == num_slots // block_size; on the GPU every full block carries it.
     One exception: a slot reserved ahead of its token (`num_pending`, async scheduling) that
-    fills a block leaves that block unhashed until its token is known; the next block the
-    sequence opens hashes it first, so at most the last full block lags;
+    fills a block leaves that block unhashed until its token is known; it is hashed when the
+    next block is opened ahead of its token, or else when the next block fills, so at most
+    the last full block lags;
   - a swapped-out sequence's block_ids are CPU block ids.
 Per-step cost is O(new tokens): decode touches at most one new block and hashes at most one
 full block, never the whole context.
@@ -301,12 +302,14 @@ class KVCacheManager(SwapMixin):
                 if room:
                     seq.num_slots = num_slots + 1
                     seq.tail_room = room - 1
-                    if room == 1 and self.enable_prefix_caching:
+                    # (a block filled by a pending token is hashed when the next one opens)
+                    if room == 1 and self.enable_prefix_caching and not num_pending:
                         self._cache_full_blocks(seq, token_ids)  # the last block just filled
                     return _NOTHING_NEW
                 pool = self.gpu_pool
                 if pool.free_block_queue.num_free_blocks and self.block_size > 1:
-                    if self.enable_prefix_caching and len(seq.block_hashes) < len(seq.block_ids):
+                    if (num_pending and self.enable_prefix_caching
+                            and len(seq.block_hashes) < len(seq.block_ids)):
                         self._cache_full_blocks(seq, token_ids)  # filled ahead of its token
                     block_id = pool.get_new_block().block_id  # the last block is full: open one
                     seq.block_ids.append(block_id)
@@ -409,7 +412,8 @@ class KVCacheManager(SwapMixin):
         pool = self.gpu_pool
         blocks = pool.blocks
         table = seq.block_ids
-        start, stop = len(hashes), min(seq.num_slots, len(token_ids)) // bs
+        num_slots, num_known = seq.num_slots, len(token_ids)
+        start, stop = len(hashes), (num_slots if num_slots < num_known else num_known) // bs
         known = seq.known_hashes
         if stop <= start:
             return
