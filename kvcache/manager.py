@@ -7,9 +7,8 @@ Per-sequence state (invariants, checked by `check_invariants`):
   - with prefix caching, block_hashes[i] is the chained hash of full block i and
     len(block_hashes) == num_slots // block_size; on the GPU every full block carries it.
     One exception: a slot reserved ahead of its token (`num_pending`, async scheduling) that
-    fills a block leaves that block unhashed until its token is known; it is hashed when the
-    next block is opened ahead of its token, or else when the next block fills, so at most
-    the last full block lags;
+    fills a block leaves that block unhashed until its token is known; the next block the
+    sequence opens hashes it first, so at most the last full block lags;
   - a swapped-out sequence's block_ids are CPU block ids.
 Per-step cost is O(new tokens): decode touches at most one new block and hashes at most one
 full block, never the whole context.
@@ -308,8 +307,7 @@ class KVCacheManager(SwapMixin):
                     return _NOTHING_NEW
                 pool = self.gpu_pool
                 if pool.free_block_queue.num_free_blocks and self.block_size > 1:
-                    if (num_pending and self.enable_prefix_caching
-                            and len(seq.block_hashes) < len(seq.block_ids)):
+                    if self.enable_prefix_caching and len(seq.block_hashes) < len(seq.block_ids):
                         self._cache_full_blocks(seq, token_ids)  # filled ahead of its token
                     block_id = pool.get_new_block().block_id  # the last block is full: open one
                     seq.block_ids.append(block_id)
