@@ -58,7 +58,7 @@ def workloads(draw: st.DrawFn) -> dict:
     return {"cfg": cfg, "reqs": reqs}
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_mixes_finish_match_reference_and_free_everything(w: dict) -> None:
     cfg = w["cfg"]
