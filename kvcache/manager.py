@@ -290,31 +290,58 @@ class KVCacheManager(SwapMixin):
     def append_slot(self, seq_id: int, token_ids: Sequence[int],
                     num_pending: int = 0) -> Allocation | None:
         """allocate_slots(seq_id, token_ids, 1, num_pending=num_pending): the one-token decode
-        step, same result and side effects. The common cases (a known GPU seq, its last block
-        unshared, with room or full so that one new block opens) skip the general checks;
-        every other case, errors and a full pool included, is allocate_slots'."""
+        step, same result and side effects (append_slots' fast path, else allocate_slots)."""
         seq = self._seqs.get(seq_id)
-        if seq is not None and not seq.shared_tail and not seq.swapped:
+        if seq is not None and seq.num_slots < len(token_ids) + num_pending:
+            opened: dict[int, list[int]] = {}
+            if self.append_slots((seq_id,), (token_ids,), num_pending, opened):
+                return Allocation(opened[seq_id], []) if opened else _NOTHING_NEW
+        return self.allocate_slots(seq_id, token_ids, 1, num_pending=num_pending)  # (or raise)
+
+    def append_slots(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
+                     num_pending: int, opened: dict[int, list[int]]) -> int:
+        """One decode slot for each sequence in order, as append_slot gives it, for as long as
+        each is the common case: a known GPU seq whose last block it owns alone, with room in
+        that block or a free block to open. Stops at the first sequence that is not, untouched,
+        and returns how many were done; the id of each new block goes into `opened[seq_id]`.
+        The rest of a decode batch is append_slot's (copy-on-write, a full pool).
+
+        The caller guarantees what append_slot checks: each slot is for the sequence's last
+        known token (num_pending=0) or for the one in flight after it (num_pending=1), i.e.
+        num_slots == len(token_ids) - 1 + num_pending. token_ids are read only to hash the
+        blocks that fill."""
+        if self.block_size == 1:
+            return 0  # (every slot opens a block; allocate_slots' general path handles it)
+        seqs_get = self._seqs.get
+        caching = self.enable_prefix_caching
+        pool = self.gpu_pool
+        free_queue = pool.free_block_queue
+        cache_full_blocks = self._cache_full_blocks
+        reopen_room = self.block_size - 1
+        hash_filled = caching and not num_pending
+        for i, (seq_id, token_ids) in enumerate(zip(seq_ids, token_lists)):
+            seq = seqs_get(seq_id)
+            if seq is None or seq.shared_tail or seq.swapped:
+                return i
             num_slots = seq.num_slots
-            if num_slots < len(token_ids) + num_pending:
-                room = seq.tail_room
-                if room:
-                    seq.num_slots = num_slots + 1
-                    seq.tail_room = room - 1
-                    # (a block filled by a pending token is hashed when the next one opens)
-                    if room == 1 and self.enable_prefix_caching and not num_pending:
-                        self._cache_full_blocks(seq, token_ids)  # the last block just filled
-                    return _NOTHING_NEW
-                pool = self.gpu_pool
-                if pool.free_block_queue.num_free_blocks and self.block_size > 1:
-                    if self.enable_prefix_caching and len(seq.block_hashes) < len(seq.block_ids):
-                        self._cache_full_blocks(seq, token_ids)  # filled ahead of its token
-                    block_id = pool.get_new_block().block_id  # the last block is full: open one
-                    seq.block_ids.append(block_id)
-                    seq.num_slots = num_slots + 1
-                    seq.tail_room = self.block_size - 1
-                    return Allocation([block_id], [])
-        return self.allocate_slots(seq_id, token_ids, 1, num_pending=num_pending)
+            room = seq.tail_room
+            if room:
+                seq.num_slots = num_slots + 1
+                seq.tail_room = room - 1
+                # (a block filled by a pending token is hashed when the next one opens)
+                if room == 1 and hash_filled:
+                    cache_full_blocks(seq, token_ids)  # the last block just filled
+                continue
+            if not free_queue.num_free_blocks:
+                return i
+            if caching and len(seq.block_hashes) < len(seq.block_ids):
+                cache_full_blocks(seq, token_ids)  # filled ahead of its token
+            block_id = pool.get_new_block().block_id  # the last block is full: open one
+            seq.block_ids.append(block_id)
+            seq.num_slots = num_slots + 1
+            seq.tail_room = reopen_room
+            opened[seq_id] = [block_id]
+        return len(seq_ids)
 
     def _allocate_new(
         self,

@@ -316,3 +316,55 @@ def test_append_slot_errors_and_new_seq_are_allocate_slots():
     assert m.append_slot(1, A[:4]) == Allocation([], [])  # fills block 0: hashed and cached
     assert m.gpu_pool.blocks[0].block_hash == chain(A[:4], 4)[0]
     m.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("pending", [0, 1])
+def test_append_slots_is_append_slot_for_each_sequence(seed: int, pending: int):
+    """A decode batch in one append_slots call leaves the manager as append_slot called for
+    each sequence in order: same tables, hashes, free queue and new block ids, over many
+    steps across block boundaries (with pending tokens, each block is hashed a step late)."""
+    rng = random.Random(seed)
+    one, bulk = mgr(gpu=64, cpu=0), mgr(gpu=64, cpu=0)
+    toks = {sid: [rng.randrange(0, 5) for _ in range(rng.randint(1, 9))] for sid in range(6)}
+    for m in (one, bulk):
+        for sid, t in toks.items():
+            m.allocate_slots(sid, t, len(t) - 1)  # the last token is the next decode's input
+    sids = sorted(toks)
+    for _ in range(12):
+        expected = {}
+        for sid in sids:
+            alloc = one.append_slot(sid, toks[sid], pending)
+            if alloc.new_block_ids:
+                expected[sid] = alloc.new_block_ids
+        opened: dict[int, list[int]] = {}
+        assert bulk.append_slots(sids, [toks[s] for s in sids], pending, opened) == len(sids)
+        assert opened == expected
+        assert _state(one, sids) == _state(bulk, sids)
+        for t in toks.values():
+            t.append(rng.randrange(0, 5))  # each step's sampled token
+    bulk.check_invariants()
+    if not pending:
+        assert all(len(bulk._seqs[s].block_hashes) == bulk.num_slots(s) // 4 for s in sids)
+
+
+def test_append_slots_stops_untouched_at_a_shared_tail_an_unknown_seq_or_a_full_pool():
+    m = mgr(gpu=5, cpu=0)
+    m.allocate_slots(1, A[:4], 4)  # block 0 full
+    m.allocate_slots(2, B[:3], 2)  # block 1, room 2
+    m.fork(2, 3)  # 3 shares block 1
+    before = _state(m, [1, 2, 3])
+    opened: dict[int, list[int]] = {}
+    assert m.append_slots([2, 1], [B[:3], A[:5]], 0, opened) == 0  # 2's tail is shared
+    assert m.append_slots([1, 9], [A[:5], A[:2]], 0, opened) == 1  # seq 9 is unknown
+    assert opened == {1: [2]} and m.num_slots(1) == 5
+    assert _state(m, [2, 3])[:2] == before[1:3]  # their tables and slots
+    m.allocate_slots(4, B, 8)  # takes the last two free blocks
+    assert m.num_free_gpu_blocks == 0
+    t1 = A[:5] + [0, 0, 0, 0]
+    for _ in range(3):
+        assert m.append_slots([1], [t1], 0, opened) == 1  # room in block 2: no block needed
+    assert m.append_slots([1], [t1], 0, {}) == 0  # block 2 is full and none is free
+    assert m.num_slots(1) == 8
+    assert m.append_slot(1, t1) is None  # the general path refuses too, changing nothing
+    m.check_invariants()
