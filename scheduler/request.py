@@ -116,7 +116,8 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "n", "arrival_time",
                  "extra_key", "seqs", "status", "forked", "num_cached_tokens", "scheduled_step",
-                 "admitted", "stop_token_ids", "max_output", "plain", "deferrable", "block_hashes")
+                 "admitted", "stop_token_ids", "max_output", "plain", "deferrable", "block_hashes",
+                 "in_lane")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float,
@@ -148,6 +149,7 @@ class Request:
         self.plain = False  # no text, no logprobs: the output fast path applies (Scheduler)
         # text, but no stop strings and no logprobs: with deferred text, the fast path too
         self.deferrable = False
+        self.in_lane = False  # a member of the Scheduler's DecodeLane
 
     @property
     def is_finished(self) -> bool:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice, repeat
+from operator import attrgetter
 
 import numpy as np
 
 from kvcache import KVCacheManager
+from scheduler.decode_lane import PLAIN, DecodeLane
 from scheduler.output_processor import flush_text, process_token, token_text
 from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.plan import StepPlan, StepResult
 from scheduler.request import Request, Sequence, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING
+_in_lane = attrgetter("in_lane")
 
 
 class ResultsMixin:
@@ -27,6 +31,10 @@ class ResultsMixin:
     _pending_drops: list[int]
     _deferred: list[RequestOutput]
     _running_dirty: bool
+    _lane: DecodeLane
+    _lane_plans: dict[int, tuple[list[Request], list[Sequence], np.ndarray, np.ndarray,
+                                 np.ndarray, int]]
+    _stop_id_array: np.ndarray
     generation_tokens_total: int
     # (delta, request, sequence, token, stopped by a stop token, finished): text owed by
     # apply_result(defer_text=True), filled in by finish_text() in token order
@@ -67,17 +75,29 @@ class ResultsMixin:
         new_obj = object.__new__
         todo = self._text_todo.append
         num_tokens = 0
-        for row, (sid, token) in enumerate(zip(result.seq_ids.tolist(),
-                                               result.token_ids.tolist())):
-            entry = seqs_get(sid)
-            if entry is None:
-                continue  # aborted, or finished by the token of the step before (async)
-            req, seq = entry
+        seq_ids = result.seq_ids.tolist()
+        fast, lane_reqs, lane_seqs = self._lane_fast_rows(plan, result, defer_text)
+        if fast is not None:
+            fast += [False] * (len(seq_ids) - len(fast))
+        else:
+            fast = repeat(False)
+        for row, (sid, token, lane_row) in enumerate(
+                zip(seq_ids, result.token_ids.tolist(), fast)):
+            if lane_row:
+                # A decode lane member still running, whose token can neither stop it nor
+                # reach its length, and whose output is plain or deferred (_lane_fast_rows).
+                req = lane_reqs[row]
+                seq = lane_seqs[row]
+            else:
+                entry = seqs_get(sid)
+                if entry is None:
+                    continue  # aborted, or finished by the token of the step before (async)
+                req, seq = entry
             tokens = seq.token_ids
             tokens.append(token)
             num_tokens += 1
-            if ((req.plain or (defer_text and req.deferrable))
-                    and token not in req.stop_token_ids and len(tokens) < seq.max_len):
+            if lane_row or ((req.plain or (defer_text and req.deferrable))
+                            and token not in req.stop_token_ids and len(tokens) < seq.max_len):
                 # No logprobs, no stop, and no text now (none at all, or deferred): the delta
                 # is just the token. Built field by field: the dataclass __init__ call costs
                 # more than the rest of this loop.
@@ -123,6 +143,28 @@ class ResultsMixin:
                 self._forget(req)
         return outputs
 
+    def _lane_fast_rows(self, plan: StepPlan, result: StepResult, defer_text: bool
+                        ) -> tuple[list[bool] | None, list[Request], list[Sequence]]:
+        """For a plan that began with decode lane rows: which of its first rows take the plain
+        output path, with those rows' requests and sequences (the lists may run longer)."""
+        lane_plan = self._lane_plans.pop(plan.step_id, None)
+        if lane_plan is None:
+            return None, [], []
+        reqs, seqs, pos, max_len, kind, departures = lane_plan
+        n = len(pos)
+        if not np.array_equal(result.seq_ids[:n], plan.seq_ids[:n]):
+            return None, [], []  # (not in batch order: every row looks its sequence up)
+        # Its token appended, a sequence has pos + 2 tokens.
+        ok = pos + 2 < max_len
+        ok &= (kind != 0) if defer_text else (kind == PLAIN)
+        # Still a member: running, not finished or aborted since the plan was made (when
+        # nobody has left the lane since, all are).
+        if departures != self._lane.departures:
+            ok &= np.fromiter(map(_in_lane, islice(reqs, n)), bool, n)
+        if len(self._stop_id_array):
+            ok &= ~np.isin(result.token_ids[:n], self._stop_id_array)
+        return ok.tolist(), reqs, seqs
+
     def _token_output(self, req: Request, seq: Sequence, token: int, result: StepResult,
                       row: int, defer_text: bool = False) -> CompletionOutput:
         """The output delta of a token just appended: stop checks, text, logprobs."""
@@ -159,6 +201,7 @@ class ResultsMixin:
                 self.finish_text()  # this sequence's earlier tokens come first
             text += flush_text(seq)
         seq.stop_reason = stop_reason
+        self._lane.evict(req)
         before = req.status
         self._seqs.pop(seq.seq_id, None)  # a later plan's token for it is ignored
         if req.finish_seq(seq, status) and before is not _RUNNING:

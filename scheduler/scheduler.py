@@ -8,6 +8,9 @@ One step, `schedule()`, decides in this order (each stage gets what the budget o
   3. swapped requests, swapped back in FCFS (nothing in 3-4 runs in a step that preempted);
   4. waiting requests, FCFS (only when nothing is left swapped); the head blocks the rest.
 The plan's batch lists every one-token entry that samples (a decode) first, then the chunks.
+Stage 1 runs in bulk for the sequences that decoded in the last plan (the decode lane, see
+_schedule_decodes), when the KV cache surely has the blocks the stage needs: their rows come
+first in the batch, in the order they joined the lane; otherwise, one by one in admission order.
 
 When a running sequence cannot get a KV block, the most recently admitted running request not
 yet scheduled in this step is preempted, all its sequences together: swapped to CPU when the
@@ -40,7 +43,8 @@ full blocks into the prefix cache at that point, so a request admitted later in 
 may hit blocks this step computes (workers write the whole batch's KV before attending).
 
 Scheduler is this file plus two mixins: seq_scheduling.py (one sequence's chunk, the fork,
-preemption) and results.py (`apply_result()` and finishing sequences).
+preemption) and results.py (`apply_result()` and finishing sequences); decode_lane.py holds
+the decode lane's arrays.
 """
 
 from __future__ import annotations
@@ -49,10 +53,14 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence as SequenceABC
+from operator import itemgetter
 from typing import Any
+
+import numpy as np
 
 from kvcache import KVCacheManager, prompt_block_hashes
 from scheduler.config import SchedulerConfig
+from scheduler.decode_lane import DecodeLane
 from scheduler.detokenizer import DetokenizerFactory, IncrementalDetokenizer, StopStringBuffer
 from scheduler.outputs import CompletionOutput, RequestOutput, SchedulerStats
 from scheduler.plan import PENDING_TOKEN, StepPlan
@@ -63,6 +71,7 @@ from scheduler.seq_scheduling import SeqSchedulingMixin
 from scheduler.step_builder import StepBuilder
 
 _RUNNING = SequenceStatus.RUNNING
+_last = itemgetter(-1)
 # The step being executed and the one scheduled ahead of its result (async scheduling).
 MAX_PLANS_IN_FLIGHT = 2
 
@@ -104,6 +113,17 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
         self._pending_drops: list[int] = []  # seq ids to drop in the next plan
         self._deferred: list[RequestOutput] = []  # outputs decided in schedule()
         self._running_dirty = False  # some running request finished in apply_result
+        self._lane = DecodeLane()
+        # step id -> the lane rows that plan starts with, for apply_result: (requests,
+        # sequences, positions, max lengths, output kinds, the lane's departures count then,
+        # or -1 when they have left it); requests and sequences may run longer
+        self._lane_plans: dict[int, tuple[list[Request], list[Sequence], np.ndarray,
+                                          np.ndarray, np.ndarray, int]] = {}
+        # every stop token id (EOS included) of any request so far, as an array
+        self._stop_ids: set[int] = set()
+        self._stop_id_array = np.zeros(0, dtype=np.int64)
+        self._lane_enabled = kv.block_size > 1  # (with 1, every decode opens a block)
+        self._lane_steps = self._lane_steps_cut = 0  # (for tests: bulk steps, cut short)
         self._text_todo = []  # text owed by apply_result(defer_text=True), see finish_text
         # token id -> convert_ids_to_tokens result, per skip_special_tokens, for every
         # detokenizer of this scheduler's tokenizer
@@ -157,6 +177,9 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
                       time.monotonic() if arrival_time is None else arrival_time,
                       cache_salt.encode() if cache_salt else None, parent,
                       self.eos_token_ids, max_len)
+        if not self._stop_ids.issuperset(req.stop_token_ids):
+            self._stop_ids.update(req.stop_token_ids)
+            self._stop_id_array = np.array(sorted(self._stop_ids), dtype=np.int64)
         if self.kv.enable_prefix_caching:
             req.block_hashes = prompt_block_hashes(prompt, self.block_size, req.extra_key)
         if sp.n > 1 and num_prompt == 1:
@@ -179,6 +202,7 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self._lane.evict(req)
         status = req.status
         if status is _RUNNING:
             self.running.remove(req)
@@ -218,85 +242,8 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
                      self._pending_drops)
         self._pending_drops = []
 
-        # 1. Decodes (and n > 1 forks: every sequence computes one token). The common case,
-        # a sequence the workers hold that gets its slot without preemption or copy-on-write,
-        # is inlined: this loop runs for every running sequence on every step. Its entries are
-        # counted in `taken` and charged to the step's budget and sequence slots in one go,
-        # before any slow path (which reads and charges them itself).
-        append_slot = self.kv.append_slot
-        appended = step.appended
-        dec_ids, dec_pos, dec_tokens = step.dec_ids, step.dec_pos, step.dec_tokens
-        step_id = step.step_id
-        prefill_reqs: list[Request] = []
-        cap = min(step.budget, step.seq_slots)
-        taken = 0
-        full = False
-        for req in list(self.running):
-            if full:
-                break
-            if req.status is not _RUNNING:
-                continue
-            if not req.forked:
-                parent = req.seqs[0]
-                if parent.num_computed == parent.prompt_len - 1:
-                    step.budget -= taken
-                    step.seq_slots -= taken
-                    taken = 0
-                    self._schedule_fork(req, step, may_preempt=True)
-                    cap = min(step.budget, step.seq_slots)
-                else:
-                    prefill_reqs.append(req)
-                continue
-            has_prefill = False
-            for seq in req.seqs:
-                if seq.status is not _RUNNING:
-                    continue
-                tokens = seq.token_ids
-                start = seq.num_computed
-                num_known = len(tokens)
-                if num_known - start == 1 and start:
-                    ahead = 0
-                elif num_known == start:
-                    # Its last token is being sampled by the step in flight: compute it next,
-                    # unless that token ends the sequence by length.
-                    if start + 1 >= seq.max_len:
-                        continue
-                    ahead = 1
-                else:
-                    if start < num_known:
-                        has_prefill = True
-                    continue  # else two plans in flight already compute its tokens
-                if taken == cap:
-                    full = True
-                    break
-                sid = seq.seq_id
-                alloc = append_slot(sid, tokens, ahead)
-                if alloc is None or alloc.copies or not seq.on_worker:
-                    step.budget -= taken
-                    step.seq_slots -= taken
-                    taken = 0
-                    if alloc is None:
-                        scheduled = self._schedule_seq(req, seq, step, may_preempt=True)
-                    else:
-                        self._record(req, seq, step, alloc, start, 1)
-                        scheduled = 1
-                    cap = min(step.budget, step.seq_slots)
-                    if scheduled < 0:
-                        break  # the request itself was preempted
-                    continue
-                seq.num_computed = start + 1
-                req.scheduled_step = step_id
-                new_ids = alloc.new_block_ids
-                if new_ids:
-                    appended[sid] = new_ids
-                dec_ids.append(sid)
-                dec_pos.append(start)
-                dec_tokens.append(PENDING_TOKEN if ahead else tokens[start])
-                taken += 1
-            if has_prefill:
-                prefill_reqs.append(req)
-        step.budget -= taken
-        step.seq_slots -= taken
+        # 1. Decodes (and n > 1 forks: every sequence computes one token).
+        prefill_reqs = self._schedule_decodes(step)
 
         # 2. Prefill chunks of running requests.
         for req in prefill_reqs:
@@ -358,6 +305,141 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
         self._inflight.append(step.step_id)
         return step.to_plan()
 
+    def _schedule_decodes(self, step: StepBuilder) -> list[Request]:
+        """Stage 1: a token for every running sequence that decodes (and the n > 1 forks due).
+        Returns the running requests with prefill chunks left, for stage 2.
+
+        This runs for every running sequence on every step, so the common case goes in bulk:
+        the decode lane (scheduler/decode_lane.py) holds the sequences that decoded a token in
+        the last plan, and when nothing in this stage can run short of KV blocks, all of them
+        decode again from arrays and one KVCacheManager.append_slots call, and the requests
+        outside the lane follow one by one, in admission order. Otherwise every request goes
+        one by one in admission order (the lane is emptied), which decides exactly what the
+        bulk path would but for batch order: only under KV pressure does the order matter
+        (who may preempt whom). Sequences that decode plainly one by one join the lane.
+        """
+        running = self.running
+        prefill_reqs: list[Request] = []
+        lane = self._lane
+        lane.settle()
+        if lane.reqs:
+            # Every member decoded in the last plan: with that plan in flight (async
+            # scheduling) each input is the token it samples, else the last known token.
+            ahead = bool(self._inflight)
+            if ahead:
+                edge = np.flatnonzero(lane.pos + 1 >= lane.max_len)
+                if edge.size:  # their tokens in flight end them by length: not computed ahead
+                    lane.evict_rows(edge.tolist())
+            outside = [r for r in running if not r.in_lane] if len(running) > len(lane) else []
+            if lane.reqs and self._lane_fits(outside):
+                self._decode_lane(step, ahead)
+                for req in outside:
+                    if not self._decode_request(req, step, prefill_reqs):
+                        break
+                return prefill_reqs
+            lane.clear()
+        for req in list(running):
+            if not self._decode_request(req, step, prefill_reqs):
+                break
+        return prefill_reqs
+
+    def _lane_fits(self, outside: list[Request]) -> bool:
+        """Whether stage 1 surely gets every KV block it asks for: the lane's new blocks, and
+        at most two per live sequence of the requests outside it (a fork: n + 1)."""
+        need = int(np.count_nonzero(self._lane.pos % self.block_size == 0))
+        for req in outside:
+            need += 2 * len(req.seqs) if req.forked else req.n + 1
+        return need <= self.kv.num_free_gpu_blocks
+
+    def _decode_lane(self, step: StepBuilder, ahead: bool) -> None:
+        lane = self._lane
+        n = len(lane)
+        self._lane_steps += 1
+        done = self.kv.append_slots(lane.seq_ids, lane.token_lists, int(ahead), step.appended)
+        reqs, seqs = lane.reqs, lane.seqs
+        if ahead:
+            inputs = np.full(done, PENDING_TOKEN, dtype=np.int64)
+        else:
+            inputs = np.fromiter(map(_last, lane.token_lists[:done] if done < n else
+                                     lane.token_lists), np.int64, done)
+        if done < n:  # (not expected: _lane_fits) the rest one by one, the lane emptied
+            self._lane_steps_cut += 1
+            pos = lane.pos[:done]
+            step.lane = (lane.ids[:done], pos, inputs)
+            rest = list(zip(reqs[done:], seqs[done:]))
+            reqs, seqs = reqs[:done], seqs[:done]
+            self._lane_plans[step.step_id] = (reqs, seqs, pos, lane.max_len[:done],
+                                              lane.kind[:done], -1)
+            lane.clear()
+        else:
+            pos = lane.pos.copy()
+            step.lane = (lane.ids, pos, inputs)
+            lane.pos += 1
+            rest = []
+            # (the lane's lists only grow in place, and its arrays are replaced, so these
+            # stay as they are now until apply_result reads them)
+            self._lane_plans[step.step_id] = (reqs, seqs, pos, lane.max_len, lane.kind,
+                                              lane.departures)
+        for seq in seqs:
+            seq.num_computed += 1
+        step_id = step.step_id
+        for req in reqs:
+            req.scheduled_step = step_id
+        step.budget -= done
+        step.seq_slots -= done
+        for req, seq in rest:
+            self._decode_row(req, seq, step, [])
+
+    def _decode_request(self, req: Request, step: StepBuilder,
+                        prefill_reqs: list[Request]) -> bool:
+        """Stage 1 for one request, one sequence at a time; False when the step is full."""
+        if req.status is not _RUNNING:
+            return True
+        if not req.forked:
+            parent = req.seqs[0]
+            if parent.num_computed == parent.prompt_len - 1:
+                self._schedule_fork(req, step, may_preempt=True)
+            else:
+                prefill_reqs.append(req)
+            return True
+        for seq in req.seqs:
+            if seq.status is _RUNNING:
+                if not self._decode_row(req, seq, step, prefill_reqs):
+                    return False
+        return True
+
+    def _decode_row(self, req: Request, seq: Sequence, step: StepBuilder,
+                    prefill_reqs: list[Request]) -> bool:
+        """One running sequence of a forked request in stage 1; False when the step is full."""
+        if req.status is not _RUNNING:
+            return True  # (preempted by an earlier sequence of its own)
+        tokens = seq.token_ids
+        start = seq.num_computed
+        num_known = len(tokens)
+        if num_known - start == 1 and start:
+            ahead = 0
+        elif num_known == start:
+            # Its last token is being sampled by the step in flight: compute it next, unless
+            # that token ends the sequence by length.
+            if start + 1 >= seq.max_len:
+                return True
+            ahead = 1
+        else:
+            if start < num_known and (not prefill_reqs or prefill_reqs[-1] is not req):
+                prefill_reqs.append(req)
+            return True  # (else two plans in flight already compute its tokens)
+        if step.budget == 0 or step.seq_slots == 0:
+            return False
+        alloc = self.kv.append_slot(seq.seq_id, tokens, ahead)
+        if alloc is None:
+            self._schedule_seq(req, seq, step, may_preempt=True)
+            return True
+        plain = seq.on_worker and not alloc.copies
+        self._record(req, seq, step, alloc, start, 1)
+        if plain and req.n == 1 and self._lane_enabled:
+            self._lane.join(req, seq)
+        return True
+
     # ---- helpers ----------------------------------------------------------------------------
 
     def _init_seq(self, req: Request, seq: Sequence) -> None:
@@ -388,6 +470,10 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
         if not req.forked:
             return req.n
         return sum(1 for s in req.seqs if not s.status.is_finished)
+
+    def check_lane(self) -> None:
+        """Assert the decode lane mirrors the sequences' state (for tests, between calls)."""
+        self._lane.check(self.running, self.kv.num_slots)
 
     # ---- metrics ----------------------------------------------------------------------------
 

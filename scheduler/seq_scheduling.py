@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 from kvcache import Allocation, KVCacheManager
 from scheduler.config import SchedulerConfig
+from scheduler.decode_lane import DecodeLane
 from scheduler.outputs import RequestOutput
 from scheduler.plan import PENDING_TOKEN, NewSeq
 from scheduler.request import Request, Sequence, SequenceStatus
@@ -33,6 +34,7 @@ class SeqSchedulingMixin:
     swapped: deque[Request]
     _seqs: dict[int, tuple[Request, Sequence]]
     _seq_ids: Iterator[int]
+    _lane: DecodeLane
     _deferred: list[RequestOutput]
     preemptions_swap: int
     preemptions_recompute: int
@@ -179,6 +181,7 @@ class SeqSchedulingMixin:
 
     def _preempt(self, req: Request, step: StepBuilder) -> None:
         self.running.remove(req)
+        self._lane.evict(req)
         step.preempted = True
         live = req.live_seqs()
         for seq in live:

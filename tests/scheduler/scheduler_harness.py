@@ -246,6 +246,7 @@ def make(num_gpu_blocks: int = 16, num_cpu_blocks: int = 0, block_size: int = 4,
 def check_consistency(sched: Scheduler, kv: KVCacheManager, worker: FakeWorker) -> None:
     """Scheduler, KV manager and worker agree on every live sequence."""
     kv.check_invariants()
+    sched.check_lane()
     for req in sched.requests.values():
         for seq in req.seqs:
             if seq.status.is_finished:

@@ -33,6 +33,9 @@ def workloads(draw: st.DrawFn) -> dict:
         "watermark": draw(st.sampled_from([0.0, 0.1])),
         "max_num_seqs": draw(st.integers(2, 8)),
         "pipelined": draw(st.booleans()),  # async scheduling: two plans in flight
+        # the decode lane as built; off (every decode one by one); or taken even when the
+        # KV cache may run short in the step (it then finishes the lane one by one)
+        "lane": draw(st.sampled_from(["on", "off", "always"])),
     }
     reqs = []
     for i in range(draw(st.integers(2, 10))):
@@ -69,6 +72,10 @@ def test_random_mixes_finish_match_reference_and_free_everything(w: dict) -> Non
         max_num_seqs=cfg["max_num_seqs"], max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=12 if cfg["chunked"] else MAX_MODEL_LEN,
         enable_chunked_prefill=cfg["chunked"], preemption_mode=cfg["mode"])
+    if cfg["lane"] == "off":
+        sched._lane_enabled = False
+    elif cfg["lane"] == "always":
+        sched._lane_fits = lambda outside: True
     got: dict[tuple[str, int], Collected] = {}
     finished: set[str] = set()
     aborted: set[str] = set()
@@ -112,6 +119,8 @@ def test_random_mixes_finish_match_reference_and_free_everything(w: dict) -> Non
     event(f"preempted: swap={stats.preemptions_swap > 0} recompute={stats.preemptions_recompute > 0}")
     event(f"prefix hits: {stats.prefix_hits > 0}")
     event(f"aborted: {bool(aborted)}")
+    event(f"lane {cfg['lane']}: lane steps {sched._lane_steps > 0}, cut short "
+          f"{sched._lane_steps_cut > 0}")
     event(f"pipelined: {cfg['pipelined']}, pending tokens: {worker.num_pending_filled > 0}, preempted: {stats.preemptions_swap + stats.preemptions_recompute > 0}")
     assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
     assert not sched.requests and not sched._seqs
