@@ -15,6 +15,11 @@ the timed region. Token ids from [100, 150000) with a fixed seed (docs BENCHMARK
         [--pipelined]  # async scheduling: every decode step schedules ahead of its input token
     python bench/scheduler_bench.py --tokenizer   # also detokenize with the real Qwen3 tokenizer
         [--detokenizer rust|python]  # the engine's (tokenizers' DecodeStream) or the pure-Python one
+    python bench/scheduler_bench.py --against /path/to/other/checkout [--rounds 4]
+        # the decode rows of this tree and another (e.g. a `git worktree` of an older commit),
+        # interleaved in one process, round by round: this VM's speed drifts by up to 2x
+        # within minutes, so only runs taken side by side compare. (The garbage collector's
+        # settings are process-wide: both trees run with this tree's.)
 """
 
 from __future__ import annotations
@@ -137,6 +142,42 @@ def bench_admit(num_seqs: int, prompt_len: int, seed: int, tokenizer, factory=No
             "step_us_min": round(min(times) * 1e6, 1)}
 
 
+def _load_tree(root: str):
+    """This benchmark module as another checkout at `root` has it, with that checkout's
+    scheduler, kvcache and cluster packages (the modules of this tree stay loaded too)."""
+    pkgs = ("scheduler", "kvcache", "cluster", "workers", "kernels")
+    saved = {k: m for k, m in sys.modules.items() if k.split(".")[0] in pkgs}
+    for k in saved:
+        del sys.modules[k]
+    spec = importlib.util.spec_from_file_location("scheduler_bench_other",
+                                                  os.path.join(root, "bench", "scheduler_bench.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, root)
+    try:
+        spec.loader.exec_module(module)
+        if not sys.modules["scheduler"].__file__.startswith(os.path.abspath(root)):
+            raise SystemExit(f"--against {root}: its scheduler package did not load")
+    finally:
+        sys.path.remove(root)
+        for k in [k for k in sys.modules if k.split(".")[0] in pkgs]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+    return module
+
+
+def compare(other_root: str, contexts: list[int], rounds: int, steps: int, num_seqs: int,
+            pipelined: bool) -> list[dict]:
+    """Decode rows of this tree and of `other_root`, alternating which goes first."""
+    runs = {"this": sys.modules[__name__], "other": _load_tree(other_root)}
+    rows = []
+    for r in range(rounds):
+        for c in contexts:
+            for name in (("this", "other") if r % 2 == 0 else ("other", "this")):
+                row = runs[name].bench_decode(num_seqs, c, steps, r, None, pipelined=pipelined)
+                rows.append({"tree": name, "round": r, **row})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-seqs", type=int, default=256)
@@ -155,8 +196,31 @@ def main() -> None:
                     help="async scheduling: schedule each step before applying the previous one")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the start-up heap to the garbage collector (the engine freezes it)")
+    ap.add_argument("--against", metavar="ROOT",
+                    help="compare the decode rows with the checkout at ROOT, interleaved")
+    ap.add_argument("--rounds", type=int, default=4, help="with --against: rounds per tree")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args()
+    if args.against:
+        contexts = [int(c) for c in args.contexts.split(",")]
+        rows = compare(args.against, contexts, args.rounds, args.steps, args.num_seqs,
+                       args.pipelined)
+        print(f"decode rows, {args.num_seqs} seqs, {args.steps} steps, "
+              f"{'pipelined' if args.pipelined else 'synchronous'}, this tree vs "
+              f"{args.against}, {args.rounds} interleaved rounds, medians of the rounds (us); "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        print(f"{'context':>8}{'tree':>7}{'schedule':>10}{'apply':>8}{'step':>8}   step per round")
+        for c in contexts:
+            for name in ("other", "this"):
+                mine = [r for r in rows if r["tree"] == name and r["context"] == c]
+                med = {k: statistics.median(r[k] for r in mine)
+                       for k in ("schedule_us", "apply_us", "step_us")}
+                print(f"{c:>8}{name:>7}{med['schedule_us']:>10.1f}{med['apply_us']:>8.1f}"
+                      f"{med['step_us']:>8.1f}   {[round(r['step_us']) for r in mine]}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows, "against": args.against}, f, indent=1)
+        return
     freeze = not args.no_gc_freeze
     tok = _qwen_tokenizer() if args.tokenizer else None
     factory = None
