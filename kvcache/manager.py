@@ -290,13 +290,36 @@ class KVCacheManager(SwapMixin):
     def append_slot(self, seq_id: int, token_ids: Sequence[int],
                     num_pending: int = 0) -> Allocation | None:
         """allocate_slots(seq_id, token_ids, 1, num_pending=num_pending): the one-token decode
-        step, same result and side effects (append_slots' fast path, else allocate_slots)."""
+        step, same result and side effects. The common cases (a known GPU seq, its last block
+        unshared, with room or full so that one new block opens) skip the general checks;
+        every other case, errors and a full pool included, is allocate_slots'. (A whole
+        batch of decodes: append_slots, the same cases without a call per sequence.)"""
         seq = self._seqs.get(seq_id)
-        if seq is not None and seq.num_slots < len(token_ids) + num_pending:
-            opened: dict[int, list[int]] = {}
-            if self.append_slots((seq_id,), (token_ids,), num_pending, opened):
-                return Allocation(opened[seq_id], []) if opened else _NOTHING_NEW
-        return self.allocate_slots(seq_id, token_ids, 1, num_pending=num_pending)  # (or raise)
+        if seq is not None and not seq.shared_tail and not seq.swapped:
+            num_slots = seq.num_slots
+            if num_slots < len(token_ids) + num_pending:
+                room = seq.tail_room
+                if room:
+                    seq.num_slots = num_slots + 1
+                    seq.tail_room = room - 1
+                    # (a block filled by a pending token is hashed when the next one opens)
+                    if room == 1 and self.enable_prefix_caching and not num_pending:
+                        self._cache_full_blocks(seq, token_ids)  # the last block just filled
+                    return _NOTHING_NEW
+                if self.gpu_pool.free_block_queue.num_free_blocks and self.block_size > 1:
+                    return Allocation([self._open_block(seq, token_ids)], [])
+        return self.allocate_slots(seq_id, token_ids, 1, num_pending=num_pending)
+
+    def _open_block(self, seq: SeqBlocks, token_ids: Sequence[int]) -> int:
+        """A decode slot that opens a new block (the last one is full and a block is free):
+        hash the last block first if a pending token filled it. Returns the new block id."""
+        if self.enable_prefix_caching and len(seq.block_hashes) < len(seq.block_ids):
+            self._cache_full_blocks(seq, token_ids)  # filled ahead of its token
+        block_id = self.gpu_pool.get_new_block().block_id
+        seq.block_ids.append(block_id)
+        seq.num_slots += 1
+        seq.tail_room = self.block_size - 1
+        return block_id
 
     def append_slots(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
                      num_pending: int, opened: dict[int, list[int]]) -> int:
@@ -314,19 +337,17 @@ class KVCacheManager(SwapMixin):
             return 0  # (every slot opens a block; allocate_slots' general path handles it)
         seqs_get = self._seqs.get
         caching = self.enable_prefix_caching
-        pool = self.gpu_pool
-        free_queue = pool.free_block_queue
+        free_queue = self.gpu_pool.free_block_queue
         cache_full_blocks = self._cache_full_blocks
-        reopen_room = self.block_size - 1
+        open_block = self._open_block
         hash_filled = caching and not num_pending
         for i, (seq_id, token_ids) in enumerate(zip(seq_ids, token_lists)):
             seq = seqs_get(seq_id)
             if seq is None or seq.shared_tail or seq.swapped:
                 return i
-            num_slots = seq.num_slots
             room = seq.tail_room
             if room:
-                seq.num_slots = num_slots + 1
+                seq.num_slots += 1
                 seq.tail_room = room - 1
                 # (a block filled by a pending token is hashed when the next one opens)
                 if room == 1 and hash_filled:
@@ -334,13 +355,7 @@ class KVCacheManager(SwapMixin):
                 continue
             if not free_queue.num_free_blocks:
                 return i
-            if caching and len(seq.block_hashes) < len(seq.block_ids):
-                cache_full_blocks(seq, token_ids)  # filled ahead of its token
-            block_id = pool.get_new_block().block_id  # the last block is full: open one
-            seq.block_ids.append(block_id)
-            seq.num_slots = num_slots + 1
-            seq.tail_room = reopen_room
-            opened[seq_id] = [block_id]
+            opened[seq_id] = [open_block(seq, token_ids)]  # the last block is full
         return len(seq_ids)
 
     def _allocate_new(

@@ -236,10 +236,14 @@ def collect(outputs: list[RequestOutput], into: dict[tuple[str, int], Collected]
 
 def make(num_gpu_blocks: int = 16, num_cpu_blocks: int = 0, block_size: int = 4,
          tokenizer: object = None, watermark: float = 0.0, enable_prefix_caching: bool = True,
-         **config: object) -> tuple[Scheduler, KVCacheManager, FakeWorker]:
+         lane_min_running: int = 1, **config: object
+         ) -> tuple[Scheduler, KVCacheManager, FakeWorker]:
+    """A scheduler, its KV cache and a fake worker. lane_min_running=1 lets the decode lane
+    run at these tests' small sizes (the engine's default is LANE_MIN_RUNNING)."""
     kv = KVCacheManager(num_gpu_blocks, num_cpu_blocks, block_size,
                         enable_prefix_caching=enable_prefix_caching, watermark=watermark)
     sched = Scheduler(SchedulerConfig(**config), kv, tokenizer=tokenizer, eos_token_ids=[EOS])
+    sched._lane_min_running = lane_min_running
     return sched, kv, FakeWorker(num_gpu_blocks, num_cpu_blocks, block_size)
 
 

@@ -156,3 +156,56 @@ def test_lane_on_and_off_give_the_same_plans_and_outputs(pipelined: bool):
     assert runs[0][2] > 10 and runs[1][2] == 0
     assert runs[0][1] == runs[1][1]
     assert runs[0][0] == runs[1][0]
+
+
+def test_lane_forms_with_enough_requests_running_and_empties_below():
+    sched, kv, worker = make(num_gpu_blocks=32, block_size=4, max_num_seqs=8,
+                             max_num_batched_tokens=32, max_model_len=64, lane_min_running=3)
+    sched.add_request("a", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+    sched.add_request("b", [8, 9, 10], SamplingParams(max_tokens=12, ignore_eos=True))
+    for _ in range(3):
+        step(sched, worker)
+    sched.add_request("c", [11, 12, 13], SamplingParams(max_tokens=12, ignore_eos=True))
+    step(sched, worker)  # two running when it decodes: one by one; then c is admitted
+    assert len(sched._lane) == 0 and sched._lane_steps == 0
+    step(sched, worker)  # three running: all three decode one by one and join
+    assert sched._lane.seq_ids == [0, 1, 2] and sched._lane_steps == 0
+    plan, outs = step(sched, worker)  # the lane's step; a samples its last token
+    assert sched._lane_steps == 1 and plan.seq_ids.tolist() == [0, 1, 2]
+    assert [o.finished for o in outs] == [True, False, False]
+    step(sched, worker)  # two running again: the lane empties
+    assert len(sched._lane) == 0 and sched._lane_steps == 1
+    assert not any(r.in_lane for r in sched.running)
+    sched.add_request("d", [14, 15], SamplingParams(max_tokens=8, ignore_eos=True))
+    step(sched, worker)  # two running: one by one; d is admitted
+    step(sched, worker)  # three: they join
+    assert sched._lane_steps == 1 and sched._lane.seq_ids == [1, 2, 3]
+    step(sched, worker)
+    assert sched._lane_steps == 2
+    check_consistency(sched, kv, worker)
+
+
+@pytest.mark.parametrize("num_stop_ids", [1, 9])
+def test_lane_rows_with_a_stop_token_take_the_general_path(num_stop_ids: int):
+    """(9 stop ids: apply_result screens the lane's tokens with np.isin, else one compare
+    per id.) A stop token ends its sequence, unless min_tokens holds it back."""
+    sched, kv, worker = make(num_gpu_blocks=32, block_size=4, max_num_seqs=8,
+                             max_num_batched_tokens=32, max_model_len=64)
+    stops = list(range(300, 300 + num_stop_ids))
+    sched.add_request("a", [5, 6, 7], SamplingParams(max_tokens=9, stop_token_ids=stops,
+                                                     ignore_eos=True))
+    sched.add_request("b", [5, 6], SamplingParams(max_tokens=9, stop_token_ids=stops,
+                                                  min_tokens=5, ignore_eos=True))
+    got = []
+    for tokens in ({0: 10, 1: 20}, {0: 11, 1: 21}, {0: 12, 1: stops[-1]},
+                   {0: stops[-1], 1: stops[0]}):
+        plan = sched.schedule()
+        got.append(sched.apply_result(plan, _answer(plan, tokens)))
+    assert sched._lane_steps == 2
+    assert got[2][1].outputs == [CompletionOutput(0, [stops[-1]], "")]  # min_tokens: kept
+    assert got[3] == [
+        RequestOutput("a", [5, 6, 7], [CompletionOutput(0, [stops[-1]], "", "stop",
+                                                        stops[-1])], True),
+        RequestOutput("b", [5, 6], [CompletionOutput(0, [stops[0]], "")], False)]
+    sched.check_lane()
+    kv.check_invariants()

@@ -33,9 +33,10 @@ def workloads(draw: st.DrawFn) -> dict:
         "watermark": draw(st.sampled_from([0.0, 0.1])),
         "max_num_seqs": draw(st.integers(2, 8)),
         "pipelined": draw(st.booleans()),  # async scheduling: two plans in flight
-        # the decode lane as built; off (every decode one by one); or taken even when the
-        # KV cache may run short in the step (it then finishes the lane one by one)
-        "lane": draw(st.sampled_from(["on", "off", "always"])),
+        # the decode lane at any size; only with 3 requests running or more (it forms and
+        # empties as they come and go); off (every decode one by one); or taken even when
+        # the KV cache may run short in the step (it then finishes the lane one by one)
+        "lane": draw(st.sampled_from(["on", "min3", "off", "always"])),
     }
     reqs = []
     for i in range(draw(st.integers(2, 10))):
@@ -72,7 +73,9 @@ def test_random_mixes_finish_match_reference_and_free_everything(w: dict) -> Non
         max_num_seqs=cfg["max_num_seqs"], max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=12 if cfg["chunked"] else MAX_MODEL_LEN,
         enable_chunked_prefill=cfg["chunked"], preemption_mode=cfg["mode"])
-    if cfg["lane"] == "off":
+    if cfg["lane"] == "min3":
+        sched._lane_min_running = 3
+    elif cfg["lane"] == "off":
         sched._lane_enabled = False
     elif cfg["lane"] == "always":
         sched._lane_fits = lambda outside: True
