@@ -71,12 +71,22 @@ def _assert_all_blocks_free(llm: LLM) -> None:
     assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
 
 
+def _force_decode_lane(llm: LLM) -> None:
+    """Let the scheduler's decode lane run at these tests' few requests (by default it needs
+    scheduler.scheduler.LANE_MIN_RUNNING of them)."""
+    llm.engine.scheduler._lane_min_running = 1
+
+
+@pytest.mark.parametrize("lane", [False, True])
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_greedy_matches_transformers_in_process(oracle: list[list[int]],
-                                                async_scheduling: bool) -> None:
+                                                async_scheduling: bool, lane: bool) -> None:
     with LLM("qwen3-tiny", max_num_seqs=8, max_num_batched_tokens=64,
              async_scheduling=async_scheduling) as llm:
+        if lane:
+            _force_decode_lane(llm)
         assert _token_ids(llm) == oracle
+        assert (llm.engine.scheduler._lane_steps > 0) == lane
         _assert_all_blocks_free(llm)
         # The shared 56-token prefix is three full blocks, computed once and hit twice.
         assert llm.engine.scheduler.kv.stats().prefix_hits >= 2 * 48
@@ -97,7 +107,8 @@ def test_tiny_cache_preempts_and_still_matches(long_oracle: list[list[int]], mod
 
 def test_async_scheduling_gives_the_synchronous_outputs_for_every_sampling_option() -> None:
     """Seeded sampling, penalties, min_tokens, stop strings, logprobs and n = 2 see the same
-    histories and positions whether a step is scheduled ahead or not."""
+    histories and positions whether a step is scheduled ahead or not, and whether the
+    decode lane schedules the plain decodes in bulk or not."""
     rng = random.Random(3)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 150000) for _ in range(k)]}
                for k in (5, 19, 33, 40, 8, 26)]
@@ -111,10 +122,13 @@ def test_async_scheduling_gives_the_synchronous_outputs_for_every_sampling_optio
         SamplingParams(temperature=1.2, min_p=0.05, seed=4, max_tokens=18, stop_token_ids=[1000]),
     ]
     runs = []
-    for async_scheduling in (False, True):
+    for async_scheduling, lane in ((False, False), (True, False), (True, True)):
         with LLM("qwen3-tiny", max_num_seqs=8, max_num_batched_tokens=48,
                  num_gpu_blocks_override=14, async_scheduling=async_scheduling) as llm:
+            if lane:
+                _force_decode_lane(llm)
             outs = llm.generate(prompts, params, use_tqdm=False)
+            assert (llm.engine.scheduler._lane_steps > 0) == lane
             runs.append([[(c.token_ids, c.text, c.finish_reason,
                            None if c.logprobs is None else
                            [{k: round(v, 4) for k, v in lp.items()} for lp in c.logprobs])
@@ -123,6 +137,7 @@ def test_async_scheduling_gives_the_synchronous_outputs_for_every_sampling_optio
             assert stats.preemptions_swap + stats.preemptions_recompute > 0  # 14 blocks
             _assert_all_blocks_free(llm)
     assert runs[1] == runs[0]
+    assert runs[2] == runs[0]
     # Not a vacuous comparison: the options did bite.
     assert any(c[2] == "stop" for c in runs[0][4])
     assert len(runs[0][3]) == 2 and runs[0][3][0][0] != runs[0][3][1][0]
@@ -180,13 +195,16 @@ def test_engine_config_rejects_unknown_and_bad_args() -> None:
         EngineConfig(async_scheduling="yes")
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize(("async_scheduling", "lane"), [(True, False), (False, False),
+                                                        (True, True)])
 def test_async_engine_streams_match_the_oracle_and_an_abort_frees_its_blocks(
-        oracle: list[list[int]], async_scheduling: bool) -> None:
+        oracle: list[list[int]], async_scheduling: bool, lane: bool) -> None:
     """The Serve replica's engine: concurrent streams, one of them abandoned mid-way."""
     engine = AsyncLLMEngine(EngineConfig(model="qwen3-tiny", max_num_seqs=8,
                                          max_num_batched_tokens=64,
                                          async_scheduling=async_scheduling))
+    if lane:
+        engine.engine.scheduler._lane_min_running = 1  # (see _force_decode_lane)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
     async def collect(prompt: list[int], rid: str) -> list[int]:
@@ -208,6 +226,7 @@ def test_async_engine_streams_match_the_oracle_and_an_abort_frees_its_blocks(
         got = asyncio.run(asyncio.wait_for(run(), timeout=120))
         assert got[0] == 3 and got[1:] == oracle
         sched = engine.engine.scheduler
+        assert (sched._lane_steps > 0) == lane
         assert not sched.has_unfinished() and not engine.engine.has_unfinished()
         kv = sched.kv.stats()
         assert kv.num_free_gpu_blocks == kv.num_gpu_blocks

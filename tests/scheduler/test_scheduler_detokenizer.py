@@ -218,8 +218,10 @@ def test_qwen_deferred_text_gives_the_same_deltas(qwen) -> None:
     ids = qwen.encode(QWEN_TEXT)
     prompt = qwen.encode("Tell me:")
 
-    def run(defer: bool) -> dict:
+    def run(defer: bool, lane: bool = False) -> dict:
         sched, eos = _qwen_sched(qwen)
+        if lane:  # the decode lane at this size too: its deferred rows skip the checks
+            sched._lane_min_running = 1
         sched.add_request("len", prompt, SamplingParams(max_tokens=len(ids), ignore_eos=True))
         sched.add_request("eos", prompt, SamplingParams(max_tokens=100))
         sched.add_request("eos+", prompt, SamplingParams(max_tokens=100,
@@ -231,10 +233,14 @@ def test_qwen_deferred_text_gives_the_same_deltas(qwen) -> None:
                                                         stop_token_ids=[ids[2]]))
         sched.add_request("n2", prompt, SamplingParams(n=2, max_tokens=7, temperature=0.5))
         scripts = {(r, i): ids + [eos] * 3 for r in sched.requests for i in range(2)}
-        return ScriptedRun(sched, scripts, defer_text=defer).run()
+        got = ScriptedRun(sched, scripts, defer_text=defer).run()
+        assert (sched._lane_steps > 0) == lane
+        return got
 
     inline, deferred = run(False), run(True)
     assert deferred == inline
+    assert run(True, lane=True) == inline
+    assert run(False, lane=True) == inline
     assert "".join(inline[("len", 0)]["deltas"]) == QWEN_TEXT
     assert "".join(inline[("eos", 0)]["deltas"]) == QWEN_TEXT
     assert "".join(inline[("n2", 1)]["deltas"]) == qwen.decode(ids[:7])
@@ -259,15 +265,21 @@ def test_qwen_deferred_text_survives_an_inline_finish_in_the_same_step(qwen) -> 
     ids = qwen.encode(QWEN_TEXT)
     prompt = qwen.encode("Tell me:")
 
-    def run(defer: bool) -> dict:
+    def run(defer: bool, lane: bool = False) -> dict:
         sched, _ = _qwen_sched(qwen)
+        if lane:
+            sched._lane_min_running = 1
         sched.add_request("a", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
         sched.add_request("stop", prompt, SamplingParams(max_tokens=3, ignore_eos=True,
                                                          stop=["zzz"]))
         sched.add_request("b", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
         scripts = {(r, 0): list(ids) for r in sched.requests}
-        return ScriptedRun(sched, scripts, defer_text=defer).run()
+        got = ScriptedRun(sched, scripts, defer_text=defer).run()
+        assert (sched._lane_steps > 0) == lane
+        return got
 
     inline, deferred = run(False), run(True)
     assert deferred == inline
+    assert run(True, lane=True) == inline
+    assert run(False, lane=True) == inline
     assert "".join(deferred[("b", 0)]["deltas"]) == qwen.decode(ids[:6])
