@@ -316,15 +316,16 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
         """Stage 1: a token for every running sequence that decodes (and the n > 1 forks due).
         Returns the running requests with prefill chunks left, for stage 2.
 
-        This runs for every running sequence on every step, so the common case goes in bulk
-        (with at least LANE_MIN_RUNNING requests running):
-        the decode lane (scheduler/decode_lane.py) holds the sequences that decoded a token in
-        the last plan, and when nothing in this stage can run short of KV blocks, all of them
-        decode again from arrays and one KVCacheManager.append_slots call, and the requests
-        outside the lane follow one by one, in admission order. Otherwise every request goes
-        one by one in admission order (the lane is emptied), which decides exactly what the
-        bulk path would but for batch order: only under KV pressure does the order matter
-        (who may preempt whom). Sequences that decode plainly one by one join the lane.
+        This runs for every running sequence on every step, so once LANE_MIN_RUNNING requests
+        run the common case goes in bulk. The decode lane (scheduler/decode_lane.py) holds the
+        sequences that decoded a token in the last plan. When stage 1 surely gets every KV
+        block it asks for, they all decode again at once (one KVCacheManager.append_slots
+        call, arrays straight into the plan) and the requests outside the lane follow one by
+        one. Otherwise the lane is emptied and every request goes one by one in admission
+        order, as the policy states. Both ways schedule the same sequences at the same
+        positions; only the batch order differs (the lane's rows first), and order matters
+        only when blocks run short (who may preempt whom), which is when the one-by-one way
+        is taken. Sequences that decode plainly one by one join the lane.
         """
         running = self.running
         prefill_reqs: list[Request] = []
