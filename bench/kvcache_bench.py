@@ -14,7 +14,8 @@ Reports:
                 the arrival hashing is reported on its own line
   context sweep us per decode step for 256 requests at a short (113-128 tokens) and a long
                 (8192-8207 tokens) context, staggered so that every step fills and opens blocks
-                like a real batch does; the cost must not grow with the context
+                like a real batch does; the cost must not grow with the context. Also as one
+                append_slots call for all 256 (what the scheduler's decode lane makes)
   8k prompt     us to look up and allocate an 8192-token prompt: cold (no hit) / warm (hit),
                 and apart from that, to hash it on arrival
 
@@ -122,9 +123,10 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
     }
 
 
-def context_sweep(context: int, steps: int, seed: int) -> tuple[float, float]:
+def context_sweep(context: int, steps: int, seed: int, bulk: bool = False) -> tuple[float, float]:
     """Median (wall, cpu) us per decode step for 256 requests; request i already holds
-    context + i % block_size tokens, so each step fills 1/16 of the blocks and opens 1/16."""
+    context + i % block_size tokens, so each step fills 1/16 of the blocks and opens 1/16.
+    With bulk, the step is one append_slots call for all of them (the scheduler's decode lane)."""
     rng = random.Random(seed)
     m = KVCacheManager(num_gpu_blocks=CONCURRENCY * ((context + steps) // BLOCK_SIZE + 3), num_cpu_blocks=0,
                        block_size=BLOCK_SIZE)
@@ -139,10 +141,14 @@ def context_sweep(context: int, steps: int, seed: int) -> tuple[float, float]:
         for t in toks.values():
             t.append(rng.randrange(100, 150000))
         items = list(toks.items())
+        sids, lists = list(toks), list(toks.values())
         c0, t0 = cpu(), perf()
-        append_slot = m.append_slot
-        for sid, t in items:
-            append_slot(sid, t)
+        if bulk:
+            assert m.append_slots(sids, lists, 0, {}) == CONCURRENCY
+        else:
+            append_slot = m.append_slot
+            for sid, t in items:
+                append_slot(sid, t)
         times.append((perf() - t0) * 1e6)
         cpus.append((cpu() - c0) * 1e6)
     m.check_invariants()
@@ -205,6 +211,9 @@ def main() -> None:
         res[f"sweep_{name}_context"] = [ctx, ctx + BLOCK_SIZE - 1]
         res[f"sweep_{name}_us"] = statistics.median(w for w, _ in sweeps)
         res[f"sweep_{name}_cpu_us"] = statistics.median(c for _, c in sweeps)
+        sweeps = [context_sweep(ctx, 64, args.seed, bulk=True) for _ in range(args.repeats)]
+        res[f"sweep_{name}_bulk_us"] = statistics.median(w for w, _ in sweeps)
+        res[f"sweep_{name}_bulk_cpu_us"] = statistics.median(c for _, c in sweeps)
     res.update(prompt_8k(args.seed, args.repeats))
 
     short, long_ = "sweep_short", "sweep_long"
@@ -217,6 +226,10 @@ def main() -> None:
          res[f"{short}_us"], res[f"{short}_cpu_us"], 200),
         (f"decode step, 256 x {LONG_CONTEXT}-{LONG_CONTEXT + BLOCK_SIZE - 1} ctx",
          res[f"{long_}_us"], res[f"{long_}_cpu_us"], 200),
+        (f"  the same, {SHORT_CONTEXT}-{SHORT_CONTEXT + BLOCK_SIZE - 1} ctx, append_slots",
+         res[f"{short}_bulk_us"], res[f"{short}_bulk_cpu_us"], None),
+        (f"  the same, {LONG_CONTEXT}-{LONG_CONTEXT + BLOCK_SIZE - 1} ctx, append_slots",
+         res[f"{long_}_bulk_us"], res[f"{long_}_bulk_cpu_us"], None),
         ("arrival hashing, replay prompt (median)", res["arrival_hash_us_median"], None, None),
         ("8k prompt lookup+allocate, cold", res["prompt8k_cold_us"], res["prompt8k_cold_cpu_us"], 300),
         ("8k prompt lookup+allocate, full hit", res["prompt8k_warm_us"], res["prompt8k_warm_cpu_us"], 300),
