@@ -197,7 +197,8 @@ class RayExecutor(Executor):
         ref = submitted.result()  # done: submitted earlier on this same thread
         try:
             # Ray tears the graph down when an actor dies, which wakes this get with an error.
-            return ray.get(ref)[0]
+            # (Copied out of the channel's buffer: see StepResult.owned.)
+            return ray.get(ref)[0].owned()
         except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
             self._fail(e)
 

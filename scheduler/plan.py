@@ -125,3 +125,14 @@ class StepResult:
     top_token_ids: np.ndarray | None = None  # int64 [S, K]
     top_logprobs: np.ndarray | None = None  # float32 [S, K]
     forward_seconds: float = 0.0  # time rank 0 spent executing the plan (for overhead metrics)
+
+    def owned(self) -> StepResult:
+        """This result with arrays that own their memory. A result read from a Ray Compiled
+        Graph channel is a zero-copy view of the channel's shared buffer; held past the
+        graph's teardown (in a traceback, at exit) its release crashes the process."""
+        def own(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else np.array(a, copy=True)
+
+        return StepResult(self.step_id, own(self.seq_ids), own(self.token_ids),
+                          own(self.logprobs), own(self.top_token_ids), own(self.top_logprobs),
+                          self.forward_seconds)

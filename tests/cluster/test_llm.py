@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -274,3 +277,31 @@ def test_killed_worker_fails_in_flight_requests_within_seconds(ray_cluster: None
             engine.check_health()
     finally:
         engine.shutdown()
+
+
+_STREAM_THEN_EXIT = """
+import asyncio, ray
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+from cluster.config import EngineConfig
+from cluster.engine import AsyncLLMEngine
+from scheduler import SamplingParams
+engine = AsyncLLMEngine(EngineConfig(model="qwen3-tiny", executor="ray"))
+async def stream():
+    return [o async for o in engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=4), "r")]
+print(len(asyncio.run(stream())), flush=True)
+engine.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_a_driver_that_streamed_through_the_compiled_graph_exits_cleanly() -> None:
+    """The engine task, cancelled when its event loop closes, keeps its last StepResult in a
+    traceback until the interpreter exits. Read zero-copy from the compiled graph's channel,
+    that result's release after the graph's teardown segfaulted the process (exit 139), so
+    the executor copies results out of the channel (StepResult.owned)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "RAY_AUTH_MODE": "disabled"}
+    out = subprocess.run([sys.executable, "-c", _STREAM_THEN_EXIT], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "4"

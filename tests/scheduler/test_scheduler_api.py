@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from scheduler_harness import ByteTokenizer, make, reference_tokens, run_to_completion, step
 
@@ -132,3 +133,17 @@ def test_byte_level_text_of_a_whole_run_equals_decode_of_its_tokens() -> None:
             stopped_by_eos = c.finish_reason == "stop"
             shown = c.token_ids[:-1] if stopped_by_eos else c.token_ids
             assert c.text == tok.decode(shown, skip_special_tokens=sp.skip_special_tokens)
+
+
+def test_owned_step_result_copies_every_array() -> None:
+    from scheduler import StepResult
+
+    buf = np.arange(12, dtype=np.int64)
+    r = StepResult(3, buf[:2], buf[2:4], np.zeros(2, np.float32), buf[4:8].reshape(2, 2),
+                   np.ones((2, 2), np.float32), forward_seconds=0.5)
+    o = r.owned()
+    assert (o.step_id, o.forward_seconds) == (3, 0.5)
+    for name in ("seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs"):
+        assert np.array_equal(getattr(o, name), getattr(r, name)), name
+        assert not np.shares_memory(getattr(o, name), getattr(r, name)), name
+    assert StepResult(1, buf[:1], buf[1:2]).owned().logprobs is None
