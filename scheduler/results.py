@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice, repeat
+from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
@@ -146,7 +146,7 @@ class ResultsMixin:
     def _lane_fast_rows(self, plan: StepPlan, result: StepResult, defer_text: bool
                         ) -> tuple[list[bool] | None, list[Request], list[Sequence]]:
         """For a plan that began with decode lane rows: which of its first rows take the plain
-        output path, with those rows' requests and sequences (the lists may run longer)."""
+        output path, with those rows' requests and sequences."""
         lane_plan = self._lane_plans.pop(plan.step_id, None)
         if lane_plan is None:
             return None, [], []
@@ -160,7 +160,7 @@ class ResultsMixin:
         # Still a member: running, not finished or aborted since the plan was made (when
         # nobody has left the lane since, all are).
         if departures != self._lane.departures:
-            ok &= np.fromiter(map(_in_lane, islice(reqs, n)), bool, n)
+            ok &= np.fromiter(map(_in_lane, reqs), bool, n)
         stop_ids = self._stop_id_array
         if len(stop_ids) > 8:
             ok &= ~np.isin(result.token_ids[:n], stop_ids)

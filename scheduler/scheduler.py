@@ -50,6 +50,7 @@ the decode lane's arrays.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence as SequenceABC
@@ -121,14 +122,14 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
         self._lane = DecodeLane()
         # step id -> the lane rows that plan starts with, for apply_result: (requests,
         # sequences, positions, max lengths, output kinds, the lane's departures count then,
-        # or -1 when they have left it); requests and sequences may run longer
+        # or -1 when they have left it)
         self._lane_plans: dict[int, tuple[list[Request], list[Sequence], np.ndarray,
                                           np.ndarray, np.ndarray, int]] = {}
         # every stop token id (EOS included) of any request so far, as an array
         self._stop_ids: set[int] = set()
         self._stop_id_array = np.zeros(0, dtype=np.int64)
-        self._lane_enabled = kv.block_size > 1  # (with 1, every decode opens a block)
-        self._lane_min_running = LANE_MIN_RUNNING
+        # (with blocks of 1 token every decode opens a block: no lane)
+        self._lane_min_running = LANE_MIN_RUNNING if kv.block_size > 1 else sys.maxsize
         self._lane_joining = False  # whether sequences join the lane in this step
         self._lane_steps = self._lane_steps_cut = 0  # (for tests: bulk steps, cut short)
         self._text_todo = []  # text owed by apply_result(defer_text=True), see finish_text
@@ -331,7 +332,7 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
         prefill_reqs: list[Request] = []
         lane = self._lane
         lane.settle()
-        self._lane_joining = self._lane_enabled and len(running) >= self._lane_min_running
+        self._lane_joining = len(running) >= self._lane_min_running
         if lane.reqs and not self._lane_joining:
             lane.clear()  # too few running for the lane to pay
         if lane.reqs:
@@ -364,30 +365,22 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
         n = len(lane)
         self._lane_steps += 1
         done = self.kv.append_slots(lane.seq_ids, lane.token_lists, int(ahead), step.appended)
-        reqs, seqs = lane.reqs, lane.seqs
         if ahead:
             inputs = np.full(done, PENDING_TOKEN, dtype=np.int64)
         else:
-            inputs = np.fromiter(map(_last, lane.token_lists[:done] if done < n else
-                                     lane.token_lists), np.int64, done)
+            inputs = np.fromiter(map(_last, lane.token_lists[:done]), np.int64, done)
+        reqs, seqs, pos = lane.reqs[:done], lane.seqs[:done], lane.pos[:done].copy()
+        step.lane = (lane.ids[:done], pos, inputs)
+        # (max_len and kind are never changed in place: their slices stay as they are now)
+        self._lane_plans[step.step_id] = (reqs, seqs, pos, lane.max_len[:done],
+                                          lane.kind[:done], lane.departures if done == n else -1)
+        rest: list[Request] = []
         if done < n:  # (not expected: _lane_fits) the rest one by one, the lane emptied
             self._lane_steps_cut += 1
-            pos = lane.pos[:done]
-            step.lane = (lane.ids[:done], pos, inputs)
-            rest = reqs[done:]
-            reqs, seqs = reqs[:done], seqs[:done]
-            self._lane_plans[step.step_id] = (reqs, seqs, pos, lane.max_len[:done],
-                                              lane.kind[:done], -1)
+            rest = lane.reqs[done:]
             lane.clear()
         else:
-            pos = lane.pos.copy()
-            step.lane = (lane.ids, pos, inputs)
             lane.pos += 1
-            rest = []
-            # (the lane's lists only grow in place, and its arrays are replaced, so these
-            # stay as they are now until apply_result reads them)
-            self._lane_plans[step.step_id] = (reqs, seqs, pos, lane.max_len, lane.kind,
-                                              lane.departures)
         for seq in seqs:
             seq.num_computed += 1
         step_id = step.step_id

@@ -2,6 +2,8 @@
 tokens applied on the plain output path. Plans and outputs are those of one-by-one
 scheduling, but for the batch order: the lane's rows come first."""
 
+import sys
+
 import numpy as np
 import pytest
 from scheduler_harness import Pipeline, check_consistency, make, step
@@ -127,8 +129,8 @@ def test_lane_on_and_off_give_the_same_plans_and_outputs(pipelined: bool):
     runs = []
     for lane in (True, False):
         sched, kv, worker = make(num_gpu_blocks=64, block_size=4, max_num_seqs=8,
-                                 max_num_batched_tokens=16, max_model_len=48)
-        sched._lane_enabled = lane
+                                 max_num_batched_tokens=16, max_model_len=48,
+                                 lane_min_running=1 if lane else sys.maxsize)
         plans = []
         execute = worker.execute
 

@@ -165,14 +165,33 @@ class ScriptedRun:
                 g["lp"] += c.logprobs or []
 
 
-def _qwen_sched(qwen, **sp):
+def _qwen_sched(qwen, lane: bool = False):
+    """A scheduler with the Qwen3 tokenizer; lane: the decode lane runs at any size."""
     from kvcache import KVCacheManager
     from scheduler import Scheduler, SchedulerConfig
 
     eos = qwen.convert_tokens_to_ids("<|im_end|>")
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
                       KVCacheManager(64, 0, 4), tokenizer=qwen, eos_token_ids=[eos])
+    if lane:
+        sched._lane_min_running = 1
     return sched, eos
+
+
+def _same_in_every_mode(qwen, run) -> dict:
+    """run(sched, eos, defer_text) -> outputs, on a fresh scheduler each time: inline, with
+    deferred text, and both with the decode lane; all four equal (and the lane did run).
+    Returns the inline outputs."""
+    def once(defer: bool, lane: bool) -> dict:
+        sched, eos = _qwen_sched(qwen, lane)
+        got = run(sched, eos, defer)
+        assert (sched._lane_steps > 0) == lane
+        return got
+
+    inline = once(False, False)
+    for defer, lane in ((True, False), (True, True), (False, True)):
+        assert once(defer, lane) == inline, (defer, lane)
+    return inline
 
 
 def test_qwen_scheduler_stream_text_stop_string_and_eos(qwen) -> None:
@@ -218,10 +237,7 @@ def test_qwen_deferred_text_gives_the_same_deltas(qwen) -> None:
     ids = qwen.encode(QWEN_TEXT)
     prompt = qwen.encode("Tell me:")
 
-    def run(defer: bool, lane: bool = False) -> dict:
-        sched, eos = _qwen_sched(qwen)
-        if lane:  # the decode lane at this size too: its deferred rows skip the checks
-            sched._lane_min_running = 1
+    def run(sched, eos: int, defer: bool) -> dict:
         sched.add_request("len", prompt, SamplingParams(max_tokens=len(ids), ignore_eos=True))
         sched.add_request("eos", prompt, SamplingParams(max_tokens=100))
         sched.add_request("eos+", prompt, SamplingParams(max_tokens=100,
@@ -233,14 +249,9 @@ def test_qwen_deferred_text_gives_the_same_deltas(qwen) -> None:
                                                         stop_token_ids=[ids[2]]))
         sched.add_request("n2", prompt, SamplingParams(n=2, max_tokens=7, temperature=0.5))
         scripts = {(r, i): ids + [eos] * 3 for r in sched.requests for i in range(2)}
-        got = ScriptedRun(sched, scripts, defer_text=defer).run()
-        assert (sched._lane_steps > 0) == lane
-        return got
+        return ScriptedRun(sched, scripts, defer_text=defer).run()
 
-    inline, deferred = run(False), run(True)
-    assert deferred == inline
-    assert run(True, lane=True) == inline
-    assert run(False, lane=True) == inline
+    inline = _same_in_every_mode(qwen, run)
     assert "".join(inline[("len", 0)]["deltas"]) == QWEN_TEXT
     assert "".join(inline[("eos", 0)]["deltas"]) == QWEN_TEXT
     assert "".join(inline[("n2", 1)]["deltas"]) == qwen.decode(ids[:7])
@@ -265,21 +276,13 @@ def test_qwen_deferred_text_survives_an_inline_finish_in_the_same_step(qwen) -> 
     ids = qwen.encode(QWEN_TEXT)
     prompt = qwen.encode("Tell me:")
 
-    def run(defer: bool, lane: bool = False) -> dict:
-        sched, _ = _qwen_sched(qwen)
-        if lane:
-            sched._lane_min_running = 1
+    def run(sched, eos: int, defer: bool) -> dict:
         sched.add_request("a", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
         sched.add_request("stop", prompt, SamplingParams(max_tokens=3, ignore_eos=True,
                                                          stop=["zzz"]))
         sched.add_request("b", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
         scripts = {(r, 0): list(ids) for r in sched.requests}
-        got = ScriptedRun(sched, scripts, defer_text=defer).run()
-        assert (sched._lane_steps > 0) == lane
-        return got
+        return ScriptedRun(sched, scripts, defer_text=defer).run()
 
-    inline, deferred = run(False), run(True)
-    assert deferred == inline
-    assert run(True, lane=True) == inline
-    assert run(False, lane=True) == inline
-    assert "".join(deferred[("b", 0)]["deltas"]) == qwen.decode(ids[:6])
+    inline = _same_in_every_mode(qwen, run)
+    assert "".join(inline[("b", 0)]["deltas"]) == qwen.decode(ids[:6])

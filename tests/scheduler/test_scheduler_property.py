@@ -3,6 +3,8 @@ an unconstrained run, and no block leaks."""
 
 from __future__ import annotations
 
+import sys
+
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from scheduler_harness import (
@@ -76,7 +78,7 @@ def test_random_mixes_finish_match_reference_and_free_everything(w: dict) -> Non
     if cfg["lane"] == "min3":
         sched._lane_min_running = 3
     elif cfg["lane"] == "off":
-        sched._lane_enabled = False
+        sched._lane_min_running = sys.maxsize
     elif cfg["lane"] == "always":
         sched._lane_fits = lambda outside: True
     got: dict[tuple[str, int], Collected] = {}
