@@ -115,7 +115,7 @@ class LLMEngine:
             self.executor = RayExecutor(
                 worker_config, num_cpus=config.worker_num_cpus, use_gpu=self.device == "cuda",
                 placement_group=placement_group, bundle_offset=1 if placement_group else 0,
-                compiled_graph=config.compiled_graph)
+                compiled_graph=config.compiled_graph, lagged=self.async_scheduling)
         else:
             self.executor = InProcessExecutor(worker_config)
         kv = KVCacheManager(self.executor.num_gpu_blocks, self.executor.num_cpu_blocks,
@@ -187,11 +187,6 @@ class LLMEngine:
     # workers find N+1 waiting when N ends (see scheduler/scheduler.py for what is safe).
 
     def step(self) -> list[RequestOutput]:
-        if not self.async_scheduling:  # on this thread: no hand-off to the executor's
-            start = time.perf_counter()
-            plan = self.scheduler.schedule()
-            result = None if plan.is_noop else self.executor.execute(plan)
-            return self.finish_step(plan, result, start)
         plan, result, start = self.next_step()
         return self.finish_step(plan, None if result is None else result.result(), start)
 
@@ -367,7 +362,10 @@ class AsyncLLMEngine:
                     self._deliver(undelivered)  # the previous step's, while this one runs
                     undelivered = []
                     await asyncio.sleep(0)  # consumers (HTTP streams) take them now
-                    result = None if future is None else await asyncio.wrap_future(future)
+                    result = None
+                    if future is not None:  # (on a thread: the wait may block on the device)
+                        result = (future.result() if future.done()
+                                  else await asyncio.to_thread(future.result))
                 finally:
                     self._stepping = False
                 undelivered = engine.finish_step(plan, result, start, defer_text=True)

@@ -17,7 +17,10 @@ import contextlib
 import dataclasses
 import os
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import Any, NoReturn
+
+import numpy as np
 
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
@@ -30,10 +33,13 @@ class WorkerDiedError(RuntimeError):
 class Executor(ABC):
     """Interface: sized KV cache after construction, then plans, in order.
 
-    `submit(plan)` starts a plan without waiting for it and `result(handle)` is a future of
-    its StepResult; with async scheduling the engine submits step N+1 before it asks for step
-    N's result. Plans run on the workers in submission order, and results must be asked for
-    in that order too. `execute` is both at once.
+    `submit(plan)` starts a plan without waiting for it and returns a handle;
+    `result(handle)` is a future of its StepResult (rank 0's). With async scheduling the
+    engine submits step N+1 before it asks for step N's result, so the workers run N+1 while
+    the engine handles N. Plans run on the workers in submission order, and results must be
+    asked for in that order too. A plan with constrained rows samples once
+    `provide_bitmask(handle, bitmask)` gives rank 0 their grammar bitmask. `execute` is
+    submit and result at once.
     """
 
     num_gpu_blocks: int
@@ -43,9 +49,13 @@ class Executor(ABC):
     def submit(self, plan: StepPlan) -> Any:
         """Start `plan` on every rank; a handle for `result`."""
 
+    @abstractmethod
     def result(self, handle: Any) -> concurrent.futures.Future:
         """A future of the submitted plan's StepResult (rank 0's)."""
-        return handle
+
+    @abstractmethod
+    def provide_bitmask(self, handle: Any, bitmask: np.ndarray) -> None:
+        """The grammar bitmask of a submitted plan's constrained rows (see scheduler.plan)."""
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run `plan` on every rank; rank 0's result."""
@@ -64,7 +74,31 @@ class Executor(ABC):
         """Release the workers; the executor is unusable afterwards."""
 
 
+class _Collect(concurrent.futures.Future):
+    """The future of an in-process step: `result()` collects it from the worker (on CUDA
+    that waits for the step's sampled ids; on CPU they are there already)."""
+
+    def __init__(self, worker: Any, step_id: int) -> None:
+        super().__init__()
+        self._worker, self._step_id = worker, step_id
+
+    def done(self) -> bool:
+        """Whether `result()` would return without waiting."""
+        return super().done() or self._worker.step_ready(self._step_id)
+
+    def result(self, timeout: float | None = None) -> StepResult:
+        if not super().done():
+            try:
+                self.set_result(self._worker.collect(self._step_id)[0])
+            except BaseException as e:  # noqa: BLE001 — handed to whoever waits on it
+                self.set_exception(e)
+        return super().result(timeout)
+
+
 class InProcessExecutor(Executor):
+    """tp = 1 in this process, on the caller's thread: on CUDA a submit only enqueues work
+    on the GPU and returns, so no helper thread is needed to overlap steps."""
+
     def __init__(self, config: WorkerConfig) -> None:
         from workers.worker import Worker
 
@@ -73,19 +107,23 @@ class InProcessExecutor(Executor):
         self.worker.load_model()
         self.num_gpu_blocks, self.num_cpu_blocks = self.worker.determine_num_blocks()
         self.worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
-        # One thread owns the model, so the event loop stays free during a forward pass.
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="worker")
 
     def execute(self, plan: StepPlan) -> StepResult:
         result = self.worker.execute(plan)
         assert result is not None  # rank 0 always answers
         return result
 
-    def submit(self, plan: StepPlan) -> concurrent.futures.Future:
-        return self._thread.submit(self.execute, plan)
+    def submit(self, plan: StepPlan) -> int:
+        self.worker.launch(plan)
+        return plan.step_id
+
+    def result(self, handle: int) -> concurrent.futures.Future:
+        return _Collect(self.worker, handle)
+
+    def provide_bitmask(self, handle: int, bitmask: np.ndarray) -> None:
+        self.worker.provide_bitmask(handle, bitmask)
 
     def shutdown(self) -> None:
-        self._thread.shutdown(wait=True)
         self.worker.shutdown()
 
 
@@ -103,7 +141,7 @@ class RayExecutor(Executor):
 
     def __init__(self, config: WorkerConfig, *, num_cpus: float, use_gpu: bool,
                  placement_group: Any = None, bundle_offset: int = 0,
-                 compiled_graph: bool = True) -> None:
+                 compiled_graph: bool = True, lagged: bool = False) -> None:
         import ray
         from ray.util.placement_group import placement_group as make_pg
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -138,6 +176,15 @@ class RayExecutor(Executor):
         self.num_cpu_blocks = min(b[1] for b in blocks)
         self._wait_all([w.init_cache.remote(self.num_gpu_blocks, self.num_cpu_blocks)
                         for w in self.workers])
+        # Lagged (async scheduling on a compiled graph): each call launches its plan and
+        # returns the result of the plan launched by the call before, so the workers start
+        # plan N+1 before handing back N's tokens. (DAG output ref futures, oldest first,
+        # each with the step whose result it carries: None for a call that followed none.)
+        self._lagged = lagged and compiled_graph
+        self._outputs: deque[tuple[int | None, concurrent.futures.Future]] = deque()
+        self._last_launched: int | None = None
+        self._calls: dict[int, concurrent.futures.Future] = {}  # not lagged: step -> call
+        self._bitmask_refs: list = []
         self._dag = self._compile() if compiled_graph else None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dag")
 
@@ -145,7 +192,8 @@ class RayExecutor(Executor):
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as plan:
-            dag = MultiOutputNode([w.execute.bind(plan) for w in self.workers])
+            dag = MultiOutputNode([(w.execute_lagged if self._lagged else w.execute).bind(plan)
+                                   for w in self.workers])
         return dag.experimental_compile()
 
     def _wait_all(self, refs: list) -> list:
@@ -168,18 +216,52 @@ class RayExecutor(Executor):
         self.shutdown()
         raise WorkerDiedError(self._dead) from error
 
-    def submit(self, plan: StepPlan) -> concurrent.futures.Future:
+    def submit(self, plan: StepPlan) -> int:
         """Every call on the compiled graph happens on `_thread` (the graph is not
         thread-safe), in order: a plan submitted while the previous one runs is written to
-        the graph's input channel at once, so the workers start it the moment they finish."""
-        if self._dag is None:  # one actor call per rank, each plan after the last returned
-            return self._thread.submit(self._call_all, plan)
-        return self._thread.submit(self._dag_submit, plan)
+        the graph's input channel at once, so the workers start it the moment they finish.
+        The handle is the plan's step id."""
+        if self._lagged:
+            self._outputs.append((self._last_launched,
+                                  self._thread.submit(self._dag_submit, plan)))
+            self._last_launched = plan.step_id
+        elif self._dag is None:  # one actor call per rank, each plan after the last returned
+            self._calls[plan.step_id] = self._thread.submit(self._call_all, plan)
+        else:
+            self._calls[plan.step_id] = self._thread.submit(self._dag_submit, plan)
+        return plan.step_id
 
-    def result(self, handle: concurrent.futures.Future) -> concurrent.futures.Future:
-        if self._dag is None:
-            return handle
-        return self._thread.submit(self._dag_get, handle)
+    def result(self, handle: int) -> concurrent.futures.Future:
+        if not self._lagged:
+            call = self._calls.pop(handle)
+            return call if self._dag is None else self._thread.submit(self._dag_get, call)
+        if not any(step == handle for step, _ in self._outputs):
+            # Nothing launched after it: a call with no plan brings its result back.
+            self._outputs.append((self._last_launched,
+                                  self._thread.submit(self._dag_submit, None)))
+            self._last_launched = None
+        return self._thread.submit(self._read_lagged, handle)
+
+    def _read_lagged(self, step_id: int) -> StepResult:
+        """Read the DAG's outputs in order up to the one carrying `step_id`'s result."""
+        while True:
+            step, submitted = self._outputs.popleft()
+            result = self._dag_get(submitted)
+            if step == step_id:
+                return result
+
+    def provide_bitmask(self, handle: int, bitmask: np.ndarray) -> None:
+        """Rank 0 takes it on its second thread; its step loop samples once it is there."""
+        import ray
+
+        if self._bitmask_refs:  # the earlier hand-overs that are done: did they fail?
+            done, self._bitmask_refs = ray.wait(self._bitmask_refs, timeout=0,
+                                                num_returns=len(self._bitmask_refs))
+            try:
+                ray.get(done)
+            except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
+                self._fail(e)
+        self._bitmask_refs.append(self.workers[0].provide_bitmask.remote(handle, bitmask))
 
     def _call_all(self, plan: StepPlan) -> StepResult:
         return self._wait_all([w.execute.remote(plan) for w in self.workers])[0]
@@ -198,7 +280,8 @@ class RayExecutor(Executor):
         try:
             # Ray tears the graph down when an actor dies, which wakes this get with an error.
             # (Copied out of the channel's buffer: see StepResult.owned.)
-            return ray.get(ref)[0].owned()
+            result = ray.get(ref)[0]
+            return None if result is None else result.owned()
         except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
             self._fail(e)
 

@@ -1,11 +1,24 @@
-"""The Ray actor that hosts one tensor-parallel rank's Worker."""
+"""The Ray actor that hosts one tensor-parallel rank's Worker.
+
+The compiled graph's loop calls `execute` (or `execute_lagged`) on one thread; `ping` and
+`provide_bitmask` arrive on the actor's second thread. A grammar bitmask is only posted
+there: the step loop's thread takes it and hands it to the worker (the Worker is used from
+one thread only).
+"""
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import ray
 
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
+
+# How long a step waits for its grammar bitmask before the worker gives up (the engine
+# posts it within one step of launching the plan).
+BITMASK_TIMEOUT_S = 120.0
 
 
 @ray.remote
@@ -14,6 +27,8 @@ class RayWorker:
         from workers.worker import Worker
 
         self.worker = Worker(config)
+        self._bitmasks: dict[int, np.ndarray] = {}
+        self._posted = threading.Condition()
 
     def init(self) -> tuple[int, int]:
         """Join the process group, load this rank's shard, and report its KV block counts."""
@@ -25,7 +40,30 @@ class RayWorker:
         self.worker.init_cache(num_gpu_blocks, num_cpu_blocks)
 
     def execute(self, plan: StepPlan) -> StepResult | None:
-        return self.worker.execute(plan)
+        self.worker.launch(plan)
+        self._take_bitmask()
+        return self.worker.collect(plan.step_id)[0]
+
+    def execute_lagged(self, plan: StepPlan | None) -> StepResult | None:
+        """Launch `plan`, return the result of the plan launched before it (Worker.execute_lagged)."""
+        self._take_bitmask()  # the last step must sample before this one can launch
+        return self.worker.execute_lagged(plan)
+
+    def provide_bitmask(self, step_id: int, bitmask: np.ndarray) -> None:
+        with self._posted:
+            self._bitmasks[step_id] = bitmask
+            self._posted.notify_all()
+
+    def _take_bitmask(self) -> None:
+        step_id = self.worker.awaiting_bitmask()
+        if step_id is None:
+            return
+        with self._posted:
+            if not self._posted.wait_for(lambda: step_id in self._bitmasks, BITMASK_TIMEOUT_S):
+                raise RuntimeError(f"step {step_id}'s grammar bitmask did not arrive within "
+                                   f"{BITMASK_TIMEOUT_S:.0f} s")
+            bitmask = self._bitmasks.pop(step_id)
+        self.worker.provide_bitmask(step_id, bitmask)
 
     def ping(self) -> bool:
         return True

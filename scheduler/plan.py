@@ -33,6 +33,8 @@ import numpy as np
 from scheduler.sampling_params import SamplingParams
 
 _EMPTY_PAIRS = np.zeros((0, 2), dtype=np.int64)
+_EMPTY_ROWS = np.zeros(0, dtype=np.int64)
+_EMPTY_ROWS.flags.writeable = False
 
 # In StepPlan.input_ids: the token the previous plan samples for this sequence.
 PENDING_TOKEN = -1
@@ -87,6 +89,10 @@ class StepPlan:
     swap_out: np.ndarray = field(default_factory=empty_pairs)  # int64 [k, 2] (gpu, cpu)
     swap_in: np.ndarray = field(default_factory=empty_pairs)  # int64 [k, 2] (cpu, gpu)
     copies: np.ndarray = field(default_factory=empty_pairs)  # int64 [k, 2] (src gpu, dst gpu)
+    # Structured outputs: which of the step's sampled rows (indices in batch order among the
+    # do_sample rows) are constrained by a grammar. Their bitmask reaches rank 0 after the
+    # plan, through Executor.provide_bitmask; rank 0 samples the step once it has it.
+    constrained_rows: np.ndarray = field(default_factory=lambda: _EMPTY_ROWS)
 
     @property
     def num_seqs(self) -> int:
@@ -95,6 +101,10 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def num_constrained(self) -> int:
+        return int(self.constrained_rows.shape[0])
 
     @property
     def is_empty(self) -> bool:

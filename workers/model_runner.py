@@ -1,236 +1,312 @@
-"""Turns StepPlans into forward passes: per-sequence state, batch tensors, logits for samplers.
+"""Turns a StepPlan into device inputs, a forward pass, logits and sampled tokens.
 
-State per sequence lives from its `NewSeq` to its drop: a row of a persistent block-table
-array (appended to / replaced by later plans, so a plan carries only diffs), its prompt
-length and sampling params, and, only for sequences with penalties, its token history.
-Per step the host work is O(batch) numpy, never proportional to the total context.
+Per step the host does O(batch) numpy over the persistent batch (`workers/seq_table.py`),
+packs every array into one staging buffer and sends it with one H2D copy
+(`workers/staging.py`); block tables live on the device and change by the plan's diff. Pending
+tokens (async scheduling) are filled on the device by the worker between `prepare` and
+`forward`. Nothing here reads a device value on the host: a step can be launched while the
+one before it still runs.
+
+Decode batches (one token per sequence) replay a CUDA graph of the forward, the logits and,
+for greedy/temperature-only batches, the sampling too (`workers/cuda_graph.py`); the graph's
+static inputs are laid out as the staged ones are, so handing them over is three copies.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from scheduler.plan import NewSeq, StepPlan
-from scheduler.sampling_params import SamplingParams
+from scheduler.plan import StepPlan
 from workers.cuda_graph import CUDAGraphRunner
+from workers.distributed import TensorParallelGroup
 from workers.layers.attention import AttentionMetadata
+from workers.pending import PendingTokens
 from workers.qwen3 import Qwen3ForCausalLM
-from workers.sampler import SamplingMetadata
+from workers.sampler import PenaltyInputs, Sampler, SamplerOutput, SamplingMetadata
+from workers.seq_table import LOGPROBS, MIN_P, RANDOM, TOP_K, TOP_P, SeqTable
+from workers.staging import InputStager
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_NO_PENALTIES = (None,) * 8
 
 
 @dataclass(slots=True)
-class SeqState:
-    """What a worker remembers about one running sequence between plans."""
+class StepBatch:
+    """One step's inputs on the device, and the host facts the worker needs around them."""
 
-    row: int  # row of ModelRunner.block_table
-    prompt_len: int
-    seq_index: int
-    params: SamplingParams
-    tokens: np.ndarray | None  # int64 history (capacity-padded); only when penalties are used
-    num_tokens: int  # length of the history (every token computed so far)
-
-
-@dataclass(slots=True)
-class ModelInput:
-    """One step's device tensors and the host facts the sampler needs."""
-
-    input_ids: Tensor
+    step_id: int
+    input_ids: Tensor  # int64 [T] (padded to the graph's size on graph steps)
     positions: Tensor
     attn_metadata: AttentionMetadata
-    logits_indices: Tensor  # rows of the hidden states to compute logits for (do_sample)
-    sample_states: list[SeqState]
-    output_indices: list[int]  # per sampled sequence: tokens it generated before this one
+    logits_indices: Tensor | None  # [S] hidden rows to sample; None: every row, in order
+    sampling: SamplingMetadata | None  # None: nothing samples this step
+    simple: bool  # greedy/temperature-only: a graph step samples inside the graph
+    graph_size: int  # 0: eager; else the captured decode batch size this step replays
+    graph_i64: Tensor | None  # the staged region the graph's int64 inputs come from
+    graph_rows: Tensor | None  # int64 [graph_size] table rows (padding: row 0)
+    graph_temperature: Tensor | None  # float32 [graph_size] (padding: 0.0)
+    pending_pos: Tensor | None  # int64 [P] token rows whose id is the last step's sample
+    pending_src: Tensor | None  # int64 [P] index of that sample in the last step's output
+    penalty_tokens: tuple[Tensor, Tensor, Tensor] | None  # (token rows, slots, is_prompt)
+    # (batch rows, slots, repetition, frequency, presence) of the penalized sampled rows
+    penalty_rows: tuple[Tensor, ...] | None
+    sample_rows: np.ndarray  # table rows of the sampled sequences, batch order
+    sampled_seq_ids: np.ndarray  # int64 [S]
+    rows: np.ndarray  # table rows of the batch
+    constrained_rows: np.ndarray  # the plan's (sampled rows waiting for a grammar bitmask)
+
+    @property
+    def num_sampled(self) -> int:
+        return int(self.sampled_seq_ids.shape[0])
 
 
 class ModelRunner:
-    """Keeps sequence state and runs the model for a plan; no scheduling decisions."""
+    """Runs the model for a plan over the persistent batch; no scheduling decisions."""
 
     def __init__(self, model: Qwen3ForCausalLM, device: torch.device, block_size: int,
-                 max_model_len: int, max_num_seqs: int) -> None:
+                 max_model_len: int, max_num_seqs: int, vocab_size: int, seed: int) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
-        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self.seqs: dict[int, SeqState] = {}
-        self.num_gpu_blocks = 0  # set by the worker once the cache exists
+        self.vocab_size = vocab_size
+        self.table = SeqTable(max_num_seqs, block_size, max_model_len, vocab_size, seed, device)
+        self.stager = InputStager(device)
+        self.pending = PendingTokens(device, max_num_seqs)
+        self.bitmask_stager = InputStager(device, nbytes=1 << 16)
+        # query_start_loc of a batch of one-token sequences
+        self._arange = torch.arange(max(max_num_seqs, 1) * 4 + 1, dtype=torch.int32,
+                                    device=device)
+        self.sampler = Sampler()
         self.graph_runner: CUDAGraphRunner | None = None
 
-    # ---- state diffs ----------------------------------------------------------------------
+    @property
+    def seqs(self) -> dict:
+        """seq id -> SeqState of every sequence this worker holds."""
+        return self.table.seqs
 
-    def drop_states(self, seq_ids: list[int]) -> None:
-        """Step 1 of a plan: forget finished, aborted and preempted sequences (unknown ids: no-op)."""
-        for seq_id in seq_ids:
-            state = self.seqs.pop(seq_id, None)
-            if state is not None:
-                self.num_blocks[state.row] = 0
-                self.free_rows.append(state.row)
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.table.num_gpu_blocks
 
-    def add_states(self, plan: StepPlan) -> None:
-        """Step 3 of a plan: new sequences, then appended blocks, then replaced tables."""
-        for new in plan.new_seqs:
-            self._add(new)
-        for seq_id, blocks in plan.appended_blocks.items():
-            state = self._state(seq_id)
-            start = int(self.num_blocks[state.row])
-            self._write_blocks(seq_id, state.row, start, blocks)
-        for seq_id, table in plan.replaced_tables.items():
-            state = self._state(seq_id)
-            self._write_blocks(seq_id, state.row, 0, table)
+    @num_gpu_blocks.setter
+    def num_gpu_blocks(self, value: int) -> None:
+        self.table.num_gpu_blocks = value
 
-    def _add(self, new: NewSeq) -> None:
-        if new.seq_id in self.seqs:
-            raise ValueError(f"NewSeq for seq {new.seq_id}, which already has state; the plan "
-                             "must drop it first")
-        if not self.free_rows:
-            self._grow()
-        row = self.free_rows.pop()
-        tokens = None
-        if new.sampling_params.uses_penalties:
-            tokens = np.asarray(new.computed_token_ids, dtype=np.int64)
-        self.seqs[new.seq_id] = SeqState(row, new.prompt_len, new.seq_index, new.sampling_params,
-                                         tokens, len(new.computed_token_ids))
-        self._write_blocks(new.seq_id, row, 0, new.block_table)
+    # ---- host: the plan's inputs ----------------------------------------------------------
 
-    def _write_blocks(self, seq_id: int, row: int, start: int, blocks: list[int]) -> None:
-        end = start + len(blocks)
-        if end > self.max_blocks_per_seq:
-            raise ValueError(f"seq {seq_id} would have {end} blocks; max_model_len="
-                             f"{self.max_model_len} allows {self.max_blocks_per_seq}")
-        self.block_table[row, start:end] = blocks
-        self.num_blocks[row] = end
-
-    def _grow(self) -> None:
-        """More rows than max_num_seqs are alive (e.g. many preempted at once): double the table."""
-        old = self.block_table.shape[0]
-        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
-        self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
-        self.free_rows.extend(range(2 * old - 1, old - 1, -1))
-
-    def _state(self, seq_id: int) -> SeqState:
-        state = self.seqs.get(seq_id)
-        if state is None:
-            raise ValueError(f"the plan names seq {seq_id}, which has no state on this worker "
-                             "(never sent as NewSeq, or already dropped)")
-        return state
-
-    # ---- inputs ---------------------------------------------------------------------------
-
-    def prepare_inputs(self, plan: StepPlan, input_ids: np.ndarray | None = None) -> ModelInput:
-        """Positions, slot mapping, block tables and query/context lengths of the batch.
-
-        `input_ids` replaces plan.input_ids: the worker's copy with pending tokens filled in.
-        """
-        if input_ids is None:
-            input_ids = plan.input_ids
-        num_seqs, bs = plan.num_seqs, self.block_size
-        states = [self._state(s) for s in plan.seq_ids.tolist()]
-        query_lens = plan.query_lens.astype(np.int64)
-        start_pos = plan.start_pos.astype(np.int64)
-        if query_lens.shape != (num_seqs,) or start_pos.shape != (num_seqs,) \
+    def prepare(self, plan: StepPlan) -> StepBatch:
+        """Apply the plan's state diffs and stage its inputs (plan order step 3 and the inputs
+        of step 4). Pending tokens are checked here and gathered by `fill_pending`."""
+        table, bs = self.table, self.block_size
+        table.apply(plan)
+        num_seqs, num_tokens = plan.num_seqs, plan.num_tokens
+        rows = table.rows_of(plan.seq_ids)
+        qlens = plan.query_lens.astype(np.int64)
+        start = plan.start_pos.astype(np.int64)
+        if qlens.shape != (num_seqs,) or start.shape != (num_seqs,) \
                 or plan.do_sample.shape != (num_seqs,):
             raise ValueError("plan.query_lens, start_pos and do_sample must each have one entry "
                              f"per sequence ({num_seqs})")
-        if (query_lens < 1).any():
-            raise ValueError(f"every scheduled sequence computes >= 1 token; query_lens={query_lens}")
-        cu = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=cu[1:])
-        num_tokens = int(cu[-1])
-        if plan.num_tokens != num_tokens:
-            raise ValueError(f"plan.input_ids has {plan.num_tokens} tokens; query_lens sum to "
-                             f"{num_tokens}")
-        seq_lens = start_pos + query_lens
-        if seq_lens.max() > self.max_model_len:
-            raise ValueError(f"a sequence reaches {int(seq_lens.max())} tokens; "
+        decode = num_tokens == num_seqs and int(qlens.max()) == 1  # one token each
+        if decode:
+            cu = None  # the device's arange
+            positions, token_rows = start, rows
+        else:
+            if int(qlens.min()) < 1:
+                raise ValueError(f"every scheduled sequence computes >= 1 token; "
+                                 f"query_lens={qlens}")
+            cu = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(qlens, out=cu[1:])
+            if int(cu[-1]) != num_tokens:
+                raise ValueError(f"plan.input_ids has {num_tokens} tokens; query_lens sum to "
+                                 f"{int(cu[-1])}")
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start - cu[:-1], qlens)
+            token_rows = np.repeat(rows, qlens)
+        seq_lens = start + qlens
+        max_seq_len = int(seq_lens.max())
+        if max_seq_len > self.max_model_len:
+            raise ValueError(f"a sequence reaches {max_seq_len} tokens; "
                              f"max_model_len is {self.max_model_len}")
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_seqs)
-        need = (seq_lens + bs - 1) // bs
-        short = need > self.num_blocks[rows]
+        need = (seq_lens + (bs - 1)) // bs
+        short = need > table.num_blocks[rows]
         if short.any():
             i = int(np.argmax(short))
             raise ValueError(f"seq {int(plan.seq_ids[i])} needs {int(need[i])} blocks for "
                              f"{int(seq_lens[i])} tokens; its block table has "
-                             f"{int(self.num_blocks[rows[i]])}")
-        block_tables = self.block_table[rows, :int(need.max())]
-        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-        positions = np.arange(num_tokens) + np.repeat(start_pos - cu[:-1], query_lens)
-        slots = (block_tables[seq_of_token, positions // bs].astype(np.int64) * bs
-                 + positions % bs)
-        if block_tables.size and int(block_tables.max()) >= self.num_gpu_blocks:
-            raise ValueError(f"a block table names block {int(block_tables.max())}; the cache "
-                             f"has {self.num_gpu_blocks} blocks")
-        if (input_ids < 0).any():
-            raise ValueError(f"plan {plan.step_id} has pending or negative token ids; the worker "
-                             "resolves pending tokens before preparing inputs")
-        self._extend_histories(states, input_ids, cu)
-        sample = np.flatnonzero(plan.do_sample)
-        sample_states = [states[i] for i in sample]
-        dev = self.device
+                             f"{int(table.num_blocks[rows[i]])}")
+        slots = table.block_table[token_rows, positions // bs] * bs + positions % bs
+        input_ids = plan.input_ids
+        pending = pending_src = None
+        lowest = int(input_ids.min(initial=0))
+        if lowest < 0:
+            pending = np.flatnonzero(input_ids < 0)
+            input_ids, pending_src = self.pending.resolve(plan, pending, token_rows, lowest)
+        all_sample = bool(plan.do_sample.all())
+        sample = None if all_sample else np.flatnonzero(plan.do_sample)
+        sample_rows = rows if all_sample else rows[sample]
+        num_sampled = num_seqs if all_sample else int(sample.shape[0])
+        self.pending.record(plan.step_id, sample_rows)
+        table.num_tokens[rows] = seq_lens
+        features = int(np.bitwise_or.reduce(table.features[sample_rows])) if num_sampled else 0
+
+        graph = self._graph_size(decode, num_seqs, num_sampled)
+        pad = graph - num_seqs if graph else 0
+        logits_idx = None
+        if not all_sample or not decode:
+            logits_idx = (cu[1:] - 1) if cu is not None else np.arange(num_seqs, dtype=np.int64)
+            if not all_sample:
+                logits_idx = logits_idx[sample]
+        diff_rows, diff_cols, diff_ids = table.take_block_diff()
+        s_seq_lens = seq_lens if all_sample else seq_lens[sample]
+        s_counter = s_seq_lens - table.prompt_len[sample_rows]
+        s_temp = table.temperature[sample_rows]
+        pen = _NO_PENALTIES
+        if table.penalties.num_used:  # (sequences with penalties are rare: skip it all)
+            pen = self._penalty_arrays(sample_rows, token_rows, positions)
+        # int64: the graph's inputs first, in cuda_graph.GRAPH_I64_FIELDS order, padded
+        i64 = [_padded(input_ids, pad, 0), _padded(positions, pad, 0), _padded(slots, pad, -1),
+               _padded(table.rng_key[sample_rows], pad, 0), _padded(s_counter, pad, 0),
+               _padded(rows, pad, 0), logits_idx, pending, pending_src,
+               diff_rows if diff_rows.size else None, diff_cols if diff_rows.size else None,
+               *pen[:4]]
+        i32 = [_padded(seq_lens, pad, 1), cu, table.top_k[sample_rows] if features & TOP_K
+               else None, diff_ids if diff_ids.size else None]
+        f32 = [_padded(s_temp, pad, 0.0), table.top_p[sample_rows] if features & TOP_P else None,
+               table.min_p[sample_rows] if features & MIN_P else None, *pen[4:]]
+        (v64, v32, vf), regions = self.stager.stage(i64, i32, f32)
+        (d_ids, d_pos, d_slots, d_key, d_counter, d_rows, d_logits_idx, d_pending,
+         d_pending_src, d_diff_rows, d_diff_cols, d_pen_rows, d_pen_slots, d_pen_tokens,
+         d_tok_slot) = v64
+        d_seq_lens, d_cu, d_top_k, d_diff_ids = v32
+        d_temp, d_top_p, d_min_p, d_is_prompt, d_rep, d_freq, d_pres = vf
+        if d_diff_ids is not None and not table.device_is_host:
+            table.device_block_table.index_put_((d_diff_rows, d_diff_cols), d_diff_ids)
+        block_tables = None
+        if not graph:
+            width = int(need.max())
+            if table.device_is_host:  # (CPU: one numpy gather, no torch op)
+                block_tables = torch.from_numpy(table.block_table[rows, :width])
+            else:
+                block_tables = table.device_block_table[:, :width].index_select(0, d_rows)
+        if d_cu is None and num_seqs + 1 > self._arange.shape[0]:
+            self._arange = torch.arange(2 * num_seqs + 1, dtype=torch.int32, device=self.device)
         md = AttentionMetadata(
-            slot_mapping=_to(slots, dev),
-            block_tables=_to(block_tables, dev),
-            query_start_loc=_to(cu.astype(np.int32), dev),
-            seq_lens=_to(seq_lens.astype(np.int32), dev),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()))
-        return ModelInput(
-            input_ids=_to(input_ids.astype(np.int64, copy=False), dev),
-            positions=_to(positions, dev),
-            attn_metadata=md,
-            logits_indices=_to(cu[1:][sample] - 1, dev),
-            sample_states=sample_states,
-            output_indices=[int(seq_lens[i]) - st.prompt_len for i, st in zip(sample, sample_states)])
+            slot_mapping=d_slots, block_tables=block_tables,
+            query_start_loc=self._arange[:num_seqs + 1] if d_cu is None else d_cu,
+            seq_lens=d_seq_lens, max_query_len=1 if decode else int(qlens.max()),
+            max_seq_len=max_seq_len)
+        sampling = None
+        if num_sampled:
+            sampling = SamplingMetadata(
+                temperature=d_temp[:num_sampled], all_greedy=not features & RANDOM,
+                top_k=d_top_k, top_p=d_top_p, min_p=d_min_p, rng_key=d_key[:num_sampled],
+                rng_counter=d_counter[:num_sampled], penalties=None,  # (sample() fills them)
+                max_num_logprobs=(int(table.num_logprobs[sample_rows].max())
+                                  if features & LOGPROBS else None))
+        return StepBatch(
+            step_id=plan.step_id, input_ids=d_ids, positions=d_pos, attn_metadata=md,
+            logits_indices=d_logits_idx, sampling=sampling,
+            simple=not (features & ~RANDOM or plan.num_constrained), graph_size=graph,
+            graph_i64=regions[0] if graph else None,
+            graph_rows=d_rows if graph else None, graph_temperature=d_temp if graph else None,
+            pending_pos=d_pending, pending_src=d_pending_src,
+            penalty_tokens=None if d_pen_tokens is None else (d_pen_tokens, d_tok_slot,
+                                                              d_is_prompt),
+            penalty_rows=None if d_pen_rows is None else (d_pen_rows, d_pen_slots, d_rep, d_freq,
+                                                          d_pres),
+            sample_rows=sample_rows,
+            sampled_seq_ids=plan.seq_ids if all_sample else plan.seq_ids[sample],
+            rows=rows, constrained_rows=plan.constrained_rows)
 
-    def _extend_histories(self, states: list[SeqState], input_ids: np.ndarray,
-                          cu: np.ndarray) -> None:
-        for i, state in enumerate(states):
-            new = int(cu[i + 1] - cu[i])
-            if state.tokens is not None:
-                end = state.num_tokens + new
-                if end > state.tokens.shape[0]:
-                    grown = np.empty(max(end, 2 * state.tokens.shape[0], 64), dtype=np.int64)
-                    grown[:state.num_tokens] = state.tokens[:state.num_tokens]
-                    state.tokens = grown
-                state.tokens[state.num_tokens:end] = input_ids[cu[i]:cu[i + 1]]
-            state.num_tokens += new
+    def _penalty_arrays(self, sample_rows: np.ndarray, token_rows: np.ndarray,
+                        positions: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        """The staged arrays of penalized sequences: int64 (sampled rows with penalties, their
+        slots, token rows of their inputs, those tokens' slots), float32 (is-prompt per such
+        token, then the three penalties per sampled row); None where there are none."""
+        table = self.table
+        pen_rows = np.flatnonzero(table.penalty_slot[sample_rows] >= 0)
+        tok_slot = table.penalty_slot[token_rows]
+        pen_tokens = np.flatnonzero(tok_slot >= 0)
+        rows = sample_rows[pen_rows]
+        is_prompt = (positions[pen_tokens] < table.prompt_len[token_rows[pen_tokens]]
+                     ).astype(np.float32)
+        have_rows, have_tokens = bool(pen_rows.size), bool(pen_tokens.size)
+        return (pen_rows if have_rows else None,
+                table.penalty_slot[rows] if have_rows else None,
+                pen_tokens if have_tokens else None,
+                tok_slot[pen_tokens] if have_tokens else None,
+                is_prompt if have_tokens else None,
+                table.repetition_penalty[rows] if have_rows else None,
+                table.frequency_penalty[rows] if have_rows else None,
+                table.presence_penalty[rows] if have_rows else None)
 
-    # ---- forward --------------------------------------------------------------------------
+    def _graph_size(self, decode: bool, num_seqs: int, num_sampled: int) -> int:
+        g = self.graph_runner
+        if g is None or not decode or num_sampled != num_seqs:
+            return 0
+        return g.padded_size(num_seqs)
+
+    # ---- device: forward, logits, sampling ------------------------------------------------
+
+    def fill_pending(self, batch: StepBatch, tp: TensorParallelGroup) -> None:
+        """Gather the step's pending tokens on the device (workers/pending.py)."""
+        if batch.pending_pos is not None:
+            self.pending.fill(batch.input_ids, batch.pending_pos, batch.pending_src, tp)
 
     @torch.inference_mode()
-    def execute_model(self, plan: StepPlan,
-                      input_ids: np.ndarray | None = None) -> tuple[Tensor | None, ModelInput]:
-        """Run the batch; logits `[S, vocab]` of the sampled sequences on rank 0 (None elsewhere,
-        and None everywhere when no sequence samples this step)."""
-        inp = self.prepare_inputs(plan, input_ids)
-        md = inp.attn_metadata
-        if self.graph_runner is not None and self.graph_runner.can_run(plan.num_seqs,
-                                                                        md.max_query_len):
-            hidden = self.graph_runner.run(inp.input_ids, inp.positions, md)
-        else:
-            hidden = self.model(inp.input_ids, inp.positions, md)
-        if not inp.sample_states:
-            return None, inp
-        return self.model.compute_logits(hidden[inp.logits_indices]), inp
+    def forward(self, batch: StepBatch) -> tuple[Tensor | None, Tensor | None]:
+        """(logits `[S, vocab]` of the sampled rows, or None when none samples or on ranks > 0;
+        tokens sampled inside a CUDA graph, or None when the sampler must still run)."""
+        if batch.penalty_tokens is not None:
+            rows, slots, is_prompt = batch.penalty_tokens
+            self.table.penalties.record(slots, batch.input_ids[rows], is_prompt)
+        if batch.graph_size:
+            graphs = self.graph_runner
+            assert graphs is not None
+            logits, tokens = graphs.replay(batch, self.table.device_block_table)
+            n = batch.num_sampled
+            if logits is None:
+                return None, None
+            return logits[:n], tokens[:n] if batch.simple else None
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        if batch.sampling is None:
+            return None, None
+        if batch.logits_indices is not None:  # (None: every row samples, one token each)
+            hidden = hidden[batch.logits_indices]
+        return self.model.compute_logits(hidden), None
 
-    def sampling_metadata(self, inp: ModelInput, vocab_size: int) -> SamplingMetadata:
-        states = inp.sample_states
-        return SamplingMetadata.build(
-            [s.params for s in states], [s.seq_index for s in states], inp.output_indices,
-            [(s.tokens[:s.num_tokens], s.prompt_len) if s.tokens is not None else None
-             for s in states],
-            vocab_size, self.device)
+    def bitmask_for(self, batch: StepBatch, bitmask: np.ndarray) -> Tensor:
+        """The step's token bitmask on the device: all ones but on the constrained rows."""
+        rows = batch.constrained_rows
+        words = -(-self.vocab_size // 32)
+        if bitmask.shape != (rows.shape[0], words) or bitmask.dtype != np.int32:
+            raise ValueError(f"the bitmask must be int32 [{rows.shape[0]}, {words}]; "
+                             f"got {bitmask.dtype} {list(bitmask.shape)}")
+        (i64, i32, _), _ = self.bitmask_stager.stage([rows], [bitmask.reshape(-1)], [])
+        full = torch.full((batch.num_sampled, words), -1, dtype=torch.int32, device=self.device)
+        return full.index_copy_(0, i64[0], i32[0].view(-1, words))
+
+    def sample(self, batch: StepBatch, logits: Tensor,
+               token_bitmask: Tensor | None = None) -> SamplerOutput:
+        md = batch.sampling
+        assert md is not None
+        md.token_bitmask = token_bitmask
+        if batch.penalty_rows is not None:  # counted up to this step's inputs (forward())
+            rows, slots, rep, freq, pres = batch.penalty_rows
+            state = self.table.penalties
+            md.penalties = PenaltyInputs(
+                rows=rows, output_counts=state.output_counts.index_select(0, slots),
+                prompt_mask=state.prompt_counts.index_select(0, slots) > 0,
+                repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+        return self.sampler(logits, md)
 
 
-def _to(array: np.ndarray, device: torch.device) -> Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+def _padded(a: np.ndarray, pad: int, value: float) -> np.ndarray:
+    if not pad:
+        return a
+    return np.concatenate([a, np.full(pad, value, dtype=a.dtype)])

@@ -1,156 +1,132 @@
-"""Token sampling for a batch, vectorized over rows, with vLLM's processing order.
+"""Token sampling for a batch of rows at once, with vLLM's processing order.
 
-Per row: penalties (repetition on prompt + output tokens, frequency and presence on output
-tokens) -> greedy argmax for temperature 0 -> temperature -> top-k -> top-p -> min-p ->
-a draw by the exponential-race trick (argmax of probs / Exponential(1) noise, which samples
-from `probs` exactly). Logprobs are `log_softmax` of the logits after penalties and
-temperature (temperature 1 for greedy rows), before the top-k/top-p/min-p masks.
+Per row: grammar bitmask (structured outputs) -> penalties (repetition on prompt + output
+tokens, frequency and presence on output tokens) -> greedy argmax for temperature 0 ->
+temperature -> top-k -> top-p -> min-p -> one draw from the remaining distribution.
+Logprobs are `log_softmax` of the logits after the bitmask, penalties and temperature
+(temperature 1 for greedy rows), before the top-k/top-p/min-p masks.
 
-Seeds: a seeded row's noise comes from a generator seeded with
-`mix_seed(seed, seq_index, output_index)`, so the k-th token of a seeded sample depends only
-on its own logits: not on the batch around it, nor on a preemption in between.
-Unseeded rows share the worker's generator.
+Randomness is counter-based: row r's draw is one uniform number, a hash of the row's stream
+key and its counter (`rng_key`, `rng_counter`: the sample's key and how many tokens it has
+generated). The key of a seeded sample is `stream_key(seed, seq_index)`; the model runner
+keys an unseeded one from the engine seed and its sequence id. So a token depends only on
+(key, counter, its own logits): not on the rows around it, the batch order, async
+scheduling, or a preemption in between; and there is no generator state, no per-row call.
+The draw is an inverse-CDF lookup (exact, unlike a race of noisy maxima it needs one random
+number per row): the rows' probabilities are summed in chunks, the chunk the uniform falls
+in is found in a float64 cumulative sum of the chunk sums, then the token inside it.
+Everything is tensor ops over the batch with no host sync, so `sample_simple` (greedy and
+temperature only) runs inside the decode CUDA graph.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from scheduler.sampling_params import SamplingParams
-
 _MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
-def mix_seed(seed: int, seq_index: int, output_index: int) -> int:
-    """A 63-bit generator seed from (request seed, sample index, output token index): splitmix64."""
-    x = (seed * 0x9E3779B97F4A7C15 + seq_index * 0xBF58476D1CE4E5B9
-         + output_index * 0x94D049BB133111EB) & _MASK64
+def stream_key(seed: int, seq_index: int) -> int:
+    """63-bit key of a sample's random stream (splitmix64 of the seed and the sample index)."""
+    x = (seed * _GOLDEN + (seq_index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) >> 1
 
 
+def _as_int64(value: int) -> int:
+    """A 64-bit pattern as the signed int64 torch multiplies with (wrapping, like C)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shr(x: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 bit patterns (torch's `>>` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def uniform(rng_key: Tensor, rng_counter: Tensor) -> Tensor:
+    """float64 [S] in [0, 1): splitmix64 of (key, counter), the top 53 bits."""
+    x = rng_key ^ (rng_counter * _as_int64(_GOLDEN))
+    x = (x ^ _shr(x, 30)) * _as_int64(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * _as_int64(0x94D049BB133111EB)
+    x = x ^ _shr(x, 31)
+    return _shr(x, 11).to(torch.float64) * 2.0 ** -53
+
+
+@dataclass(slots=True)
+class PenaltyInputs:
+    """The penalized rows of a step and what they have seen."""
+
+    rows: Tensor  # int64 [P] batch rows that use any penalty
+    output_counts: Tensor  # float32 [P, V] occurrences of each token in the row's output so far
+    prompt_mask: Tensor  # bool [P, V] token occurs in the prompt
+    repetition_penalty: Tensor  # float32 [P]
+    frequency_penalty: Tensor  # float32 [P]
+    presence_penalty: Tensor  # float32 [P]
+
+
 @dataclass(slots=True)
 class SamplingMetadata:
-    """The per-row sampling settings of one step as tensors; a field is None when no row uses it."""
+    """Per-row settings of one step's sampled rows (S rows, batch order), device tensors;
+    an optional field is None when no row of the step uses it."""
 
-    greedy: Tensor  # bool [S]
-    all_greedy: bool
-    temperature: Tensor  # float32 [S], 1.0 on greedy rows
-    top_k: Tensor | None  # int64 [S], vocab_size where off
-    top_p: Tensor | None  # float32 [S], 1.0 where off
-    min_p: Tensor | None  # float32 [S], 0.0 where off
-    penalty_rows: Tensor | None  # int64 [P] rows that use any penalty
-    prompt_tokens: Tensor | None  # int64 [P, Lp], padded with vocab_size
-    output_tokens: Tensor | None  # int64 [P, Lo], padded with vocab_size
-    repetition_penalty: Tensor | None  # float32 [P]
-    frequency_penalty: Tensor | None  # float32 [P]
-    presence_penalty: Tensor | None  # float32 [P]
-    seeded_rows: list[int]
-    row_seeds: list[int]  # mix_seed(...) for each seeded row, this step
+    temperature: Tensor  # float32 [S]; 0.0 marks a greedy row
+    all_greedy: bool  # every row greedy: argmax only, no draw at all
+    top_k: Tensor | None  # int32 [S]; 0 where off
+    top_p: Tensor | None  # float32 [S]; 1.0 where off
+    min_p: Tensor | None  # float32 [S]; 0.0 where off
+    rng_key: Tensor  # int64 [S] the row's stream key
+    rng_counter: Tensor  # int64 [S] tokens the row generated before this one
+    penalties: PenaltyInputs | None
     max_num_logprobs: int | None  # None: no row asked for logprobs
-
-    @classmethod
-    def build(cls, params: list[SamplingParams], seq_indices: list[int], output_indices: list[int],
-              histories: list[tuple[np.ndarray, int] | None], vocab_size: int,
-              device: torch.device) -> SamplingMetadata:
-        """`histories[i]` is (every token of row i so far, prompt_len) for rows with penalties.
-
-        `output_indices[i]` is how many tokens row i has generated before this one.
-        """
-        greedy = [p.greedy for p in params]
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        sampled = [p for p, g in zip(params, greedy) if not g]
-        top_k = top_p = min_p = None
-        if any(p.top_k > 0 for p in sampled):
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size
-                                  for p in params], dtype=torch.int64, device=device)
-        if any(p.top_p < 1.0 for p in sampled):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        if any(p.min_p > 0.0 for p in sampled):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-        rows = [i for i, p in enumerate(params) if p.uses_penalties]
-        pen: dict[str, Tensor | None] = dict.fromkeys(
-            ("penalty_rows", "prompt_tokens", "output_tokens", "repetition_penalty",
-             "frequency_penalty", "presence_penalty"))
-        if rows:
-            prompts, outputs = [], []
-            for i in rows:
-                history = histories[i]
-                if history is None:
-                    raise ValueError(f"row {i} uses penalties but has no token history")
-                tokens, prompt_len = history
-                prompts.append(tokens[:prompt_len])
-                outputs.append(tokens[prompt_len:])
-            pen["penalty_rows"] = torch.tensor(rows, dtype=torch.int64, device=device)
-            pen["prompt_tokens"] = _pad(prompts, vocab_size, device)
-            pen["output_tokens"] = _pad(outputs, vocab_size, device)
-            for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
-                pen[name] = torch.tensor([getattr(params[i], name) for i in rows],
-                                         dtype=torch.float32, device=device)
-        seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=top_k, top_p=top_p, min_p=min_p, **pen,
-            seeded_rows=seeded,
-            row_seeds=[mix_seed(params[i].seed, seq_indices[i], output_indices[i])  # type: ignore[arg-type]
-                       for i in seeded],
-            max_num_logprobs=max(asked) if asked else None,
-        )
-
-
-def _pad(rows: list[np.ndarray], pad: int, device: torch.device) -> Tensor:
-    width = max(1, max(len(r) for r in rows))
-    out = np.full((len(rows), width), pad, dtype=np.int64)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = r
-    return torch.from_numpy(out).to(device)
+    # int32 [S, ceil(V/32)]: bit j % 32 of word j // 32 set = token j allowed (xgrammar's
+    # layout), all ones on rows without a grammar; None: no row is constrained
+    token_bitmask: Tensor | None = None
 
 
 @dataclass(slots=True)
 class SamplerOutput:
-    token_ids: Tensor  # int64 [S]
+    token_ids: Tensor  # int64 [S], on the logits' device
     logprobs: Tensor | None  # float32 [S]
     top_token_ids: Tensor | None  # int64 [S, K]
     top_logprobs: Tensor | None  # float32 [S, K]
 
 
-def _bin_counts(tokens: Tensor, vocab_size: int) -> Tensor:
-    """Counts `[P, vocab_size]` of each token id per row; the pad id `vocab_size` is dropped."""
-    counts = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.float32, device=tokens.device)
-    counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float32))
-    return counts[:, :vocab_size]
-
-
-def apply_penalties(logits: Tensor, prompt_tokens: Tensor, output_tokens: Tensor,
+def apply_penalties(logits: Tensor, output_counts: Tensor, prompt_mask: Tensor,
                     repetition_penalty: Tensor, frequency_penalty: Tensor,
                     presence_penalty: Tensor) -> Tensor:
     """vLLM's penalties on float32 logits `[P, V]` (returns a new tensor)."""
-    vocab_size = logits.shape[1]
-    output_counts = _bin_counts(output_tokens, vocab_size)
     output_mask = output_counts > 0
-    seen = (_bin_counts(prompt_tokens, vocab_size) > 0) | output_mask
-    rep = torch.where(seen, repetition_penalty.unsqueeze(1), 1.0)
+    rep = torch.where(prompt_mask | output_mask, repetition_penalty.unsqueeze(1), 1.0)
     logits = torch.where(logits > 0, logits / rep, logits * rep)
     logits = logits - frequency_penalty.unsqueeze(1) * output_counts
     return logits - presence_penalty.unsqueeze(1) * output_mask.to(logits.dtype)
 
 
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """Tokens whose bit is 0 in `bitmask` (int32 [S, ceil(V/32)]) -> -inf, in place."""
+    vocab = logits.shape[1]
+    ids = torch.arange(vocab, device=logits.device)
+    allowed = (bitmask[:, ids >> 5] >> (ids & 31)) & 1
+    return logits.masked_fill_(allowed == 0, float("-inf"))
+
+
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
-    """vLLM's masks: keep every logit >= the k-th largest (ties kept), then the smallest set of
-    highest-probability tokens whose mass reaches top_p (at least one token). Masked -> -inf."""
+    """vLLM's masks: keep every logit >= the k-th largest (ties kept; k = 0 keeps all), then
+    the smallest set of highest-probability tokens whose mass reaches top_p (at least one
+    token). Masked -> -inf."""
     if top_k is None and top_p is None:
         return logits
     logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    vocab = logits_sort.shape[1]
     if top_k is not None:
-        kth = logits_sort.gather(1, (logits_sort.shape[1] - top_k).unsqueeze(1))
+        k = torch.where(top_k > 0, top_k.to(torch.int64), vocab).clamp(max=vocab)
+        kth = logits_sort.gather(1, (vocab - k).unsqueeze(1))
         logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
     if top_p is not None:
         probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
@@ -160,6 +136,13 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     return logits_sort.scatter(1, logits_idx, logits_sort)
 
 
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Mask tokens whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 # Chunk width of the two-level argmax below.
 _ARGMAX_CHUNK = 256
 
@@ -167,8 +150,8 @@ _ARGMAX_CHUNK = 256
 def row_argmax(x: Tensor) -> Tensor:
     """`x.argmax(dim=-1)` of a `[S, V]` tensor, the same indices (first maximum wins), faster.
 
-    torch's CPU argmax over a 152k vocabulary runs unvectorized (15 ms for 64 rows here);
-    a vectorized max over chunks, then an argmax inside the winning chunk, takes 4 ms.
+    torch's CPU argmax over a 152k vocabulary runs unvectorized; a vectorized max over
+    chunks, then an argmax inside the winning chunk, is several times faster there.
     """
     if x.is_cuda or x.shape[-1] < 4 * _ARGMAX_CHUNK:
         return x.argmax(dim=-1)
@@ -185,62 +168,72 @@ def row_argmax(x: Tensor) -> Tensor:
     return best
 
 
-def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
-    """Mask tokens whose probability is below min_p times the row's top probability."""
-    probs = logits.softmax(dim=-1)
-    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+def draw(scaled_logits: Tensor, u: Tensor) -> Tensor:
+    """One token per row from softmax(scaled_logits) (-inf = excluded), by inverse CDF at the
+    row's uniform `u` (float64 [S] in [0, 1)): int64 [S]. Only tokens with positive
+    probability can come out."""
+    rows, vocab = scaled_logits.shape
+    chunk = math.gcd(vocab, 256)  # chunks tile the vocabulary exactly: no padding pass
+    weights = (scaled_logits - scaled_logits.amax(dim=-1, keepdim=True)).exp_()
+    per_chunk = weights.view(rows, vocab // chunk, chunk)
+    cum = per_chunk.sum(dim=-1, dtype=torch.float64).cumsum_(dim=-1)
+    target = (u * cum[:, -1]).unsqueeze(1)
+    which = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)
+    before = torch.where(which > 0, cum.gather(1, (which - 1).clamp_(min=0)), 0.0)
+    inside = per_chunk.gather(1, which.unsqueeze(2).expand(rows, 1, chunk)).squeeze(1)
+    inside_cum = inside.to(torch.float64).cumsum_(dim=-1)
+    # Stay below the chunk's own total (its float32 sum may round apart from this one), so
+    # the lookup lands on a token of positive weight.
+    rest = torch.minimum(target - before, inside_cum[:, -1:] * (1 - 2.0 ** -40))
+    offset = torch.searchsorted(inside_cum, rest, right=True).clamp_(max=chunk - 1)
+    return (which * chunk + offset).squeeze(1)
+
+
+def sample_simple(logits: Tensor, temperature: Tensor, rng_key: Tensor,
+                  rng_counter: Tensor) -> Tensor:
+    """Greedy and temperature-only rows: int64 [S] token ids. No host sync and no shapes that
+    depend on values, so it can be captured in a CUDA graph; `Sampler` uses it for such rows."""
+    logits = logits.to(torch.float32)
+    greedy = row_argmax(logits)
+    hot = temperature > 0
+    scaled = logits / torch.where(hot, temperature, 1.0).unsqueeze(1)
+    return torch.where(hot, draw(scaled, uniform(rng_key, rng_counter)), greedy)
 
 
 class Sampler:
     """Samples one token per row of `logits` `[S, V]` according to a `SamplingMetadata`."""
 
-    def __init__(self, device: torch.device, seed: int) -> None:
-        self.generator = torch.Generator(device=device).manual_seed(seed)
-        self._row_generator = torch.Generator(device=device)
-
     def __call__(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
-        # The penalty write and the temperature division are in place: work on a copy then.
-        in_place = md.penalty_rows is not None or not md.all_greedy
-        logits = logits.to(torch.float32, copy=in_place)
-        if md.penalty_rows is not None:
-            logits[md.penalty_rows] = apply_penalties(
-                logits[md.penalty_rows], md.prompt_tokens, md.output_tokens,
-                md.repetition_penalty, md.frequency_penalty, md.presence_penalty)
-        if md.all_greedy:
-            token_ids = row_argmax(logits)
-        else:
-            greedy_ids = row_argmax(logits)
-            logits.div_(md.temperature.unsqueeze(1))
-        logprobs = None
-        if md.max_num_logprobs is not None:
-            logprobs = logits.log_softmax(dim=-1)
+        processed = (md.token_bitmask is not None or md.penalties is not None
+                     or md.max_num_logprobs is not None
+                     or md.top_k is not None or md.top_p is not None or md.min_p is not None)
+        if not processed:
+            if md.all_greedy:
+                return SamplerOutput(row_argmax(logits), None, None, None)
+            return SamplerOutput(sample_simple(logits, md.temperature, md.rng_key,
+                                               md.rng_counter), None, None, None)
+        logits = logits.to(torch.float32, copy=True)
+        if md.token_bitmask is not None:
+            apply_token_bitmask(logits, md.token_bitmask)
+        pen = md.penalties
+        if pen is not None:
+            logits[pen.rows] = apply_penalties(
+                logits[pen.rows], pen.output_counts, pen.prompt_mask, pen.repetition_penalty,
+                pen.frequency_penalty, pen.presence_penalty)
+        greedy_ids = row_argmax(logits)
+        hot = md.temperature > 0
+        if not md.all_greedy:
+            logits.div_(torch.where(hot, md.temperature, 1.0).unsqueeze(1))
+        logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        token_ids = greedy_ids
         if not md.all_greedy:
             masked = apply_top_k_top_p(logits, md.top_k, md.top_p)
             if md.min_p is not None:
                 masked = apply_min_p(masked, md.min_p)
-            probs = masked.softmax(dim=-1)
-            sampled = row_argmax(probs.div_(self._exponential_noise(probs, md)))
-            token_ids = torch.where(md.greedy, greedy_ids, sampled)
+            sampled = draw(masked, uniform(md.rng_key, md.rng_counter))
+            token_ids = torch.where(hot, sampled, greedy_ids)
         if logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
         chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         top_lp, top_ids = logprobs.topk(md.max_num_logprobs, dim=-1)
         return SamplerOutput(token_ids, chosen, top_ids, top_lp)
-
-    def _exponential_noise(self, probs: Tensor, md: SamplingMetadata) -> Tensor:
-        q = torch.empty_like(probs)
-        if not md.seeded_rows:
-            q.exponential_(generator=self.generator)
-        else:
-            seeded = set(md.seeded_rows)
-            others = [i for i in range(probs.shape[0]) if i not in seeded]
-            if others:
-                noise = torch.empty(len(others), probs.shape[1], dtype=probs.dtype,
-                                    device=probs.device).exponential_(generator=self.generator)
-                q[torch.tensor(others, device=probs.device)] = noise
-            for row, seed in zip(md.seeded_rows, md.row_seeds):
-                self._row_generator.manual_seed(seed)
-                q[row].exponential_(generator=self._row_generator)
-        # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick.
-        return q.clamp_(min=torch.finfo(q.dtype).tiny)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import gc
 import math
-import time
+from collections import deque
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 import torch
 
-from scheduler.plan import PENDING_TOKEN, NewSeq, StepPlan, StepResult
+from scheduler.plan import NewSeq, StepPlan, StepResult
 from scheduler.sampling_params import SamplingParams
 from workers.cache_engine import CacheEngine
 from workers.config import WorkerConfig
@@ -25,9 +26,11 @@ from workers.cuda_graph import CUDAGraphRunner
 from workers.distributed import TensorParallelGroup
 from workers.loader import load_model
 from workers.model_config import ModelConfig, load_model_config
-from workers.model_runner import ModelRunner
+from workers.model_runner import ModelRunner, StepBatch
 from workers.qwen3 import Qwen3ForCausalLM
-from workers.sampler import Sampler
+from workers.sampler import SamplerOutput
+from workers.step_outputs import StepOutputs
+from workers.warmup import warmup_plans
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV cache budget on CPU without num_gpu_blocks_override: the host is shared by every rank,
@@ -35,6 +38,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 CPU_KV_CACHE_BYTES = 1 << 30
 _GIB = 1 << 30
 _T = TypeVar("_T")
+_EMPTY = np.zeros(0, dtype=np.int64)
+# Steps launched ahead of their collection: the one running and the one after it.
+MAX_LAUNCHED = 2
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A step between launch and collect."""
+
+    step_id: int
+    slot: int  # its StepOutputs slot
+    keep_logits: bool
+    batch: StepBatch | None = None  # None: an empty plan
+    logits: torch.Tensor | None = None
+    awaiting_bitmask: bool = False
+    has_output: bool = False
 
 
 class Worker:
@@ -46,11 +65,12 @@ class Worker:
         self.model: Qwen3ForCausalLM | None = None
         self.model_runner: ModelRunner | None = None
         self.cache_engine: CacheEngine | None = None
-        self.sampler: Sampler | None = None
+        self._bound_cache: CacheEngine | None = None  # what the attention layers point at
         self.device = torch.device("cpu")
         self.dtype = torch.float32
-        # Rank 0's answer to the last plan: the next plan's pending tokens (async scheduling)
-        self._last_result: StepResult | None = None
+        # Steps launched and not yet collected, oldest first.
+        self._launched: deque[_Launched] = deque()
+        self._outputs: StepOutputs | None = None  # made by load_model
 
     # ---- set-up ---------------------------------------------------------------------------
 
@@ -87,8 +107,8 @@ class Worker:
         self.model_config = mc
         self.model = model
         self.model_runner = ModelRunner(model, self.device, cfg.block_size, cfg.max_model_len,
-                                        cfg.max_num_seqs)
-        self.sampler = Sampler(self.device, cfg.seed)
+                                        cfg.max_num_seqs, mc.vocab_size, cfg.seed)
+        self._outputs = StepOutputs(self.device, cfg.max_num_seqs, MAX_LAUNCHED + 1)
 
     def kv_block_bytes(self) -> int:
         mc = _loaded(self.model_config)
@@ -158,12 +178,12 @@ class Worker:
             new_seqs=[NewSeq(i, "profile", 0, int(lens[i]), [],
                              list(range(int(starts[i]), int(starts[i] + blocks_per_seq[i]))),
                              params) for i in range(num_seqs)])
-        self._execute(plan)
+        self.execute(plan)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        _loaded(self.model_runner).drop_states(list(range(num_seqs)))
-        for attn in _loaded(self.model).attention_layers():
-            attn.k_cache = attn.v_cache = torch.tensor([])
+        _loaded(self.model_runner).table.drop(list(range(num_seqs)))
+        _loaded(self.model_runner).pending.reset()
+        self._bind_cache(None)
         del scratch
         return max(0, peak - baseline)
 
@@ -179,86 +199,159 @@ class Worker:
                 and cfg.attention_backend != "torch":
             # The torch reference attention reads lengths on the host, so it cannot be captured.
             graphs = CUDAGraphRunner(_loaded(self.model), cfg.max_num_seqs,
-                                     runner.max_blocks_per_seq, cfg.max_model_len,
-                                     mc.hidden_size, self.dtype, self.device)
+                                     runner.table.max_blocks_per_seq, cfg.max_model_len,
+                                     self.device)
             graphs.capture()
             runner.graph_runner = graphs
+        if self.device.type == "cuda":
+            self.warm_up()
 
-    def _bind_cache(self, cache: CacheEngine) -> None:
+    def warm_up(self) -> None:
+        """Run the start-up warm-up's plans (workers/warmup.py) on the real cache; the worker
+        holds no sequence afterwards."""
+        cfg = self.config
+        runner = _loaded(self.model_runner)
+        for plan in warmup_plans(cfg.block_size, runner.num_gpu_blocks, cfg.max_model_len,
+                                 cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                 eager_decode=runner.graph_runner is None):
+            self.execute(plan)
+        runner.pending.reset()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _bind_cache(self, cache: CacheEngine | None) -> None:
+        """Point the attention layers at `cache` (None: at nothing)."""
+        self._bound_cache = cache
+        if cache is None:
+            for attn in _loaded(self.model).attention_layers():
+                attn.k_cache = attn.v_cache = torch.tensor([])
+            return
         cache.bind(_loaded(self.model).attention_layers())
         _loaded(self.model_runner).num_gpu_blocks = cache.num_gpu_blocks
 
     # ---- steps ----------------------------------------------------------------------------
+    #
+    # A step is launched, then collected. `launch(plan)` applies the plan's diffs, stages its
+    # inputs (one H2D copy), fills its pending tokens on the device from the last step's
+    # sampled ids, and enqueues the forward, the logits, the sampling and a non-blocking copy
+    # of the sampled ids into pinned memory: on CUDA it returns before the GPU has run any of
+    # it. `collect(step_id)` waits for that step's copy (the one host wait of a step) and
+    # returns rank 0's StepResult. A plan with constrained rows samples once
+    # `provide_bitmask` hands their grammar bitmask over. Steps are launched and collected in
+    # plan order, at most MAX_LAUNCHED launched and not collected.
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one StepPlan (see scheduler.plan for the order); rank 0 returns the sampled tokens."""
-        return self.execute_with_logits(plan)[0]
+        self.launch(plan)
+        return self.collect(plan.step_id)[0]
 
     def execute_with_logits(self, plan: StepPlan) -> tuple[StepResult | None, torch.Tensor | None]:
         """`execute`, also returning rank 0's raw logits `[S, vocab]` of the sampled rows
         (what parity tests compare with Hugging Face)."""
-        if self.cache_engine is None:
-            raise RuntimeError("call init_cache() before execute()")
-        start = time.perf_counter()
-        result, logits = self._execute(plan)
-        if result is not None:
-            result.forward_seconds = time.perf_counter() - start
-            self._last_result = result
-        return result, logits
+        self.launch(plan, keep_logits=True)
+        return self.collect(plan.step_id)
 
-    def _execute(self, plan: StepPlan) -> tuple[StepResult | None, torch.Tensor | None]:
+    def execute_lagged(self, plan: StepPlan | None) -> StepResult | None:
+        """Launch `plan` (None: nothing new), then collect the step launched before it: the
+        device runs this plan while the caller handles the last one's tokens (how a Ray worker
+        overlaps steps: its result for plan N comes back from the call that brings plan N+1)."""
+        previous = self._launched[0].step_id if self._launched else None
+        if plan is not None:
+            self.launch(plan)
+        return None if previous is None else self.collect(previous)[0]
+
+    def launch(self, plan: StepPlan, keep_logits: bool = False) -> None:
+        """Start a plan (see the section comment); errors in the plan raise ValueError."""
+        cache = self._bound_cache
+        if cache is None:
+            raise RuntimeError("call init_cache() before execute()")
+        if self._launched and self._launched[-1].awaiting_bitmask:
+            raise RuntimeError(f"plan {plan.step_id} launched before plan "
+                               f"{self._launched[-1].step_id} got its grammar bitmask")
+        if len(self._launched) >= MAX_LAUNCHED:
+            raise RuntimeError(f"{len(self._launched)} steps launched and not collected; "
+                               "collect the oldest first")
         runner = _loaded(self.model_runner)
-        runner.drop_states(plan.dropped_seq_ids)
-        if self.cache_engine is not None:
-            self.cache_engine.swap_out(plan.swap_out)
-            self.cache_engine.swap_in(plan.swap_in)
-            self.cache_engine.copy(plan.copies)
-        runner.add_states(plan)
-        empty = np.zeros(0, dtype=np.int64)
+        step = _Launched(plan.step_id, self._outputs.begin(), keep_logits)
+        runner.table.drop(plan.dropped_seq_ids)
+        cache.swap_out(plan.swap_out)
+        cache.swap_in(plan.swap_in)
+        cache.copy(plan.copies)
         if plan.is_empty:
-            return (StepResult(plan.step_id, empty, empty) if self.tp.is_first else None), None
-        logits, inp = runner.execute_model(plan, self._resolve_pending(plan))
+            runner.table.apply(plan)
+            runner.pending.record(plan.step_id, _EMPTY)
+            self._launched.append(step)
+            return
+        batch = runner.prepare(plan)
+        step.batch = batch
+        self._launched.append(step)
+        runner.fill_pending(batch, self.tp)
+        logits, tokens = runner.forward(batch)
+        step.logits = logits
+        if logits is None:  # ranks > 0, or nothing samples
+            return
+        if tokens is not None:  # sampled inside the CUDA graph
+            self._sampled(step, SamplerOutput(tokens, None, None, None))
+        elif plan.num_constrained:
+            step.awaiting_bitmask = True
+        else:
+            self._sampled(step, runner.sample(batch, logits))
+
+    def provide_bitmask(self, step_id: int, bitmask: np.ndarray) -> None:
+        """The grammar bitmask of a launched step's constrained rows (int32 [C, ceil(V/32)],
+        in the order of the plan's `constrained_rows`); that step samples now. Ranks > 0
+        sample nothing and ignore it."""
+        step = next((s for s in self._launched if s.step_id == step_id), None)
+        if step is None:
+            raise ValueError(f"step {step_id} is not launched (or already collected)")
+        if not step.awaiting_bitmask:
+            if not self.tp.is_first:
+                return
+            raise ValueError(f"step {step_id} has no constrained rows waiting for a bitmask")
+        step.awaiting_bitmask = False
+        runner = _loaded(self.model_runner)
+        assert step.batch is not None and step.logits is not None
+        mask = runner.bitmask_for(step.batch, bitmask)
+        self._sampled(step, runner.sample(step.batch, step.logits, mask))
+
+    def step_ready(self, step_id: int) -> bool:
+        """Whether collect(step_id) would not wait (always, on CPU)."""
+        step = self._launched[0] if self._launched else None
+        if step is None or step.step_id != step_id or step.awaiting_bitmask:
+            return False
+        return not step.has_output or self._outputs.ready(step.slot)
+
+    def awaiting_bitmask(self) -> int | None:
+        """The launched step whose sampling waits for its grammar bitmask, if any."""
+        last = self._launched[-1] if self._launched else None
+        return last.step_id if last is not None and last.awaiting_bitmask else None
+
+    def _sampled(self, step: _Launched, out: SamplerOutput) -> None:
+        """The step's tokens: kept on the device for the next step's pending tokens, and
+        copied to pinned memory for collect."""
+        assert step.batch is not None
+        _loaded(self.model_runner).pending.sampled(out.token_ids)
+        self._outputs.put(step.slot, out, step.batch.num_sampled)
+        step.has_output = True
+
+    def collect(self, step_id: int) -> tuple[StepResult | None, torch.Tensor | None]:
+        """Wait for a launched step; rank 0's StepResult (None on other ranks) and, when it
+        was launched with keep_logits, its logits."""
+        oldest = self._launched[0].step_id if self._launched else None
+        if oldest != step_id:
+            raise ValueError(f"collect({step_id}): the oldest launched step is {oldest}")
+        if self._launched[0].awaiting_bitmask:
+            raise ValueError(f"step {step_id} needs its grammar bitmask (provide_bitmask) "
+                             "before it can be collected")
+        step = self._launched.popleft()
         if not self.tp.is_first:
             return None, None
-        seq_ids = plan.seq_ids[plan.do_sample].astype(np.int64)
-        if logits is None:
-            return StepResult(plan.step_id, seq_ids, empty), None
-        md = runner.sampling_metadata(inp, _loaded(self.model_config).vocab_size)
-        out = _loaded(self.sampler)(logits, md)
-        result = StepResult(plan.step_id, seq_ids, out.token_ids.cpu().numpy())
-        if out.logprobs is not None:
-            result.logprobs = out.logprobs.cpu().numpy()
-            result.top_token_ids = out.top_token_ids.cpu().numpy()
-            result.top_logprobs = out.top_logprobs.cpu().numpy()
-        return result, logits
-
-    def _resolve_pending(self, plan: StepPlan) -> np.ndarray:
-        """plan.input_ids with every PENDING_TOKEN (async scheduling, see scheduler.plan)
-        replaced by the token this worker's group sampled for that sequence in the plan it
-        executed just before. Rank 0 sampled it; the other ranks get it by broadcast."""
-        ids = plan.input_ids
-        where = np.flatnonzero(ids == PENDING_TOKEN)
-        if not where.size:
-            return ids
-        filled = ids.copy()
-        if self.tp.is_first:
-            last = self._last_result
-            step_id = -1 if last is None else last.step_id
-            if last is None or step_id != plan.step_id - 1:
-                raise ValueError(f"plan {plan.step_id} has pending tokens, but the last plan "
-                                 f"this worker sampled for was {step_id}")
-            sampled = dict(zip(last.seq_ids.tolist(), last.token_ids.tolist()))
-            ends = np.cumsum(plan.query_lens)
-            owners = plan.seq_ids[np.searchsorted(ends, where, side="right")].tolist()
-            missing = [s for s in owners if s not in sampled]
-            if missing:
-                raise ValueError(f"plan {plan.step_id} has pending tokens for seqs {missing}, "
-                                 f"which plan {step_id} did not sample")
-            filled[where] = [sampled[s] for s in owners]
-        if self.tp.world_size > 1:  # the collective's tensors live on the group's device
-            values = torch.from_numpy(filled[where]).to(self.device)
-            filled[where] = self.tp.broadcast_from_first(values).cpu().numpy()
-        return filled
+        seq_ids = _EMPTY if step.batch is None else step.batch.sampled_seq_ids
+        if step.has_output:
+            result = self._outputs.take(step.slot, step_id, seq_ids)
+        else:
+            result = StepResult(step_id, seq_ids, _EMPTY)
+        return result, step.logits if step.keep_logits else None
 
     def shutdown(self) -> None:
         """Release the cache, the model and the process group."""

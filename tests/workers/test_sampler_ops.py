@@ -1,4 +1,6 @@
-"""Sampler: exact masks on hand-built logits, penalties, logprobs, and batch-independent seeds."""
+"""Sampler: exact masks on hand-built logits, penalties, the grammar bitmask, logprobs, the
+counter-based streams (batch-independent, bit-exact with a Python reference), and
+chi-square tests that every sampling option draws from the distribution it should."""
 
 from __future__ import annotations
 
@@ -10,15 +12,18 @@ import torch
 
 from scheduler.sampling_params import SamplingParams
 from workers.sampler import (
+    PenaltyInputs,
     Sampler,
     SamplingMetadata,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
-    mix_seed,
+    draw,
+    sample_simple,
+    stream_key,
+    uniform,
 )
 
-CPU = torch.device("cpu")
 NEG = float("-inf")
 # Probabilities that are exact binary fractions, so cumulative sums never sit on a top_p edge.
 PROBS = [0.5, 0.25, 0.125, 0.0625, 0.0625]
@@ -32,9 +37,31 @@ def _kept(masked: torch.Tensor) -> list[list[int]]:
     return [torch.nonzero(torch.isfinite(r)).flatten().tolist() for r in masked]
 
 
+def _md(params: list[SamplingParams], counters: list[int] | None = None,
+        keys: list[int] | None = None, penalties: PenaltyInputs | None = None,
+        bitmask: torch.Tensor | None = None) -> SamplingMetadata:
+    """The metadata the model runner builds for these rows (keys: stream_key(seed, 0))."""
+    n = len(params)
+    random = [not p.greedy for p in params]
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingMetadata(
+        temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params]),
+        all_greedy=not any(random),
+        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int32)
+        if any(p.top_k for p, r in zip(params, random) if r) else None,
+        top_p=torch.tensor([p.top_p for p in params])
+        if any(p.top_p < 1 for p, r in zip(params, random) if r) else None,
+        min_p=torch.tensor([p.min_p for p in params])
+        if any(p.min_p > 0 for p, r in zip(params, random) if r) else None,
+        rng_key=torch.tensor(keys or [stream_key(p.seed or 0, 0) for p in params]),
+        rng_counter=torch.tensor(counters or [0] * n),
+        penalties=penalties, max_num_logprobs=max(asked) if asked else None,
+        token_bitmask=bitmask)
+
+
 def test_top_k_keeps_exactly_k_largest_per_row() -> None:
     logits = _logits([[1, 5, 3, 4, 2], [1, 5, 3, 4, 2], [0.1, 0.2, 0.3, 0.4, 0.5]])
-    out = apply_top_k_top_p(logits.clone(), torch.tensor([2, 5, 1]), None)
+    out = apply_top_k_top_p(logits.clone(), torch.tensor([2, 0, 1]), None)  # 0: off
     assert _kept(out) == [[1, 3], [0, 1, 2, 3, 4], [4]]
     # Kept logits are unchanged, not renormalised.
     assert out[0].tolist() == [NEG, 5.0, NEG, 4.0, NEG]
@@ -72,10 +99,9 @@ def test_min_p_masks_below_fraction_of_top_probability() -> None:
 
 def test_penalties_follow_vllm() -> None:
     logits = _logits([[2.0, -1.0, 0.5, 1.0], [2.0, -1.0, 0.5, 1.0]])
-    pad = 4
-    prompt = torch.tensor([[0, pad], [1, 3]])
-    output = torch.tensor([[2, 2], [pad, pad]])
-    out = apply_penalties(logits, prompt, output, repetition_penalty=torch.tensor([2.0, 2.0]),
+    counts = torch.tensor([[0.0, 0, 2, 0], [0, 0, 0, 0]])
+    prompt = torch.tensor([[True, False, False, False], [False, True, False, True]])
+    out = apply_penalties(logits, counts, prompt, repetition_penalty=torch.tensor([2.0, 2.0]),
                           frequency_penalty=torch.tensor([0.1, 0.1]),
                           presence_penalty=torch.tensor([0.5, 0.5]))
     # Row 0: token 0 seen in prompt (2 / 2); token 2 in output twice (0.5 / 2 - 0.1 * 2 - 0.5).
@@ -84,11 +110,30 @@ def test_penalties_follow_vllm() -> None:
     torch.testing.assert_close(out[1], torch.tensor([2.0, -2.0, 0.5, 0.5]))
 
 
-def _md(params: list[SamplingParams], output_indices: list[int] | None = None,
-        seq_indices: list[int] | None = None, vocab: int = 1000) -> SamplingMetadata:
-    n = len(params)
-    return SamplingMetadata.build(params, seq_indices or [0] * n, output_indices or [0] * n,
-                                  [None] * n, vocab, CPU)
+def _splitmix_reference(key: int, counter: int) -> float:
+    m = (1 << 64) - 1
+    x = (key ^ (counter * 0x9E3779B97F4A7C15)) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    x ^= x >> 31
+    return (x >> 11) * 2.0 ** -53
+
+
+def test_uniform_is_bit_exact_with_unsigned_64_bit_arithmetic() -> None:
+    """torch's int64 ops wrap and shift arithmetically: the stream must still be the
+    unsigned splitmix64 the reference computes, on every key and counter."""
+    keys = [stream_key(s, i) for s in (0, 1, 2**40 + 7, 2**62) for i in (0, 1, 5)]
+    counters = [0, 1, 2, 999, 2**31 + 3]
+    k = torch.tensor([a for a in keys for _ in counters])
+    c = torch.tensor([b for _ in keys for b in counters])
+    got = uniform(k, c).tolist()
+    assert got == [_splitmix_reference(a, b) for a, b in zip(k.tolist(), c.tolist())]
+    assert all(0.0 <= u < 1.0 for u in got) and len(set(got)) == len(got)
+
+
+def test_stream_key_is_63_bit_and_sensitive_to_each_input() -> None:
+    keys = {stream_key(s, i) for s in (0, 1, 12345) for i in (0, 1, 2)}
+    assert len(keys) == 9 and all(0 <= k < 2 ** 63 for k in keys)
 
 
 def test_seeded_rows_do_not_depend_on_the_batch() -> None:
@@ -97,43 +142,167 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     mine = torch.randn(vocab, generator=g) * 0.3  # flat: every draw is genuinely random
     others = torch.randn(5, vocab, generator=g)
     seeded = SamplingParams(temperature=1.0, seed=1234, top_p=0.95)
-    alone, batched = [], []
+    sampler = Sampler()
+    alone, batched, moved = [], [], []
     for k in range(20):
-        out = Sampler(CPU, seed=1)(mine[None], _md([seeded], [k]))
+        out = sampler(mine[None], _md([seeded], [k]))
         alone.append(int(out.token_ids[0]))
         rows = torch.cat([others[:2], mine[None], others[2:]])
         params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, seed=9),
-                  seeded, SamplingParams(temperature=0), SamplingParams(top_k=3),
-                  SamplingParams(temperature=1.3, seed=77)]
-        out = Sampler(CPU, seed=2 + k)(rows, _md(params, [5, 3, k, 0, 1, 2]))
+                  seeded, SamplingParams(temperature=0), SamplingParams(top_k=3, logprobs=2),
+                  SamplingParams(temperature=1.3, seed=77, min_p=0.1)]
+        out = sampler(rows, _md(params, [5, 3, k, 0, 1, 2]))
         batched.append(int(out.token_ids[2]))
-    assert alone == batched
+        out = sampler(torch.cat([mine[None], others]), _md([seeded] + params[:5], [k, 1, 2, 3, 4, 5]))
+        moved.append(int(out.token_ids[0]))
+    assert alone == batched == moved
     assert len(set(alone)) > 10  # really sampling, not collapsing to one token
-    other_sample = [int(Sampler(CPU, 1)(mine[None], _md([seeded], [k], [1])).token_ids[0])
-                    for k in range(20)]
-    assert other_sample != alone  # seq_index is mixed into the seed
+    other_stream = [int(sampler(mine[None], _md([seeded], [k], [stream_key(1234, 1)]))
+                        .token_ids[0]) for k in range(20)]
+    assert other_stream != alone  # the sample index is in the key
 
 
-def test_mix_seed_is_63_bit_and_sensitive_to_each_input() -> None:
-    seeds = {mix_seed(s, i, k) for s in (0, 1) for i in (0, 1) for k in (0, 1)}
-    assert len(seeds) == 8 and all(0 <= s < 2 ** 63 for s in seeds)
+def _critical_chi2(df: int) -> float:
+    """The 0.1% upper tail of chi-square(df), Wilson-Hilferty's approximation."""
+    z = 3.0902
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_exponential_race_samples_the_distribution() -> None:
-    probs = torch.tensor([0.5, 0.3, 0.2])
-    logits = probs.log().expand(6000, 3).contiguous()
-    out = Sampler(CPU, seed=3)(logits, _md([SamplingParams(temperature=1.0)] * 6000, vocab=3))
-    freq = np.bincount(out.token_ids.numpy(), minlength=3) / 6000
-    np.testing.assert_allclose(freq, probs.numpy(), atol=0.03)
+def _chi2(counts: np.ndarray, expected_p: np.ndarray, n: int) -> tuple[float, int]:
+    support = expected_p > 0
+    assert counts[~support].sum() == 0, "drew a token of probability 0"
+    exp = expected_p[support] * n
+    return float(((counts[support] - exp) ** 2 / exp).sum()), int(support.sum()) - 1
+
+
+def _draw_many(logits_row: torch.Tensor, params: SamplingParams, n: int,
+               penalties: PenaltyInputs | None = None) -> np.ndarray:
+    """n draws of one row: every draw is a fresh counter of one seeded stream, in batches."""
+    sampler = Sampler()
+    vocab = logits_row.shape[0]
+    counts = np.zeros(vocab, dtype=np.int64)
+    batch = 2000
+    for start in range(0, n, batch):
+        rows = logits_row.expand(batch, vocab).contiguous()
+        pen = None
+        if penalties is not None:
+            pen = PenaltyInputs(torch.arange(batch), penalties.output_counts.expand(batch, vocab),
+                                penalties.prompt_mask.expand(batch, vocab),
+                                penalties.repetition_penalty.expand(batch),
+                                penalties.frequency_penalty.expand(batch),
+                                penalties.presence_penalty.expand(batch))
+        md = _md([params] * batch, list(range(start, start + batch)), penalties=pen)
+        counts += np.bincount(sampler(rows, md).token_ids.numpy(), minlength=vocab)
+    return counts
+
+
+BASE = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
+
+
+def _target(logits: torch.Tensor, temperature: float, keep: list[int] | None = None) -> np.ndarray:
+    scaled = logits.double() / temperature
+    p = torch.softmax(scaled, -1).numpy()
+    if keep is not None:
+        mask = np.zeros_like(p, dtype=bool)
+        mask[keep] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+@pytest.mark.parametrize(("params", "keep"), [
+    (SamplingParams(temperature=1.0, seed=1), None),
+    (SamplingParams(temperature=0.5, seed=2), None),  # temperature applied once, not twice
+    (SamplingParams(temperature=2.0, seed=3), None),
+    (SamplingParams(temperature=1.0, top_k=3, seed=4), [0, 1, 2]),  # off-by-one in k
+    # probs at T=1 of the 8 logits: 0.403, 0.244, 0.148, 0.090, ...: top_p 0.6 keeps two
+    (SamplingParams(temperature=1.0, top_p=0.6, seed=5), [0, 1]),
+    # min_p 0.3 of the top 0.403: keeps p >= 0.121, tokens 0-2
+    (SamplingParams(temperature=1.0, min_p=0.3, seed=6), [0, 1, 2]),
+])
+def test_each_option_draws_its_distribution(params: SamplingParams, keep: list[int] | None) -> None:
+    n = 20000
+    counts = _draw_many(BASE, params, n)
+    stat, df = _chi2(counts, _target(BASE, params.temperature, keep), n)
+    assert stat < _critical_chi2(df), (stat, df, counts.tolist())
+
+
+def test_penalized_row_draws_the_penalized_distribution() -> None:
+    counts_out = torch.tensor([[0.0, 3, 0, 0, 0, 0, 0, 1]])
+    prompt = torch.tensor([[True, False, False, False, False, False, False, False]])
+    pen = PenaltyInputs(torch.tensor([0]), counts_out, prompt, torch.tensor([1.5]),
+                        torch.tensor([0.2]), torch.tensor([0.4]))
+    params = SamplingParams(temperature=1.0, seed=8)
+    n = 20000
+    counts = _draw_many(BASE, params, n, pen)
+    expected = apply_penalties(BASE[None].clone(), counts_out, prompt, torch.tensor([1.5]),
+                               torch.tensor([0.2]), torch.tensor([0.4]))[0]
+    stat, df = _chi2(counts, _target(expected, 1.0), n)
+    assert stat < _critical_chi2(df), (stat, counts.tolist())
+    # ... and the unpenalized distribution is rejected: the test can tell them apart.
+    stat_wrong, _ = _chi2(counts, _target(BASE, 1.0), n)
+    assert stat_wrong > 10 * _critical_chi2(df)
+
+
+def test_a_biased_draw_would_be_caught() -> None:
+    """The chi-square bound is tight enough: a distribution off by a few percent fails."""
+    n = 20000
+    counts = _draw_many(BASE, SamplingParams(temperature=1.0, seed=1), n)
+    off = _target(BASE, 1.0) * np.array([1.06, 0.97, 1, 1, 1, 1, 1, 1])
+    stat, df = _chi2(counts, off / off.sum(), n)
+    assert stat > _critical_chi2(df)
+
+
+def test_draw_never_picks_an_excluded_token_at_the_edges_of_u() -> None:
+    vocab = 1000  # gcd with 256: chunks of 8
+    logits = torch.full((6, vocab), NEG)
+    allowed = [3, 517, 518, 999]
+    logits[:, allowed] = torch.tensor([0.0, 5.0, -3.0, 1.0])
+    u = torch.tensor([0.0, 1e-300, 0.5, 1 - 2**-53, 0.999999, 0.25], dtype=torch.float64)
+    tokens = draw(logits, u).tolist()
+    assert set(tokens) <= set(allowed)
+    assert tokens[0] == 3 and tokens[3] == 999  # the lowest and the highest ends of the CDF
+
+
+def test_token_bitmask_masks_sampling_greedy_and_logprobs() -> None:
+    vocab = 70  # three words of 32 bits, the last one partly used
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    logits[:, 5] = 50.0  # the favourite, disallowed on rows 0 and 1
+    allowed = [[5 + 1, 33, 64], [2, 40], list(range(vocab))]
+    mask = torch.zeros(3, 3, dtype=torch.int32)
+    for r, ids in enumerate(allowed):
+        for t in ids:
+            word = int(mask[r, t // 32]) | (1 << (t % 32))
+            mask[r, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+    params = [SamplingParams(temperature=1.0, seed=1, logprobs=1),
+              SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.0)]
+    out = Sampler()(logits, _md(params, bitmask=mask))
+    assert out.token_ids[0].item() in allowed[0]
+    assert out.token_ids[1].item() == max(allowed[1], key=lambda t: logits[1, t].item())
+    assert out.token_ids[2].item() == 5
+    assert out.top_token_ids[0, 0].item() in allowed[0]
+
+
+def test_sample_simple_is_the_sampler_for_temperature_only_rows() -> None:
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=t, seed=s) for t, s in
+              ((0.0, 1), (0.7, 2), (1.0, 3), (0.0, 4), (1.5, 5), (0.3, 6))]
+    md = _md(params, [3, 1, 4, 1, 5, 9])
+    simple = sample_simple(logits, md.temperature, md.rng_key, md.rng_counter)
+    assert simple.tolist() == Sampler()(logits, md).token_ids.tolist()
+    # bf16 logits (the GPU dtype) are sampled in float32 too
+    assert sample_simple(logits.bfloat16(), md.temperature, md.rng_key,
+                         md.rng_counter).shape == (6,)
 
 
 def test_greedy_with_penalties_and_logprobs() -> None:
     logits = _logits([[1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0]])
     greedy = SamplingParams(temperature=0, logprobs=2)
     penalised = SamplingParams(temperature=0, repetition_penalty=2.0, logprobs=0)
-    md = SamplingMetadata.build([greedy, penalised], [0, 0], [0, 1],
-                                [None, (np.array([3, 1], dtype=np.int64), 1)], 4, CPU)
-    out = Sampler(CPU, 0)(logits, md)
+    pen = PenaltyInputs(torch.tensor([1]), torch.tensor([[0.0, 1, 0, 0]]),
+                        torch.tensor([[False, False, False, True]]), torch.tensor([2.0]),
+                        torch.tensor([0.0]), torch.tensor([0.0]))
+    out = Sampler()(logits, _md([greedy, penalised], penalties=pen))
     # Row 1 generated token 1 once: 3 / 2 = 1.5 < 2, so token 2 wins.
     assert out.token_ids.tolist() == [1, 2]
     expected0 = torch.log_softmax(logits[0], -1)
@@ -146,9 +315,10 @@ def test_greedy_with_penalties_and_logprobs() -> None:
 def test_logprobs_are_after_temperature_before_masks() -> None:
     logits = _logits([[0.0, 1.0, 2.0]])
     params = SamplingParams(temperature=0.5, top_k=1, logprobs=3, seed=0)
-    out = Sampler(CPU, 0)(logits, _md([params], vocab=3))
+    out = Sampler()(logits, _md([params]))
     assert out.token_ids.tolist() == [2]  # top_k=1 leaves one candidate
-    torch.testing.assert_close(out.top_logprobs[0], torch.log_softmax(logits[0] / 0.5, -1)[[2, 1, 0]])
+    torch.testing.assert_close(out.top_logprobs[0],
+                               torch.log_softmax(logits[0] / 0.5, -1)[[2, 1, 0]])
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2),

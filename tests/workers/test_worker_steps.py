@@ -111,8 +111,8 @@ def test_pending_token_is_the_one_sampled_in_the_plan_before(executor) -> None:
     first = executor.worker.execute(_plan(20, [70], [10], [0], prompt, [True], new_seqs=[new]))
     token = int(first.token_ids[0])
     second = executor.worker.execute(_plan(21, [70], [1], [10], [PENDING_TOKEN], [True]))
-    state = executor.worker.model_runner.seqs[70]
-    assert state.num_tokens == 11
+    table = executor.worker.model_runner.table
+    assert table.num_tokens[table.seqs[70].row] == 11
     # The same as a plan that names the token outright.
     again = NewSeq(71, "r", 0, 10, [], [1], params)
     executor.worker.execute(_plan(22, [71], [10], [0], prompt, [True], new_seqs=[again]))

@@ -265,7 +265,8 @@ class LocalExecutor:
 
     def execute(self, plan: StepPlan) -> tuple[StepResult, np.ndarray | None]:
         result, logits = self.worker.execute_with_logits(plan)
-        return result, (logits.float().cpu().numpy() if logits is not None else None)
+        # (a copy: on CPU .cpu() aliases, and a graph's logits buffer is reused next replay)
+        return result, (logits.float().cpu().numpy().copy() if logits is not None else None)
 
     def close(self) -> None:
         self.worker.shutdown()

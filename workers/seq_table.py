@@ -1,0 +1,306 @@
+"""The worker's persistent batch: one row per sequence it holds, from its NewSeq to its drop.
+
+A row keeps the sequence's block table (a host mirror and a device copy, both changed only by
+the plan's diffs), its prompt length, how many tokens it has computed, and its sampling
+settings, all as column arrays: a step's inputs are numpy gathers by row, never a Python loop
+over the batch. A sequence with penalties also holds a penalty slot: device tensors of its
+output-token counts and prompt-token mask, updated on the device from each step's input
+tokens (which may be pending tokens the host never sees).
+
+Invariants:
+- `rows_of(seq_ids)` gives a row for exactly the sequences with state; a row is in use by one
+  sequence at a time, and a free row's `num_blocks` is 0;
+- `block_table[row, :num_blocks[row]]` is the sequence's table; the device table equals it
+  once the diffs taken by `take_block_diff()` have been scattered on the device (the model
+  runner does that in the same step, before the forward pass reads the table; on CPU the
+  device table is the host table, `device_is_host`, and there is nothing to scatter);
+- `num_tokens[row]` counts every token the worker was given for the sequence (its computed
+  tokens when it arrived, plus each step's inputs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from scheduler.plan import NewSeq, StepPlan
+from workers.sampler import stream_key
+
+# Sampling features of a row (SeqTable.features): a step ORs its sampled rows' bits to know
+# which parts of the sampler it needs.
+RANDOM, TOP_K, TOP_P, MIN_P, LOGPROBS, PENALTIES = 1, 2, 4, 8, 16, 32
+
+# Unseeded samples draw from the stream of (engine seed, this offset + seq id): apart from
+# every seeded stream, which a request's own (seed, seq_index) keys.
+_UNSEEDED_STREAM = 1 << 40
+
+
+@dataclass(slots=True)
+class SeqState:
+    """Host facts about one sequence that no step reads in bulk."""
+
+    row: int
+    request_id: str
+    penalty_slot: int  # -1: no penalties
+
+
+class SeqRows:
+    """seq_id -> row, as a numpy array over the window of ids between the oldest and the newest
+    sequence held (the scheduler's ids only grow, so the window slides; any id works)."""
+
+    def __init__(self) -> None:
+        self.base = 0
+        self.rows = np.full(1024, -1, dtype=np.int64)
+
+    def lookup(self, seq_ids: np.ndarray) -> np.ndarray:
+        """Rows of `seq_ids` (-1 for an id without state)."""
+        idx = seq_ids - self.base
+        if not idx.size or (idx.min() >= 0 and idx.max() < self.rows.shape[0]):
+            return self.rows[idx]
+        inside = (idx >= 0) & (idx < self.rows.shape[0])
+        out = np.full(seq_ids.shape, -1, dtype=np.int64)
+        out[inside] = self.rows[idx[inside]]
+        return out
+
+    def set(self, seq_id: int, row: int) -> None:
+        if not 0 <= seq_id - self.base < self.rows.shape[0]:
+            if row < 0:
+                return  # outside the window: it has no row already
+            self._make_room(seq_id)
+        self.rows[seq_id - self.base] = row
+
+    def _make_room(self, seq_id: int) -> None:
+        """Re-window over the live ids and `seq_id`, with room to grow into."""
+        live = np.flatnonzero(self.rows >= 0)
+        lo, hi = seq_id, seq_id
+        if live.size:
+            lo, hi = min(lo, self.base + int(live[0])), max(hi, self.base + int(live[-1]))
+        size = self.rows.shape[0]
+        while size < 2 * (hi - lo + 1):
+            size *= 2
+        rows = np.full(size, -1, dtype=np.int64)
+        if live.size:
+            first = self.base + int(live[0]) - lo
+            rows[first:first + int(live[-1] - live[0]) + 1] = self.rows[live[0]:live[-1] + 1]
+        self.base, self.rows = lo, rows
+
+
+class PenaltyState:
+    """Per penalized sequence, device counts of its output tokens and of its prompt tokens."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
+        self.prompt_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
+        self.free: list[int] = []
+
+    def acquire(self, prompt: list[int], outputs: list[int]) -> int:
+        """A slot holding these prompt and output tokens (a sequence's arrival, not a decode)."""
+        if not self.free:
+            old = self.output_counts.shape[0]
+            grow = max(4, old)
+            zeros = torch.zeros(grow, self.vocab_size, dtype=torch.float32, device=self.device)
+            self.output_counts = torch.cat([self.output_counts, zeros])
+            self.prompt_counts = torch.cat([self.prompt_counts, zeros])
+            self.free.extend(range(old + grow - 1, old - 1, -1))
+        slot = self.free.pop()
+        for counts, tokens in ((self.prompt_counts, prompt), (self.output_counts, outputs)):
+            counts[slot].zero_()
+            if tokens:
+                ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+                counts[slot].index_add_(0, ids, torch.ones(len(tokens), device=self.device))
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+    @property
+    def num_used(self) -> int:
+        return self.output_counts.shape[0] - len(self.free)
+
+    def record(self, slots: Tensor, token_ids: Tensor, is_prompt: Tensor) -> None:
+        """Count a step's input tokens of penalized sequences: `slots`, `token_ids` int64 [N],
+        `is_prompt` float32 [N] (1.0 for a prompt token), all on the device."""
+        self.prompt_counts.index_put_((slots, token_ids), is_prompt, accumulate=True)
+        self.output_counts.index_put_((slots, token_ids), 1.0 - is_prompt, accumulate=True)
+
+
+class SeqTable:
+    """Rows of per-sequence state (see the module docstring)."""
+
+    def __init__(self, max_num_seqs: int, block_size: int, max_model_len: int,
+                 vocab_size: int, seed: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.device = device
+        self.device_is_host = device.type == "cpu"
+        self.seqs: dict[int, SeqState] = {}
+        self.seq_rows = SeqRows()
+        self.num_gpu_blocks = 0  # set once the cache exists
+        self.penalties = PenaltyState(vocab_size, device)
+        self._alloc_rows(max_num_seqs)
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._diff: list[tuple[int, int, list[int]]] = []  # (row, first column, block ids)
+
+    # per-row columns: name -> (dtype, value of a free row)
+    _COLUMNS: dict[str, tuple[type, float]] = {
+        "num_blocks": (np.int64, 0), "prompt_len": (np.int64, 0), "num_tokens": (np.int64, 0),
+        "temperature": (np.float32, 0.0), "top_k": (np.int32, 0), "top_p": (np.float32, 1.0),
+        "min_p": (np.float32, 0.0), "rng_key": (np.int64, 0), "num_logprobs": (np.int32, -1),
+        "penalty_slot": (np.int64, -1), "repetition_penalty": (np.float32, 1.0),
+        "frequency_penalty": (np.float32, 0.0), "presence_penalty": (np.float32, 0.0),
+        "features": (np.int64, 0),
+    }
+
+    def _alloc_rows(self, n: int) -> None:
+        """Columns for `n` rows, keeping what the first rows hold (start-up, or doubling)."""
+        old = self.num_rows if hasattr(self, "num_blocks") else 0
+        table = np.zeros((n, self.max_blocks_per_seq), dtype=np.int32)
+        if old:
+            table[:old] = self.block_table
+        if self.device_is_host:  # the device table is the host table itself
+            device_table = torch.from_numpy(table)
+        else:
+            device_table = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32,
+                                       device=self.device)
+            if old:
+                device_table[:old] = self.device_block_table
+        self.block_table, self.device_block_table = table, device_table
+        for name, (dtype, fill) in self._COLUMNS.items():
+            column = np.full(n, fill, dtype=dtype)
+            if old:
+                column[:old] = getattr(self, name)
+            setattr(self, name, column)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.num_blocks.shape[0])
+
+    # ---- the plan's state diffs ----------------------------------------------------------
+
+    def drop(self, seq_ids: list[int]) -> None:
+        """Forget finished, aborted and preempted sequences (unknown ids: no-op)."""
+        for seq_id in seq_ids:
+            state = self.seqs.pop(seq_id, None)
+            if state is None:
+                continue
+            row = state.row
+            self.seq_rows.set(seq_id, -1)
+            self._forget_diff(row)
+            self.num_blocks[row] = 0
+            if state.penalty_slot >= 0:
+                self.penalties.release(state.penalty_slot)
+                self.penalty_slot[row] = -1
+            self.free_rows.append(row)
+
+    def apply(self, plan: StepPlan) -> None:
+        """New sequences, then appended blocks, then replaced tables."""
+        for new in plan.new_seqs:
+            self._add(new)
+        for seq_id, blocks in plan.appended_blocks.items():
+            row = self._row(seq_id)
+            self._write_blocks(seq_id, row, int(self.num_blocks[row]), blocks)
+        for seq_id, table in plan.replaced_tables.items():
+            self._write_blocks(seq_id, self._row(seq_id), 0, table)
+
+    def _add(self, new: NewSeq) -> None:
+        if new.seq_id in self.seqs:
+            raise ValueError(f"NewSeq for seq {new.seq_id}, which already has state; the plan "
+                             "must drop it first")
+        if not self.free_rows:
+            old = self.num_rows
+            self._alloc_rows(2 * old)
+            self.free_rows.extend(range(2 * old - 1, old - 1, -1))
+        row = self.free_rows.pop()
+        p = new.sampling_params
+        computed = new.computed_token_ids
+        slot = -1
+        if p.uses_penalties:
+            slot = self.penalties.acquire(computed[:new.prompt_len], computed[new.prompt_len:])
+        self.seqs[new.seq_id] = SeqState(row, new.request_id, slot)
+        self.seq_rows.set(new.seq_id, row)
+        self.prompt_len[row] = new.prompt_len
+        self.num_tokens[row] = len(computed)
+        self.temperature[row] = 0.0 if p.greedy else p.temperature
+        self.top_k[row] = p.top_k if 0 < p.top_k < self.vocab_size else 0
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.rng_key[row] = (stream_key(p.seed, new.seq_index) if p.seed is not None
+                             else stream_key(self.seed, _UNSEEDED_STREAM + new.seq_id))
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.penalty_slot[row] = slot
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.presence_penalty[row] = p.presence_penalty
+        random = not p.greedy
+        self.features[row] = (
+            (RANDOM if random else 0) | (TOP_K if random and self.top_k[row] else 0)
+            | (TOP_P if random and p.top_p < 1.0 else 0)
+            | (MIN_P if random and p.min_p > 0.0 else 0)
+            | (LOGPROBS if p.logprobs is not None else 0) | (PENALTIES if slot >= 0 else 0))
+        self._write_blocks(new.seq_id, row, 0, new.block_table)
+
+    def _write_blocks(self, seq_id: int, row: int, start: int, blocks: list[int]) -> None:
+        end = start + len(blocks)
+        if end > self.max_blocks_per_seq:
+            raise ValueError(f"seq {seq_id} would have {end} blocks; max_model_len="
+                             f"{self.max_model_len} allows {self.max_blocks_per_seq}")
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_gpu_blocks):
+            bad = next(b for b in blocks if not 0 <= b < self.num_gpu_blocks)
+            raise ValueError(f"seq {seq_id}'s block table names block {bad}; the cache has "
+                             f"{self.num_gpu_blocks} blocks")
+        if start == 0:
+            self._forget_diff(row)  # a whole new table: earlier writes to the row are void
+        if blocks:
+            self.block_table[row, start:end] = blocks
+            self._diff.append((row, start, blocks))
+        self.num_blocks[row] = end
+
+    def _forget_diff(self, row: int) -> None:
+        """Keep at most one write per table entry in a step's diff (the device applies the
+        diff in one scatter, where two writes to one entry would race)."""
+        if self._diff:
+            self._diff = [d for d in self._diff if d[0] != row]
+
+    def _row(self, seq_id: int) -> int:
+        state = self.seqs.get(seq_id)
+        if state is None:
+            raise ValueError(f"the plan names seq {seq_id}, which has no state on this worker "
+                             "(never sent as NewSeq, or already dropped)")
+        return state.row
+
+    def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
+        """Rows of a step's sequences; ValueError naming the first one without state."""
+        rows = self.seq_rows.lookup(seq_ids)
+        if rows.size and rows.min() < 0:
+            missing = int(seq_ids[int(np.argmin(rows))])
+            raise ValueError(f"the plan names seq {missing}, which has no state on this worker "
+                             "(never sent as NewSeq, or already dropped)")
+        return rows
+
+    def take_block_diff(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, columns, block ids) written since the last call, flat int64, for the device."""
+        diff, self._diff = self._diff, []
+        if not diff:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        if len(diff) == 1:
+            row, start, blocks = diff[0]
+            n = len(blocks)
+            return (np.full(n, row, dtype=np.int64), np.arange(start, start + n, dtype=np.int64),
+                    np.asarray(blocks, dtype=np.int64))
+        lens = np.fromiter((len(b) for _, _, b in diff), dtype=np.int64, count=len(diff))
+        rows = np.repeat(np.fromiter((r for r, _, _ in diff), np.int64, len(diff)), lens)
+        starts = np.repeat(np.fromiter((s for _, s, _ in diff), np.int64, len(diff)), lens)
+        offsets = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(
+            np.cumsum(lens) - lens, lens)
+        ids = np.concatenate([np.asarray(b, dtype=np.int64) for _, _, b in diff])
+        return rows, starts + offsets, ids

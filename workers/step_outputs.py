@@ -1,0 +1,102 @@
+"""Sampled ids (and logprobs) on their way to the host, in buffers allocated once.
+
+`put` enqueues non-blocking copies of a step's sampler outputs into a ring of pinned host
+buffers and records an event behind them; `take` waits for that event (the one host wait of
+a step) and returns the StepResult built from the buffers. On CPU the copies simply run.
+
+Invariant: a slot is reused `depth` puts later, so at most `depth - 1` steps may be put and
+not yet taken (the worker enforces it); the arrays `take` returns are copies (the slot is
+free again once taken).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from scheduler.plan import StepResult
+from workers.sampler import SamplerOutput
+
+MAX_LOGPROBS = 20  # SamplingParams allows 0..20 top logprobs
+
+
+class _Slot:
+    def __init__(self, rows: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.tokens = torch.empty(rows, dtype=torch.int64, pin_memory=pin)
+        self.logprobs = torch.empty(rows, dtype=torch.float32, pin_memory=pin)
+        self.top_ids = torch.empty(rows, MAX_LOGPROBS + 1, dtype=torch.int64, pin_memory=pin)
+        self.top_logprobs = torch.empty(rows, MAX_LOGPROBS + 1, dtype=torch.float32,
+                                        pin_memory=pin)
+        self.start = torch.cuda.Event(enable_timing=True) if pin else None
+        self.done = torch.cuda.Event(enable_timing=True) if pin else None
+        self.rows = 0
+        self.num_top = -1  # -1: no logprobs in this step
+        self.seconds = 0.0
+
+
+class StepOutputs:
+    """The ring of output slots (see the module docstring)."""
+
+    def __init__(self, device: torch.device, rows: int, depth: int) -> None:
+        self.device = device
+        self.depth = depth
+        self._slots = [_Slot(rows, device) for _ in range(depth)]
+        self._next = 0
+
+    def begin(self) -> int:
+        """Claim the next slot at a step's launch (on CUDA its start event is recorded)."""
+        index = self._next
+        self._next = (index + 1) % self.depth
+        slot = self._slots[index]
+        slot.rows, slot.num_top, slot.seconds = 0, -1, time.perf_counter()
+        if slot.start is not None:
+            slot.start.record()
+        return index
+
+    def put(self, index: int, out: SamplerOutput, rows: int) -> None:
+        """Enqueue the copies of a step's sampled rows into its slot."""
+        slot = self._slots[index]
+        if rows > slot.tokens.shape[0]:  # a batch larger than max_num_seqs (profiling)
+            self._slots[index] = slot = self._grown(slot, rows)
+        slot.rows = rows
+        slot.tokens[:rows].copy_(out.token_ids, non_blocking=True)
+        if out.logprobs is not None:
+            k = out.top_token_ids.shape[1]
+            slot.num_top = k
+            slot.logprobs[:rows].copy_(out.logprobs, non_blocking=True)
+            slot.top_ids[:rows, :k].copy_(out.top_token_ids, non_blocking=True)
+            slot.top_logprobs[:rows, :k].copy_(out.top_logprobs, non_blocking=True)
+        if slot.done is not None:
+            slot.done.record()
+        else:
+            slot.seconds = time.perf_counter() - slot.seconds
+
+    def _grown(self, slot: _Slot, rows: int) -> _Slot:
+        grown = _Slot(rows, self.device)
+        grown.start, grown.done, grown.seconds = slot.start, slot.done, slot.seconds
+        return grown
+
+    def ready(self, index: int) -> bool:
+        """Whether the slot's copies have run (take would not wait)."""
+        done = self._slots[index].done
+        return done is None or done.query()
+
+    def take(self, index: int, step_id: int, seq_ids: np.ndarray) -> StepResult:
+        """Wait for the slot's copies and build the step's StepResult (arrays copied out)."""
+        slot = self._slots[index]
+        seconds = slot.seconds
+        if slot.done is not None:
+            slot.done.synchronize()  # the designed wait: step N's ids, while N+1 runs
+            seconds = slot.start.elapsed_time(slot.done) / 1e3
+        n = slot.rows
+        result = StepResult(step_id, seq_ids, slot.tokens.numpy()[:n].copy())
+        if slot.num_top >= 0:
+            k = slot.num_top
+            result.logprobs = slot.logprobs.numpy()[:n].copy()
+            result.top_token_ids = slot.top_ids.numpy()[:n, :k].copy()
+            result.top_logprobs = slot.top_logprobs.numpy()[:n, :k].copy()
+        result.forward_seconds = seconds
+        return result
