@@ -6,7 +6,11 @@ bf16, 256 requests, prompts 100-1024, outputs 100-1024, ignore_eos, temperature 
 Throughput = output tokens / wall seconds for the whole batch, prefill included.
 
     .venv/bin/python bench/throughput.py --workload offline-cpu [--tp 1 2] [--json out.json]
-        [--compare-async]  # also each engine row with async scheduling on and off
+        [--compare-async]  # engine rows with async scheduling on and off
+        [--seeds on|off|both]  # a seed per request (default on), none (nano-vllm's way), both
+        [--passes 2]  # time the workload this many times in one engine: the first run after
+                      # start-up and the warmed ones (the row's tok/s is the last one's)
+        [--hf-subset 32] [--hf-continuous-only]  # fewer transformers runs (slow on a GPU)
 """
 
 from __future__ import annotations
@@ -54,7 +58,11 @@ def model_path(name: str) -> str:
 
 
 def run_engine(path: str, reqs: list, temperature: float, tp: int,
-               async_scheduling: bool | None = None) -> dict[str, float]:
+               async_scheduling: bool | None = None, seeds: tuple[bool, ...] = (True,),
+               passes: int = 1) -> dict[str, float]:
+    """The workload through `LLM.generate` in one engine: for each of `seeds` (a seed per
+    request or none), `passes` timed runs; the first right after start-up and one tiny
+    warm-up request. The row's figures are the last run's; every run's tok/s is listed."""
     from cluster import LLM, SamplingParams
 
     llm = LLM(path, tensor_parallel_size=tp, worker_num_cpus=max(0.5, 2 / tp) if tp > 1 else 1.0,
@@ -62,21 +70,28 @@ def run_engine(path: str, reqs: list, temperature: float, tp: int,
     try:
         warm = [{"prompt_token_ids": reqs[0][0]}]
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        llm.engine.num_steps = 0
-        llm.engine.forward_seconds = llm.engine.step_seconds = 0.0
-        params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True, seed=i)
-                  for i, (_, o) in enumerate(reqs)]
-        start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
-        wall = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        assert tokens == sum(o for _, o in reqs)
-        eng = llm.engine
+        per_pass: dict[str, list[float]] = {}
+        for seeded in seeds:
+            params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True,
+                                     seed=i if seeded else None) for i, (_, o) in enumerate(reqs)]
+            for _ in range(passes):
+                eng = llm.engine
+                eng.num_steps = 0
+                eng.forward_seconds = eng.step_seconds = 0.0
+                start = time.perf_counter()
+                outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params,
+                                    use_tqdm=False)
+                wall = time.perf_counter() - start
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                assert tokens == sum(o for _, o in reqs)
+                per_pass.setdefault("seeded" if seeded else "no seeds", []).append(
+                    round(tokens / wall, 1))
         return {"tok_per_s": tokens / wall, "wall_s": wall, "tokens": tokens,
                 "steps": eng.num_steps,
                 "overhead_ms_per_step": 1000 * (eng.step_seconds - eng.forward_seconds)
                 / max(1, eng.num_steps),
-                "overhead_fraction": eng.overhead_fraction()}
+                "overhead_fraction": eng.overhead_fraction(),
+                "passes_tok_per_s": per_pass}
     finally:
         llm.shutdown()
 
@@ -190,33 +205,46 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--compare-async", action="store_true",
-                    help="also run each engine row with async_scheduling on and off "
-                         "(the plain rows take the engine's default, auto)")
+                    help="engine rows with async_scheduling on and off (else the default, auto)")
+    ap.add_argument("--seeds", choices=["on", "off", "both"], default="on",
+                    help="a seed per request (on), none (off), or rows for both")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="time the workload this many times in each engine")
+    ap.add_argument("--hf-continuous-only", action="store_true",
+                    help="of the transformers peers, only continuous batching (exact lengths)")
+    ap.add_argument("--hf-subset", type=int, default=0,
+                    help="run the transformers peers on the first N requests only (0: all)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
     reqs = make_requests(w)
+    hf_reqs = reqs[:args.hf_subset] if args.hf_subset else reqs
     path = model_path(w["model"])
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows: dict[str, dict[str, float]] = {}
 
+    seeds = {"on": (True,), "off": (False,), "both": (True, False)}[args.seeds]
+    modes = [True, False] if args.compare_async else [None]
     systems: list[tuple[str, Any, tuple]] = [
-        (f"engine tp={tp}", run_engine, (path, reqs, w["temperature"], tp)) for tp in args.tp]
-    if args.compare_async:
-        systems += [(f"engine tp={tp}, async_scheduling {'on' if on else 'off'}", run_engine,
-                     (path, reqs, w["temperature"], tp, on)) for tp in args.tp for on in (True, False)]
-    if not args.skip_hf:
+        (f"engine tp={tp}" + ("" if on is None else f", async {'on' if on else 'off'}"),
+         run_engine, (path, reqs, w["temperature"], tp, on, seeds, args.passes))
+        for tp in args.tp for on in modes]
+    if args.hf_continuous_only:
+        systems.append(("hf continuous, exact lengths", run_hf_continuous_exact,
+                        (path, hf_reqs, w["temperature"], device)))
+    elif not args.skip_hf:
         # generate_batch gives every request the longest output: the engine on that workload too
         longest = [(p, max(o for _, o in reqs)) for p, _ in reqs]
         systems += [
             ("engine tp=1, all outputs longest", run_engine, (path, longest, w["temperature"], 1)),
             (f"hf generate (batch {args.hf_batch})", run_hf_generate,
-             (path, reqs, w["temperature"], args.hf_batch, device)),
-            ("hf generate_batch", run_hf_generate_batch, (path, reqs, w["temperature"], device)),
+             (path, hf_reqs, w["temperature"], args.hf_batch, device)),
+            ("hf generate_batch", run_hf_generate_batch,
+             (path, hf_reqs, w["temperature"], device)),
             ("hf continuous, exact lengths", run_hf_continuous_exact,
-             (path, reqs, w["temperature"], device)),
+             (path, hf_reqs, w["temperature"], device)),
         ]
     # Round-robin, so a machine whose speed drifts over the run treats every system alike.
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in systems}
@@ -238,7 +266,9 @@ def main() -> None:
         best["runs_tok_per_s"] = [round(r["tok_per_s"], 1) for r in rs]
         rows[name] = best
     print(f"workload {args.workload}: {len(reqs)} requests, "
-          f"{sum(o for _, o in reqs)} output tokens; {machine()}")
+          f"{sum(o for _, o in reqs)} output tokens"
+          + (f" (transformers: the first {len(hf_reqs)})" if args.hf_subset else "")
+          + f"; {machine()}")
     print(f"{'system':32} {'tok/s':>9} {'wall s':>8} {'overhead ms/step':>17} {'overhead %':>11}")
     for name, r in rows.items():
         if "error" in r:
