@@ -179,6 +179,11 @@ class LLMEngine:
         """Requests in the scheduler, or plans whose results are still to be applied."""
         return self.scheduler.has_unfinished() or bool(self._inflight)
 
+    def park(self) -> None:
+        """Idle: let the workers wait without burning CPU; the next step wakes them."""
+        if not self._inflight:
+            self.executor.park()
+
     # ----- stepping ---------------------------------------------------------------------
     #
     # A step: make sure the next plan is submitted, then wait for the oldest plan's result
@@ -350,6 +355,7 @@ class AsyncLLMEngine:
                 if not engine.has_unfinished():
                     self._deliver(undelivered)
                     undelivered = []
+                    engine.park()
                     self._wake.clear()
                     try:
                         await asyncio.wait_for(self._wake.wait(), _HEALTH_PROBE_SECONDS)

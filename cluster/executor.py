@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from cluster.wakeup import Park, WakePipes
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
 
@@ -60,6 +61,11 @@ class Executor(ABC):
     def execute(self, plan: StepPlan) -> StepResult:
         """Run `plan` on every rank; rank 0's result."""
         return self.result(self.submit(plan)).result()
+
+    def park(self) -> None:  # noqa: B027 — a real default
+        """Nothing is in flight and nothing will be for a while: let the workers wait without
+        burning a core (a Ray compiled graph's ranks otherwise spin). The next submit wakes
+        them. In-process, there is no one to park."""
 
     def ping(self, timeout: float = 5.0) -> None:  # noqa: B027 — a real default
         """Probe the workers between steps (raise WorkerDiedError for a dead one); an
@@ -185,8 +191,40 @@ class RayExecutor(Executor):
         self._last_launched: int | None = None
         self._calls: dict[int, concurrent.futures.Future] = {}  # not lagged: step -> call
         self._bitmask_refs: list = []
+        # Parking (cluster/wakeup.py): pipes when every rank shares this process's host; the
+        # Park call's output while parked; not lagged, park outputs the next read must skip.
+        self._pipes = self._open_wake_pipes() if compiled_graph else None
+        self._parked: concurrent.futures.Future | None = None
+        self._unread_parks: deque[concurrent.futures.Future] = deque()
         self._dag = self._compile() if compiled_graph else None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dag")
+
+    def _open_wake_pipes(self) -> WakePipes | None:
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        if any(n != here for n in self._wait_all([w.node_id.remote() for w in self.workers])):
+            return None  # ranks on another host: they spin when idle (no pipe reaches them)
+        pipes = WakePipes(len(self.workers))
+        self._wait_all([w.open_wake_pipe.remote(p) for w, p in zip(self.workers, pipes.paths)])
+        pipes.open()
+        return pipes
+
+    def park(self) -> None:
+        if self._pipes is None or self._parked is not None or self._dead is not None:
+            return
+        self._parked = self._thread.submit(self._dag_submit, Park())
+
+    def _unpark(self) -> None:
+        """Wake the parked ranks; the Park call's output is read in order, later."""
+        parked, self._parked = self._parked, None
+        if parked is None:
+            return
+        self._pipes.wake()
+        if self._lagged:
+            self._outputs.append((None, parked))
+        else:
+            self._unread_parks.append(parked)
 
     def _compile(self) -> Any:
         from ray.dag import InputNode, MultiOutputNode
@@ -221,6 +259,7 @@ class RayExecutor(Executor):
         thread-safe), in order: a plan submitted while the previous one runs is written to
         the graph's input channel at once, so the workers start it the moment they finish.
         The handle is the plan's step id."""
+        self._unpark()
         if self._lagged:
             self._outputs.append((self._last_launched,
                                   self._thread.submit(self._dag_submit, plan)))
@@ -276,6 +315,8 @@ class RayExecutor(Executor):
     def _dag_get(self, submitted: concurrent.futures.Future) -> StepResult:
         import ray
 
+        while self._unread_parks and self._unread_parks[0] is not submitted:
+            self._dag_get(self._unread_parks.popleft())  # (None: a parked call's output)
         ref = submitted.result()  # done: submitted earlier on this same thread
         try:
             # Ray tears the graph down when an actor dies, which wakes this get with an error.
@@ -309,6 +350,9 @@ class RayExecutor(Executor):
         from ray.util.placement_group import remove_placement_group
 
         # Best effort throughout: shutdown also runs after a worker died.
+        # Parked ranks wake first, so their loops can see the teardown.
+        with contextlib.suppress(Exception):
+            self._unpark()
         # The compiled graph first, while its actors live: tearing it down cancels their
         # execution loops cleanly (killed first, each cancel fails with ActorDiedError).
         dag, self._dag = getattr(self, "_dag", None), None
@@ -326,3 +370,6 @@ class RayExecutor(Executor):
         thread = getattr(self, "_thread", None)
         if thread is not None:
             thread.shutdown(wait=False)
+        pipes = getattr(self, "_pipes", None)
+        if pipes is not None:
+            pipes.close()

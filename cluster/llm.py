@@ -162,6 +162,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+            self.engine.park()  # until the next call: the workers wait without burning CPU
 
     def shutdown(self) -> None:
         self.engine.shutdown()

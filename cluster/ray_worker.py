@@ -8,11 +8,13 @@ one thread only).
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
 import ray
 
+from cluster.wakeup import Park, WakeReader
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
 
@@ -29,6 +31,7 @@ class RayWorker:
         self.worker = Worker(config)
         self._bitmasks: dict[int, np.ndarray] = {}
         self._posted = threading.Condition()
+        self._wake: WakeReader | None = None
 
     def init(self) -> tuple[int, int]:
         """Join the process group, load this rank's shard, and report its KV block counts."""
@@ -39,15 +42,35 @@ class RayWorker:
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.init_cache(num_gpu_blocks, num_cpu_blocks)
 
-    def execute(self, plan: StepPlan) -> StepResult | None:
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def open_wake_pipe(self, path: str) -> None:
+        """The pipe this rank parks on (cluster/wakeup.py)."""
+        self._wake = WakeReader(path)
+
+    def execute(self, plan: StepPlan | Park) -> StepResult | None:
+        if isinstance(plan, Park):
+            return self._park()
         self.worker.launch(plan)
         self._take_bitmask()
         return self.worker.collect(plan.step_id)[0]
 
-    def execute_lagged(self, plan: StepPlan | None) -> StepResult | None:
+    def execute_lagged(self, plan: StepPlan | Park | None) -> StepResult | None:
         """Launch `plan`, return the result of the plan launched before it (Worker.execute_lagged)."""
+        if isinstance(plan, Park):
+            return self._park()
         self._take_bitmask()  # the last step must sample before this one can launch
         return self.worker.execute_lagged(plan)
+
+    def _park(self) -> None:
+        """Wait, without spinning, until the engine has work again (see cluster/wakeup.py)."""
+        if self._wake is None:
+            raise RuntimeError("Park sent to a rank with no wake pipe")
+        self._wake.wait()
 
     def provide_bitmask(self, step_id: int, bitmask: np.ndarray) -> None:
         with self._posted:
