@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 from kernels import reference
@@ -24,7 +25,7 @@ Backend = Literal["auto", "triton", "flash_attn", "torch"]
 _BACKENDS = ("auto", "triton", "flash_attn", "torch")
 
 __all__ = ["Backend", "compute_cos_sin_cache", "paged_attention", "rms_norm", "rotary_embedding",
-           "silu_and_mul", "write_kv"]
+           "sample_tokens", "silu_and_mul", "write_kv"]
 
 
 def _resolve(backend: str, t: Tensor, *, allow_flash: bool = False) -> str:
@@ -137,3 +138,29 @@ def silu_and_mul(x: Tensor, backend: Backend = "auto") -> Tensor:
         return reference.silu_and_mul(x)
     from kernels.triton_fused import silu_and_mul as triton_silu_and_mul
     return triton_silu_and_mul(x)
+
+
+def sample_tokens(logits: Tensor, rng_key: Tensor, rng_counter: Tensor,
+                  temperature: Tensor | None = None, backend: Backend = "auto") -> Tensor:
+    """One token per row of `logits` `[S, V]`: int64 `[S]` on the logits' device.
+
+    Rows whose temperature is not > 0 take their first maximum; the others draw from
+    `softmax(logits / temperature)` at the uniform of their stream (`rng_key`, `rng_counter`:
+    int64 `[S]`); with no `temperature` every row draws from `softmax(logits)`. See
+    `reference.sample_tokens`.
+    """
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float [S, V] tensor; got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    rows = logits.shape[0]
+    for name, t in (("rng_key", rng_key), ("rng_counter", rng_counter)):
+        if t.shape != (rows,) or t.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64 [S={rows}]; got {t.dtype} {tuple(t.shape)}")
+    if temperature is not None and (temperature.shape != (rows,)
+                                    or temperature.dtype != torch.float32):
+        raise ValueError(f"temperature must be float32 [S={rows}]; got {temperature.dtype} "
+                         f"{tuple(temperature.shape)}")
+    if _resolve(backend, logits) == "torch":
+        return reference.sample_tokens(logits, rng_key, rng_counter, temperature)
+    from kernels.triton_sampling import sample_tokens as triton_sample_tokens
+    return triton_sample_tokens(logits, rng_key, rng_counter, temperature)

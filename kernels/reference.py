@@ -182,3 +182,104 @@ def silu_and_mul(x: Tensor) -> Tensor:
     # contiguous(): torch's SiLU on a strided view can differ in the last bit from HF's, which
     # applies it to the gate projection's own (contiguous) output.
     return F.silu(x[..., :inter].contiguous()) * x[..., inter:]
+
+
+# Tokens per chunk of `sample_tokens` (and its Triton twin): the draw finds the chunk first.
+SAMPLE_CHUNK = 128
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as torch's (wrapping) int64
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(x: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 bit patterns (torch's `>>` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def uniform(rng_key: Tensor, rng_counter: Tensor) -> Tensor:
+    """float64 [S] in [0, 1): splitmix64 of (key, counter), its top 53 bits."""
+    x = rng_key ^ (rng_counter * _GOLDEN)
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return _shr(x, 11).to(torch.float64) * 2.0 ** -53
+
+
+def _chunk_stats(x: Tensor, owned: bool) -> tuple[Tensor, Tensor]:
+    """Per chunk of `SAMPLE_CHUNK` columns of float32 `x` [S, N] (N a multiple of the chunk, or
+    less: one ragged chunk): its max, and the sum of `exp(x - max)` (0 if all -inf). `owned`:
+    `x` may be overwritten (saves the CPU a fresh `[S, N]` buffer and its page faults)."""
+    rows, n = x.shape
+    x = x.reshape(rows, -1, min(n, SAMPLE_CHUNK))
+    cmax = x.amax(dim=-1)
+    shift = torch.where(cmax == float("-inf"), 0.0, cmax).unsqueeze(-1)
+    w = x.sub_(shift) if owned else x - shift
+    return cmax, w.exp_().sum(dim=-1)
+
+
+def _scaled(logits: Tensor, divisor: Tensor | None) -> Tensor:
+    """float32 `logits / divisor[:, None]` (the logits as float32 without a divisor)."""
+    if divisor is None:
+        return logits.to(torch.float32)
+    return torch.div(logits, divisor.unsqueeze(1)).to(torch.float32)
+
+
+def sample_tokens(logits: Tensor, rng_key: Tensor, rng_counter: Tensor,
+                  temperature: Tensor | None = None) -> Tensor:
+    """One token per row of `logits` [S, V] (any float dtype, computed in float32): int64 [S].
+
+    A row whose temperature is not > 0 takes its first maximum; any other row draws from
+    softmax(logits / temperature) (-inf = excluded; no temperature: the logits come scaled)
+    at the uniform `uniform(rng_key, rng_counter)`, by inverse CDF: the chunk of
+    `SAMPLE_CHUNK` tokens whose running mass passes the uniform's share of the total, then the
+    token inside it. Chunk sums are float32 (each within a few ulps of exact; a token's
+    probability is off by that relative error at most); everything across chunks and inside
+    the chosen one is float64, so no token's mass is absorbed by a larger one. Only tokens of
+    positive probability come out. Nothing syncs with the host or depends on values for its
+    shape, and a row's result depends on its own inputs only (never on the other rows).
+    """
+    rows, vocab = logits.shape
+    greedy = divisor = None
+    if temperature is not None:
+        greedy = ~(temperature > 0)
+        divisor = torch.where(greedy, 1.0, temperature)
+    x = _scaled(logits, divisor)
+    owned = x.data_ptr() != logits.data_ptr()
+    main = vocab - vocab % SAMPLE_CHUNK
+    stats = [_chunk_stats(x[:, :main], owned)] if main else []
+    if main < vocab:  # the ragged last chunk, on its own (no padded copy of the logits)
+        stats.append(_chunk_stats(x[:, main:], owned))
+    cmax = torch.cat([s[0] for s in stats], dim=1)
+    csum = torch.cat([s[1] for s in stats], dim=1).double()
+    num_chunks = cmax.shape[1]
+    row_max = cmax.amax(dim=-1, keepdim=True)
+    scale = (cmax.double() - row_max.double()).exp()
+    mass = torch.where(csum > 0, csum * scale, 0.0)
+    cum = mass.cumsum(dim=-1)
+    target = uniform(rng_key, rng_counter).unsqueeze(1) * cum[:, -1:]
+    idx = torch.arange(num_chunks, device=x.device)
+    last = torch.where(mass > 0, idx, -1).amax(dim=-1, keepdim=True)
+    # The uniform's chunk: how many running sums before the last chunk with mass it passes.
+    passed = (cum <= target) & (idx < last)
+    which = passed.sum(dim=-1, keepdim=True)
+    before = torch.where(passed, cum, 0.0).amax(dim=-1, keepdim=True)
+    if greedy is not None:
+        first_max = torch.where(cmax == row_max, idx, num_chunks - 1).amin(dim=-1, keepdim=True)
+        which = torch.where(greedy.unsqueeze(1), first_max, which)
+    # Inside the chunk: the token whose running weight passes the rest of the target.
+    offs = torch.arange(SAMPLE_CHUNK, device=x.device)
+    cols = which * SAMPLE_CHUNK + offs
+    xs = _scaled(logits.gather(1, cols.clamp(max=vocab - 1)), divisor)  # (x was overwritten)
+    xs.masked_fill_(cols >= vocab, float("-inf"))
+    cm = cmax.gather(1, which)
+    inside = (xs - torch.where(cm == float("-inf"), 0.0, cm)).exp_().double().cumsum_(dim=-1)
+    inside_total = inside[:, -1:]
+    # Stay below the chunk's own total (its float sum may round apart from this one), so the
+    # lookup lands on a token of positive weight.
+    scale = (cm.double() - row_max.double()).exp()
+    rest = torch.minimum((target - before) / scale, inside_total - inside_total * 2.0 ** -40)
+    offset = (inside <= rest).sum(dim=-1, keepdim=True).clamp_(max=SAMPLE_CHUNK - 1)
+    if greedy is not None:
+        first = torch.where(xs == row_max, offs, SAMPLE_CHUNK - 1).amin(dim=-1, keepdim=True)
+        offset = torch.where(greedy.unsqueeze(1), first, offset)
+    return (which * SAMPLE_CHUNK + offset).squeeze(1)

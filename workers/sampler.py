@@ -13,19 +13,21 @@ keys an unseeded one from the engine seed and its sequence id. So a token depend
 (key, counter, its own logits): not on the rows around it, the batch order, async
 scheduling, or a preemption in between; and there is no generator state, no per-row call.
 The draw is an inverse-CDF lookup (exact, unlike a race of noisy maxima it needs one random
-number per row): the rows' probabilities are summed in chunks, the chunk the uniform falls
-in is found in a float64 cumulative sum of the chunk sums, then the token inside it.
-Everything is tensor ops over the batch with no host sync, so `sample_simple` (greedy and
-temperature only) runs inside the decode CUDA graph.
+number per row): `kernels.ops.sample_tokens` (a Triton kernel on CUDA that reads the logits
+once, its torch twin on CPU) sums the rows' probabilities in chunks, finds the chunk the
+uniform falls in from a float64 running sum of the chunk sums, then the token inside it.
+Nothing syncs with the host, so `sample_simple` (greedy and temperature only) runs inside the
+decode CUDA graph.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from kernels import ops
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -37,25 +39,6 @@ def stream_key(seed: int, seq_index: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) >> 1
-
-
-def _as_int64(value: int) -> int:
-    """A 64-bit pattern as the signed int64 torch multiplies with (wrapping, like C)."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _shr(x: Tensor, k: int) -> Tensor:
-    """Logical right shift of int64 bit patterns (torch's `>>` is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def uniform(rng_key: Tensor, rng_counter: Tensor) -> Tensor:
-    """float64 [S] in [0, 1): splitmix64 of (key, counter), the top 53 bits."""
-    x = rng_key ^ (rng_counter * _as_int64(_GOLDEN))
-    x = (x ^ _shr(x, 30)) * _as_int64(0xBF58476D1CE4E5B9)
-    x = (x ^ _shr(x, 27)) * _as_int64(0x94D049BB133111EB)
-    x = x ^ _shr(x, 31)
-    return _shr(x, 11).to(torch.float64) * 2.0 ** -53
 
 
 @dataclass(slots=True)
@@ -168,36 +151,11 @@ def row_argmax(x: Tensor) -> Tensor:
     return best
 
 
-def draw(scaled_logits: Tensor, u: Tensor) -> Tensor:
-    """One token per row from softmax(scaled_logits) (-inf = excluded), by inverse CDF at the
-    row's uniform `u` (float64 [S] in [0, 1)): int64 [S]. Only tokens with positive
-    probability can come out."""
-    rows, vocab = scaled_logits.shape
-    chunk = math.gcd(vocab, 256)  # chunks tile the vocabulary exactly: no padding pass
-    weights = (scaled_logits - scaled_logits.amax(dim=-1, keepdim=True)).exp_()
-    per_chunk = weights.view(rows, vocab // chunk, chunk)
-    cum = per_chunk.sum(dim=-1, dtype=torch.float64).cumsum_(dim=-1)
-    target = (u * cum[:, -1]).unsqueeze(1)
-    which = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)
-    before = torch.where(which > 0, cum.gather(1, (which - 1).clamp_(min=0)), 0.0)
-    inside = per_chunk.gather(1, which.unsqueeze(2).expand(rows, 1, chunk)).squeeze(1)
-    inside_cum = inside.to(torch.float64).cumsum_(dim=-1)
-    # Stay below the chunk's own total (its float32 sum may round apart from this one), so
-    # the lookup lands on a token of positive weight.
-    rest = torch.minimum(target - before, inside_cum[:, -1:] * (1 - 2.0 ** -40))
-    offset = torch.searchsorted(inside_cum, rest, right=True).clamp_(max=chunk - 1)
-    return (which * chunk + offset).squeeze(1)
-
-
 def sample_simple(logits: Tensor, temperature: Tensor, rng_key: Tensor,
                   rng_counter: Tensor) -> Tensor:
     """Greedy and temperature-only rows: int64 [S] token ids. No host sync and no shapes that
     depend on values, so it can be captured in a CUDA graph; `Sampler` uses it for such rows."""
-    logits = logits.to(torch.float32)
-    greedy = row_argmax(logits)
-    hot = temperature > 0
-    scaled = logits / torch.where(hot, temperature, 1.0).unsqueeze(1)
-    return torch.where(hot, draw(scaled, uniform(rng_key, rng_counter)), greedy)
+    return ops.sample_tokens(logits, rng_key, rng_counter, temperature)
 
 
 class Sampler:
@@ -230,7 +188,7 @@ class Sampler:
             masked = apply_top_k_top_p(logits, md.top_k, md.top_p)
             if md.min_p is not None:
                 masked = apply_min_p(masked, md.min_p)
-            sampled = draw(masked, uniform(md.rng_key, md.rng_counter))
+            sampled = ops.sample_tokens(masked, md.rng_key, md.rng_counter)
             token_ids = torch.where(hot, sampled, greedy_ids)
         if logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
