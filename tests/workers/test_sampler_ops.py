@@ -1,12 +1,11 @@
 """Sampler: exact masks on hand-built logits, penalties, the grammar bitmask, logprobs, the
-counter-based streams (batch-independent, bit-exact with a Python reference), and
-chi-square tests that every sampling option draws from the distribution it should."""
+counter-based streams (batch-independent, bit-exact with a Python reference). That every
+sampling option draws from the distribution it should: test_sampler_distributions.py."""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -159,97 +158,6 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     other_stream = [int(sampler(mine[None], _md([seeded], [k], [stream_key(1234, 1)]))
                         .token_ids[0]) for k in range(20)]
     assert other_stream != alone  # the sample index is in the key
-
-
-def _critical_chi2(df: int) -> float:
-    """The 0.1% upper tail of chi-square(df), Wilson-Hilferty's approximation."""
-    z = 3.0902
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def _chi2(counts: np.ndarray, expected_p: np.ndarray, n: int) -> tuple[float, int]:
-    support = expected_p > 0
-    assert counts[~support].sum() == 0, "drew a token of probability 0"
-    exp = expected_p[support] * n
-    return float(((counts[support] - exp) ** 2 / exp).sum()), int(support.sum()) - 1
-
-
-def _draw_many(logits_row: torch.Tensor, params: SamplingParams, n: int,
-               penalties: PenaltyInputs | None = None) -> np.ndarray:
-    """n draws of one row: every draw is a fresh counter of one seeded stream, in batches."""
-    sampler = Sampler()
-    vocab = logits_row.shape[0]
-    counts = np.zeros(vocab, dtype=np.int64)
-    batch = 2000
-    for start in range(0, n, batch):
-        rows = logits_row.expand(batch, vocab).contiguous()
-        pen = None
-        if penalties is not None:
-            pen = PenaltyInputs(torch.arange(batch), penalties.output_counts.expand(batch, vocab),
-                                penalties.prompt_mask.expand(batch, vocab),
-                                penalties.repetition_penalty.expand(batch),
-                                penalties.frequency_penalty.expand(batch),
-                                penalties.presence_penalty.expand(batch))
-        md = _md([params] * batch, list(range(start, start + batch)), penalties=pen)
-        counts += np.bincount(sampler(rows, md).token_ids.numpy(), minlength=vocab)
-    return counts
-
-
-BASE = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
-
-
-def _target(logits: torch.Tensor, temperature: float, keep: list[int] | None = None) -> np.ndarray:
-    scaled = logits.double() / temperature
-    p = torch.softmax(scaled, -1).numpy()
-    if keep is not None:
-        mask = np.zeros_like(p, dtype=bool)
-        mask[keep] = True
-        p = np.where(mask, p, 0.0)
-        p /= p.sum()
-    return p
-
-
-@pytest.mark.parametrize(("params", "keep"), [
-    (SamplingParams(temperature=1.0, seed=1), None),
-    (SamplingParams(temperature=0.5, seed=2), None),  # temperature applied once, not twice
-    (SamplingParams(temperature=2.0, seed=3), None),
-    (SamplingParams(temperature=1.0, top_k=3, seed=4), [0, 1, 2]),  # off-by-one in k
-    # probs at T=1 of the 8 logits: 0.403, 0.244, 0.148, 0.090, ...: top_p 0.6 keeps two
-    (SamplingParams(temperature=1.0, top_p=0.6, seed=5), [0, 1]),
-    # min_p 0.3 of the top 0.403: keeps p >= 0.121, tokens 0-2
-    (SamplingParams(temperature=1.0, min_p=0.3, seed=6), [0, 1, 2]),
-])
-def test_each_option_draws_its_distribution(params: SamplingParams, keep: list[int] | None) -> None:
-    n = 20000
-    counts = _draw_many(BASE, params, n)
-    stat, df = _chi2(counts, _target(BASE, params.temperature, keep), n)
-    assert stat < _critical_chi2(df), (stat, df, counts.tolist())
-
-
-def test_penalized_row_draws_the_penalized_distribution() -> None:
-    counts_out = torch.tensor([[0.0, 3, 0, 0, 0, 0, 0, 1]])
-    prompt = torch.tensor([[True, False, False, False, False, False, False, False]])
-    pen = PenaltyInputs(torch.tensor([0]), counts_out, prompt, torch.tensor([1.5]),
-                        torch.tensor([0.2]), torch.tensor([0.4]))
-    params = SamplingParams(temperature=1.0, seed=8)
-    n = 20000
-    counts = _draw_many(BASE, params, n, pen)
-    expected = apply_penalties(BASE[None].clone(), counts_out, prompt, torch.tensor([1.5]),
-                               torch.tensor([0.2]), torch.tensor([0.4]))[0]
-    stat, df = _chi2(counts, _target(expected, 1.0), n)
-    assert stat < _critical_chi2(df), (stat, counts.tolist())
-    # ... and the unpenalized distribution is rejected: the test can tell them apart.
-    stat_wrong, _ = _chi2(counts, _target(BASE, 1.0), n)
-    assert stat_wrong > 10 * _critical_chi2(df)
-
-
-def test_a_biased_draw_would_be_caught() -> None:
-    """The chi-square bound is tight enough: a distribution off by a few percent fails."""
-    n = 20000
-    counts = _draw_many(BASE, SamplingParams(temperature=1.0, seed=1), n)
-    off = _target(BASE, 1.0) * np.array([1.06, 0.97, 1, 1, 1, 1, 1, 1])
-    stat, df = _chi2(counts, off / off.sum(), n)
-    assert stat > _critical_chi2(df)
 
 
 def test_token_bitmask_masks_sampling_greedy_and_logprobs() -> None:
