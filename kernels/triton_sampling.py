@@ -126,7 +126,7 @@ def _pick_kernel(
     # Total mass, the last chunk that has any, and the first chunk holding the row max.
     total = tl.full((), 0.0, tl.float64)
     last = tl.full((), -1, tl.int32)
-    first_max = num_chunks - 1
+    first_max = tl.full((), 0, tl.int32) + num_chunks - 1  # (a tensor even if num_chunks == 1)
     for start in range(0, num_chunks, BLOCK):
         idx = start + lanes
         cmax, mass = _chunk_masses(cmax_ptr, csum_ptr, base, idx, num_chunks, row_max,
