@@ -36,10 +36,10 @@ _PICK_BLOCK = 1024
 _LIBDEVICE_EXP = os.environ.get("TRITON_INTERPRET") != "1"
 
 # 2**-40: how far below the chunk's running total the rest is kept.
-_BELOW_ONE: tl.constexpr = 9.094947017729282e-13
-_GOLDEN: tl.constexpr = 0x9E3779B97F4A7C15
-_MIX1: tl.constexpr = 0xBF58476D1CE4E5B9
-_MIX2: tl.constexpr = 0x94D049BB133111EB
+_BELOW_ONE = tl.constexpr(9.094947017729282e-13)
+_GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
+_MIX1 = tl.constexpr(0xBF58476D1CE4E5B9)
+_MIX2 = tl.constexpr(0x94D049BB133111EB)
 
 
 @triton.jit
