@@ -206,15 +206,39 @@ def uniform(rng_key: Tensor, rng_counter: Tensor) -> Tensor:
 
 
 def _chunk_stats(x: Tensor, owned: bool) -> tuple[Tensor, Tensor]:
-    """Per chunk of `SAMPLE_CHUNK` columns of float32 `x` [S, N] (N a multiple of the chunk, or
+    """Per chunk of `SAMPLE_CHUNK` columns of float32 `x` [R, N] (N a multiple of the chunk, or
     less: one ragged chunk): its max, and the sum of `exp(x - max)` (0 if all -inf). `owned`:
-    `x` may be overwritten (saves the CPU a fresh `[S, N]` buffer and its page faults)."""
+    `x` may be overwritten."""
     rows, n = x.shape
     x = x.reshape(rows, -1, min(n, SAMPLE_CHUNK))
     cmax = x.amax(dim=-1)
     shift = torch.where(cmax == float("-inf"), 0.0, cmax).unsqueeze(-1)
     w = x.sub_(shift) if owned else x - shift
     return cmax, w.exp_().sum(dim=-1)
+
+
+def _all_chunk_stats(logits: Tensor, divisor: Tensor | None) -> tuple[Tensor, Tensor]:
+    """`_chunk_stats` of every row of `logits / divisor`: float32 [S, num_chunks] each."""
+    rows, vocab = logits.shape
+    main = vocab - vocab % SAMPLE_CHUNK
+    num_chunks = -(-vocab // SAMPLE_CHUNK)
+    cmax = torch.empty(rows, num_chunks, device=logits.device)
+    csum = torch.empty(rows, num_chunks, device=logits.device)
+    # On CPU a few rows at a time (about 4 MiB of float32 per thread): their copy stays in
+    # cache and the allocator hands the same heap block back each time, where one [S, V]
+    # buffer costs more in first-touch page faults than all the arithmetic. A row's results
+    # do not depend on its block.
+    step = rows if logits.is_cuda else max(1, (torch.get_num_threads() << 20) // vocab)
+    full = slice(0, main // SAMPLE_CHUNK)
+    for start in range(0, rows, step):
+        part = slice(start, start + step)
+        x = _scaled(logits[part], None if divisor is None else divisor[part])
+        owned = x.data_ptr() != logits[part].data_ptr()
+        if main:
+            cmax[part, full], csum[part, full] = _chunk_stats(x[:, :main], owned)
+        if main < vocab:  # the ragged last chunk, on its own (no padded copy of the logits)
+            cmax[part, -1:], csum[part, -1:] = _chunk_stats(x[:, main:], owned)
+    return cmax, csum
 
 
 def _scaled(logits: Tensor, divisor: Tensor | None) -> Tensor:
@@ -243,21 +267,15 @@ def sample_tokens(logits: Tensor, rng_key: Tensor, rng_counter: Tensor,
     if temperature is not None:
         greedy = ~(temperature > 0)
         divisor = torch.where(greedy, 1.0, temperature)
-    x = _scaled(logits, divisor)
-    owned = x.data_ptr() != logits.data_ptr()
-    main = vocab - vocab % SAMPLE_CHUNK
-    stats = [_chunk_stats(x[:, :main], owned)] if main else []
-    if main < vocab:  # the ragged last chunk, on its own (no padded copy of the logits)
-        stats.append(_chunk_stats(x[:, main:], owned))
-    cmax = torch.cat([s[0] for s in stats], dim=1)
-    csum = torch.cat([s[1] for s in stats], dim=1).double()
+    cmax, csum = _all_chunk_stats(logits, divisor)
+    csum = csum.double()
     num_chunks = cmax.shape[1]
     row_max = cmax.amax(dim=-1, keepdim=True)
     scale = (cmax.double() - row_max.double()).exp()
     mass = torch.where(csum > 0, csum * scale, 0.0)
     cum = mass.cumsum(dim=-1)
     target = uniform(rng_key, rng_counter).unsqueeze(1) * cum[:, -1:]
-    idx = torch.arange(num_chunks, device=x.device)
+    idx = torch.arange(num_chunks, device=logits.device)
     last = torch.where(mass > 0, idx, -1).amax(dim=-1, keepdim=True)
     # The uniform's chunk: how many running sums before the last chunk with mass it passes.
     passed = (cum <= target) & (idx < last)
@@ -267,9 +285,9 @@ def sample_tokens(logits: Tensor, rng_key: Tensor, rng_counter: Tensor,
         first_max = torch.where(cmax == row_max, idx, num_chunks - 1).amin(dim=-1, keepdim=True)
         which = torch.where(greedy.unsqueeze(1), first_max, which)
     # Inside the chunk: the token whose running weight passes the rest of the target.
-    offs = torch.arange(SAMPLE_CHUNK, device=x.device)
+    offs = torch.arange(SAMPLE_CHUNK, device=logits.device)
     cols = which * SAMPLE_CHUNK + offs
-    xs = _scaled(logits.gather(1, cols.clamp(max=vocab - 1)), divisor)  # (x was overwritten)
+    xs = _scaled(logits.gather(1, cols.clamp(max=vocab - 1)), divisor)
     xs.masked_fill_(cols >= vocab, float("-inf"))
     cm = cmax.gather(1, which)
     inside = (xs - torch.where(cm == float("-inf"), 0.0, cm)).exp_().double().cumsum_(dim=-1)
