@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from kernels import ops
+from workers import sampler as sampler_module
 from workers.sampler import Sampler, SamplingMetadata, stream_key
 
 VOCAB = 151936
@@ -149,6 +150,7 @@ def main() -> int:
     print(f"vocab {VOCAB}, temperature {TEMPERATURE}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
           + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
+    print(f"sampler code: {sampler_module.__file__}")  # (which checkout: see PYTHONPATH)
     results = []
     print(f"{'device':6} {'rows':>5}  {'mode':24} {'ms (median)':>12} {'vs unseeded':>12}")
     for device, dtype in devices:
