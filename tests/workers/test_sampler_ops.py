@@ -160,6 +160,36 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     assert other_stream != alone  # the sample index is in the key
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_seeded_row_alone_equals_it_among_64_others_at_any_position(threads: int) -> None:
+    """At Qwen3's vocabulary, where the CPU draw works a few rows at a time (how many follows
+    torch's thread count): a row's token is its own, whatever block and neighbours it gets."""
+    vocab = 151936
+    g = torch.Generator().manual_seed(3)
+    others = torch.randn(64, vocab, generator=g) * 2
+    mine = torch.randn(vocab, generator=g)
+    temps = torch.rand(64, generator=g) * 1.5
+    temps[::3] = 0.0  # greedy neighbours too
+    keys = torch.randint(0, 2 ** 62, (64,), generator=g)
+    counters = torch.randint(0, 1000, (64,), generator=g)
+    key, t = stream_key(4321, 0), torch.tensor([0.9])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = [int(sample_simple(mine[None], t, torch.tensor([key]), torch.tensor([c])))
+                 for c in range(3)]
+        for pos in (0, 5, 37, 64):
+            logits = torch.cat([others[:pos], mine[None], others[pos:]])
+            temperature = torch.cat([temps[:pos], t, temps[pos:]])
+            k = torch.cat([keys[:pos], torch.tensor([key]), keys[pos:]])
+            for c in range(3):
+                ctr = torch.cat([counters[:pos], torch.tensor([c]), counters[pos:]])
+                assert int(sample_simple(logits, temperature, k, ctr)[pos]) == alone[c]
+    finally:
+        torch.set_num_threads(before)
+    assert len(set(alone)) == 3  # three counters, three different draws from a flat row
+
+
 def test_token_bitmask_masks_sampling_greedy_and_logprobs() -> None:
     vocab = 70  # three words of 32 bits, the last one partly used
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
