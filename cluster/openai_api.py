@@ -75,7 +75,7 @@ class LocalEngineClient:
                                     cache_salt=cache_salt)
 
     async def check_health(self) -> None:
-        self.engine.check_health()
+        self.engine.check_ready()
 
     async def metrics(self) -> list[dict[str, Any]]:
         return [self.engine.metrics()]

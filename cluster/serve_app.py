@@ -103,8 +103,13 @@ class LLMServer:
         return self.engine.metrics()
 
     async def check_health(self) -> None:
-        """Serve calls this periodically; raising makes Serve replace the replica."""
+        """Serve calls this periodically; raising makes Serve replace the replica: only when
+        the engine is dead, not while it rebuilds its workers after one died."""
         self.engine.check_health()
+
+    async def ready(self) -> None:
+        """For /health: raises while the engine rebuilds its workers, or when it is dead."""
+        self.engine.check_ready()
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
@@ -141,7 +146,7 @@ class HandleEngineClient:
                 gen.cancel()
 
     async def check_health(self) -> None:
-        results = await self.handle.broadcast("check_health").results_async()
+        results = await self.handle.broadcast("ready").results_async()
         if not results:
             raise RuntimeError("no LLMServer replica is running yet")
 

@@ -90,6 +90,9 @@ class FakeEngine:
         if self.dead:
             raise EngineDeadError(self.dead)
 
+    def check_ready(self) -> None:  # (AsyncLLMEngine's: also while it rebuilds its workers)
+        self.check_health()
+
     def metrics(self) -> dict[str, Any]:
         ttft = Histogram((0.1, 1.0))
         for v in (0.05, 0.5, 3.0):
@@ -98,6 +101,7 @@ class FakeEngine:
                 "kv_cache_usage_perc": 0.25, "prefix_cache_queries": 40, "prefix_cache_hits": 16,
                 "prompt_tokens_total": 40, "generation_tokens_total": 7,
                 "num_preemptions_swap": 1, "num_preemptions_recompute": 2,
+                "num_worker_recoveries": 0,
                 "request_success_total": {"stop": 1, "length": 2, "abort": 0},
                 "time_to_first_token_seconds": ttft,
                 "inter_token_latency_seconds": Histogram((0.01,)),
