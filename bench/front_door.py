@@ -45,7 +45,7 @@ async def trial(url: str, bigs: int, body: bytes, api_key: str | None) -> dict[s
         await small_latency(c, url)  # warm-up: connection, caches
         alone = statistics.median([await small_latency(c, url) for _ in range(5)])
         tasks = [asyncio.create_task(big_request(c, url, body)) for _ in range(bigs)]
-        await asyncio.sleep(0.02)  # the big bodies are on their way
+        await asyncio.sleep(0)  # the big requests start sending first
         loaded = await small_latency(c, url)
         big = await asyncio.gather(*tasks)
     return {"alone_s": alone, "loaded_s": loaded, "big_status": [s for s, _ in big],

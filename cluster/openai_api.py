@@ -10,9 +10,10 @@ engine object itself in tests and offline use).
 Invariants:
 - every response with status >= 400 carries OpenAI's error body (cluster/openai_errors.py),
   and every response its request id as X-Request-Id;
-- a request body is read only up to `max_body_bytes` (413 beyond it), and a prompt bigger than
-  INLINE_PROMPT_BYTES is rendered and tokenized in a worker thread: one heavy request never
-  holds the event loop that every other request's tokens pass through;
+- a request body is read only up to `max_body_bytes`: 413 as soon as it is over (HAProxy and
+  Serve's proxy still deliver it to a client that is sending the rest), and a prompt bigger
+  than INLINE_PROMPT_BYTES is rendered and tokenized in a worker thread: one heavy request
+  never holds the event loop that every other request's tokens pass through;
 - a request whose generator is closed early (client gone) closes the engine-side stream,
   which aborts the request in the engine;
 - nothing in a request body reaches the engine unvalidated: token ids are checked against
@@ -57,10 +58,6 @@ logger = logging.getLogger("ray.serve")
 # per token (JSON-escaped CJK text takes ~9), and never below 1 MiB.
 BODY_BYTES_PER_TOKEN = 32
 MIN_BODY_BYTES = 1 << 20
-# A body over the limit is still read, and dropped, up to this multiple of the limit: most
-# HTTP clients write the whole body before they read the response, and would otherwise see a
-# broken pipe instead of the 413. A larger declared Content-Length is refused unread.
-_DRAIN_FACTOR = 8
 # Prompts (request bodies) up to this size are rendered and tokenized on the event loop, in
 # about a millisecond; bigger ones in a worker thread, where they cannot stall other requests
 # and small requests never queue behind them.
@@ -322,18 +319,14 @@ class OpenAIServing:
                 raise RequestError(f"Content-Type {media!r} is not supported; send the body as "
                                    "JSON with 'Content-Type: application/json'", status=415)
         declared = request.headers.get("content-length", "")
-        size = int(declared) if declared.isdigit() else 0
-        if size > _DRAIN_FACTOR * limit:
-            raise _body_too_large(size, limit)
+        if declared.isdigit() and int(declared) > limit:
+            raise _body_too_large(int(declared), limit)
         chunks, received = [], 0
         async for chunk in request.stream():
             received += len(chunk)
-            if received <= limit:
-                chunks.append(chunk)
-            elif received > _DRAIN_FACTOR * limit:
+            if received > limit:
                 raise _body_too_large(received, limit, at_least=True)
-        if max(size, received) > limit:
-            raise _body_too_large(max(size, received), limit)
+            chunks.append(chunk)
         return b"".join(chunks)
 
     async def _off_loop(self, body_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:

@@ -358,7 +358,7 @@ def test_large_bodies_do_not_stall_a_small_request(base_url: str) -> None:
             loaded, bigs = [], []
             for _ in range(3):
                 big_tasks = [asyncio.create_task(timed_big(c)) for _ in range(3)]
-                await asyncio.sleep(0.02)  # the big bodies are on their way
+                await asyncio.sleep(0)  # the big requests start sending first
                 loaded.append(await timed_small(c))
                 bigs += await asyncio.gather(*big_tasks)
             return alone, loaded, bigs
