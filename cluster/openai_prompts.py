@@ -73,7 +73,7 @@ class PromptProcessor:
         if at_least >= max_model_len:  # not even one completion token would fit
             raise RequestError(
                 f"This model's maximum context length is {max_model_len} tokens. However, the "
-                f"{param} is {num_bytes} bytes of text, at least {at_least} tokens. Please "
+                f"{num_bytes} bytes of text in `{param}` make at least {at_least} tokens. Please "
                 "reduce the length of the prompt.", param=param)
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -491,8 +491,8 @@ def test_text_too_long_for_any_tokenization_is_refused_untokenized(
                  {"prompt": " " * (63 * longest + 1), "max_tokens": 1})
     assert resp.status_code == 400 and encoded == [63 * longest]
     assert resp.json()["error"]["message"] == (
-        "This model's maximum context length is 64 tokens. However, the prompt is 8065 bytes "
-        "of text, at least 64 tokens. Please reduce the length of the prompt.")
+        "This model's maximum context length is 64 tokens. However, the 8065 bytes of text in "
+        "`prompt` make at least 64 tokens. Please reduce the length of the prompt.")
     chat = _call(engine, tokenizer, "POST", "/v1/chat/completions",
                  {"messages": [{"role": "user", "content": "y" * 10000}]})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
