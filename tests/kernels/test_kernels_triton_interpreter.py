@@ -36,7 +36,7 @@ def test_long_decode_takes_split_k_automatically_and_matches() -> None:
 
     batch = make_paged_batch([(1, 700)], num_q_heads=2, num_kv_heads=1, head_dim=16,
                              block_size=16, dtype=torch.float32, device="cpu", seed=7)
-    assert choose_num_segments(1, 1, 1, 700, 64, _NOMINAL_SM_COUNT) == 4
+    assert choose_num_segments(1, 1, 1, 700, 64, _NOMINAL_SM_COUNT) == 8
     check_paged_attention(batch)
 
 
