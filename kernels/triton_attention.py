@@ -7,7 +7,8 @@ One kernel serves every sequence of a batch, whatever its query length:
   M dimension of the tile (row r = token r // FOLD, head r % FOLD), so each K/V tile is loaded
   once per KV head. With FOLD = 1 (long chunks) a program owns BLOCK_M tokens of one query head:
   Hopper's MMA tile without head interleaving; the GROUP programs that share a KV head read
-  the same K/V tiles, mostly from L2.
+  the same K/V tiles, mostly from L2. A batch holding long chunks and other sequences runs
+  two launches, each skipping the other's sequences (by query length).
 * Query blocks are numbered per sequence without a host-side table: sequence b's blocks start at
   `query_start_loc[b] // BLOCK_Q + b`, and a program finds its sequence by binary search over
   `query_start_loc`. The grid (`T // BLOCK_Q + B` blocks) depends only on shapes, so a launch
@@ -56,6 +57,7 @@ _MEASURED_BEST_SEGMENTS = (
 
 # Prefill tiles: chunks of at least LONG_CHUNK tokens get unfolded 128-row query tiles.
 LONG_CHUNK = 128
+_INT32_MAX = 2**31 - 1
 
 
 @triton.jit
@@ -158,7 +160,7 @@ def _chunk_tile(acc, m_i, l_i, q, tile, q_idx, q_hi, q_start, context_len, kv_he
 def _paged_attention_kernel(
     out_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
     query_start_loc_ptr, seq_lens_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    scale_log2, num_seqs, num_q_heads, block_size,
+    scale_log2, num_seqs, num_q_heads, block_size, q_len_lo, q_len_hi,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -174,6 +176,8 @@ def _paged_attention_kernel(
     q_block = q_block_global - (q_start // BLOCK_Q + seq)
     q_lo = q_block * BLOCK_Q
     if q_lo >= q_len:
+        return
+    if (q_len < q_len_lo) | (q_len > q_len_hi):  # another launch's sequence
         return
     q_hi = tl.minimum(q_len, q_lo + BLOCK_Q)
     context_len = tl.load(seq_lens_ptr + seq) - q_len
@@ -313,8 +317,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     """Triton twin of `reference.paged_attention` (see ops.paged_attention for the contract).
 
     The keyword-only arguments force what is otherwise picked from the batch: the split-K factor
-    (a power of two), the tile shape, whether GQA groups fold into the query tile, and the launch
-    options. Output rows of tokens past `query_start_loc[-1]` are left unwritten.
+    (a power of two), the tile shape, whether GQA groups fold into the query tile (forcing it or
+    `block_m` runs every sequence in one launch), and the launch options. Output rows of tokens
+    past `query_start_loc[-1]` are left unwritten.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -341,28 +346,15 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     if num_tokens == 0:
         return out
     decode = max_query_len == 1
-    long_chunk = max_query_len >= LONG_CHUNK
-    if fold_gqa is None:
-        fold_gqa = not long_chunk
-    fold = group if fold_gqa else 1
-    if block_m is None:
-        block_m = 16 if decode else (128 if long_chunk else 64)
-    block_m = max(block_m, 16, triton.next_power_of_2(fold))
-    block_q = block_m // fold
+    num_seqs = seq_lens.shape[0]
     if tile_n is None:
         tile_n = 64
     if num_segments is None:
-        num_segments = choose_num_segments(seq_lens.shape[0], num_kv_heads, max_query_len,
-                                           max_seq_len, tile_n, _sm_count(q.device))
+        num_segments = choose_num_segments(num_seqs, num_kv_heads, max_query_len, max_seq_len,
+                                           tile_n, _sm_count(q.device))
     if num_segments < 1 or num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two >= 1; got {num_segments}")
-    if num_warps is None:
-        num_warps = 4 if block_m <= 64 else 8
-    if num_stages is None:
-        num_stages = 2 if decode else 3
     head_dim_pad = triton.next_power_of_2(max(head_dim, 16))
-    num_seqs = seq_lens.shape[0]
-    grid = (num_tokens // block_q + num_seqs, num_q_heads // fold, num_segments)
     if num_segments > 1:
         part_max = torch.empty(num_tokens, num_q_heads, num_segments, dtype=torch.float32,
                                device=q.device)
@@ -371,20 +363,37 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                                dtype=torch.float32, device=q.device)
     else:
         part_max = part_sum = part_acc = out  # never touched when NUM_SEGMENTS == 1
+    # Which tiles serve which sequences: (fold GQA groups?, shortest q_len, longest q_len).
+    # A batch with long chunks and (possibly) short ones (decodes, short chunks) gets two
+    # launches, so the short ones keep the folded tiles that read each K/V tile once per KV head.
+    long_batch = max_query_len >= LONG_CHUNK
+    if fold_gqa is not None or block_m is not None:
+        launches = [(not long_batch if fold_gqa is None else fold_gqa, 1, _INT32_MAX)]
+    elif long_batch and num_seqs > 1:
+        launches = [(False, LONG_CHUNK, _INT32_MAX), (True, 1, LONG_CHUNK - 1)]
+    else:
+        launches = [(not long_batch, 1, _INT32_MAX)]
     # fp32 inputs must not silently drop to TF32 on GPU: the reference is exact fp32.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _paged_attention_kernel[grid](
-        out, q, key, value, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        part_acc, part_max, part_sum,
-        scale * LOG2E, num_seqs, num_q_heads, k_cache.shape[1],
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, FOLD=fold, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        NUM_SEGMENTS=num_segments, HAS_CHUNK_KV=has_chunk_kv, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    for fold_groups, q_len_lo, q_len_hi in launches:
+        fold = group if fold_groups else 1
+        tile_m = block_m or (16 if decode else (64 if fold_groups else 128))
+        tile_m = max(tile_m, 16, triton.next_power_of_2(fold))
+        block_q = tile_m // fold
+        grid = (num_tokens // block_q + num_seqs, num_q_heads // fold, num_segments)
+        _paged_attention_kernel[grid](
+            out, q, key, value, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+            part_acc, part_max, part_sum,
+            scale * LOG2E, num_seqs, num_q_heads, k_cache.shape[1], q_len_lo, q_len_hi,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            GROUP=group, FOLD=fold, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_M=tile_m, BLOCK_Q=block_q, TILE_N=tile_n,
+            NUM_SEGMENTS=num_segments, HAS_CHUNK_KV=has_chunk_kv, DOT_PRECISION=precision,
+            num_warps=num_warps or (4 if tile_m <= 64 else 8),
+            num_stages=num_stages or (2 if decode else 3),
+        )
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_q_heads)](
             out, part_acc, part_max, part_sum, num_tokens, num_q_heads,
