@@ -176,10 +176,9 @@ def test_serves_with_every_listener_on_loopback(dev_serve: DevServe) -> None:
     assert any(t.startswith("ray::ServeReplica:qwen3:OpenAIIngress") for t in titles), listeners
     assert not serve_env.haproxy_available() or any(t.endswith("/haproxy") for t in titles)
     exposed = [entry for entry in listeners if not _is_loopback(entry[1])]
-    # Known, not this front door's: rank 0's torch.distributed TCPStore (the engine's
-    # tcp://127.0.0.1:PORT), which torch binds to every interface. At most that one.
-    assert len(exposed) <= 1 and all(t.startswith("ray::RayWorker") for t, _, _ in exposed), \
-        listeners
+    # (rank 0's torch.distributed store too: workers/distributed.py binds it to the host the
+    # engine's tcp://127.0.0.1:PORT names, where torch's own tcp:// init binds every interface)
+    assert not exposed, listeners
 
 
 def test_ray_token_authentication_is_on(dev_serve: DevServe) -> None:
