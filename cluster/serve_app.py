@@ -155,7 +155,8 @@ class OpenAIIngress:
     """HTTP in, SSE out; tokenization and the chat template happen here."""
 
     def __init__(self, llm_server: DeploymentHandle, model: str,
-                 served_model_name: str | None = None, api_key: str | None = None) -> None:
+                 served_model_name: str | None = None, api_key: str | None = None,
+                 parsers: tuple[str | None, str | None] = (None, None)) -> None:
         from transformers import AutoTokenizer
 
         from workers.tiny_model import resolve_model
@@ -164,10 +165,12 @@ class OpenAIIngress:
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
         self.served_model_name = served_model_name
         self.api_key = api_key
+        self.reasoning_parser, self.tool_call_parser = parsers
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self.client, self.tokenizer, served_model_name=self.served_model_name,
-                          api_key=self.api_key)
+                          api_key=self.api_key, reasoning_parser=self.reasoning_parser,
+                          tool_call_parser=self.tool_call_parser)
 
 
 def pack_output(out: RequestOutput) -> tuple:
@@ -233,5 +236,6 @@ def build_app(args: dict[str, Any]) -> Application:
         max_ongoing_requests=serving["ingress_max_ongoing_requests"],
         backpressure_config=backpressure,
     ).bind(llm, config.model, serving["served_model_name"],
-           serving["api_key"] or os.environ.get(API_KEY_ENV) or None)
+           serving["api_key"] or os.environ.get(API_KEY_ENV) or None,
+           (config.reasoning_parser, config.tool_call_parser))
     return ingress
