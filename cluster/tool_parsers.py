@@ -135,12 +135,13 @@ def tool_call_constraint(tools: list[dict[str, Any]], tool_choice: Any,
     structural tag). ValueError for tools it cannot express."""
     import xgrammar as xgr
 
-    from cluster.structured_output import check_schema
+    from cluster.structured_output import MAX_JSON_WHITESPACE, check_schema
 
     for tool in tools:
         check_schema(tool["function"].get("parameters") or {})
     tag = xgr.get_model_structural_tag("qwen_3", tools=tools, tool_choice=tool_choice,
                                        reasoning="disabled",
+                                       max_whitespace_cnt=MAX_JSON_WHITESPACE,
                                        parallel_tool_calls=parallel_tool_calls)
     return StructuredOutputsParams(structural_tag=tag.model_dump_json())
 
