@@ -305,3 +305,21 @@ def test_bad_constraints_are_400_and_the_server_keeps_serving(http_engine: Async
     assert ".cc" not in err["message"]
     assert good.status_code == 200
     assert good.json()["choices"][0]["message"]["content"] == "fine"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_constrained_outputs_are_valid_on_ray_tp2(ray_cluster: None,
+                                                  async_scheduling: bool) -> None:
+    """The bitmask reaches rank 0 of a Ray TP group on its second thread (compiled graph,
+    lagged with async scheduling) while the ranks run the forward pass."""
+    prompts, params, checks = _requests()
+    picks = [0, 2, 6, 9, 13, 17, 20, 21]
+    with LLM("qwen3-tiny", tensor_parallel_size=2, worker_num_cpus=0.5, max_num_seqs=32,
+             max_num_batched_tokens=256, async_scheduling=async_scheduling) as llm:
+        outs = llm.generate([prompts[i] for i in picks], [params[i] for i in picks],
+                            use_tqdm=False)
+    for out, i in zip(outs, picks):
+        for c in out.outputs:
+            assert c.finish_reason == "stop"
+            check(c.text, checks[i])
