@@ -29,6 +29,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -89,6 +90,8 @@ class StructuredOutputManager:
         self._buffer = np.zeros((0, self.words), dtype=np.int32)
         self._stop_row: np.ndarray | None = None
         self._batch: Any = None
+        # Time the engine's hooks took (mark, bitmask, on_result): the host's share of a step.
+        self.hook_seconds = 0.0
 
     @property
     def active(self) -> bool:
@@ -266,6 +269,11 @@ class StructuredOutputManager:
     def mark(self, plan: StepPlan) -> None:
         """Learn the plan's new sequences and set its `constrained_rows` (indices among its
         sampled rows whose sequence has a matcher)."""
+        start = time.perf_counter()
+        self._mark(plan)
+        self.hook_seconds += time.perf_counter() - start
+
+    def _mark(self, plan: StepPlan) -> None:
         for new in plan.new_seqs:
             self.add_seq(new.seq_id, new.request_id, new.seq_index)
         if not self._by_seq:
@@ -278,12 +286,21 @@ class StructuredOutputManager:
     def bitmask(self, plan: StepPlan) -> np.ndarray:
         """The bitmask of the plan's constrained rows, in `constrained_rows` order, for
         `Executor.provide_bitmask`. Every plan before it must have been applied."""
+        start = time.perf_counter()
         sampled = plan.seq_ids[plan.do_sample]
-        return self.fill(sampled[plan.constrained_rows].tolist())
+        mask = self.fill(sampled[plan.constrained_rows].tolist())
+        self.hook_seconds += time.perf_counter() - start
+        return mask
 
     def on_result(self, plan: StepPlan, result: StepResult | None, outputs: Iterable[Any]) -> None:
         """After `Scheduler.apply_result(plan, result)` returned `outputs`: the constrained
         rows' tokens advance their matchers, then finished samples and requests let go."""
+        start = time.perf_counter()
+        self._on_result(plan, result, outputs)
+        self.hook_seconds += time.perf_counter() - start
+
+    def _on_result(self, plan: StepPlan, result: StepResult | None,
+                   outputs: Iterable[Any]) -> None:
         if result is not None and plan.num_constrained:
             rows = plan.constrained_rows
             for seq_id, token in zip(result.seq_ids[rows].tolist(),
