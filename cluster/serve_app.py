@@ -166,6 +166,8 @@ class OpenAIIngress:
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.reasoning_parser, self.tool_call_parser = parsers
+        if self.tool_call_parser is not None:
+            import xgrammar  # noqa: F401 — loaded now, not on the first forced tool call (~2 s)
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self.client, self.tokenizer, served_model_name=self.served_model_name,

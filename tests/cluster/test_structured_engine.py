@@ -145,6 +145,34 @@ def test_constrained_sampling_ignores_async_scheduling_and_preemption(
                                                            for req in base], name
 
 
+def test_constraints_hold_under_every_sampling_option() -> None:
+    """The bitmask comes first: top-k/top-p/min-p, penalties, logprobs and stop strings all
+    see only allowed tokens (a disallowed token's logprob is reported as -inf)."""
+    schema = SCHEMAS[0]
+    spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    options = [dict(top_k=5), dict(top_p=0.5), dict(min_p=0.2), dict(temperature=0.0),
+               dict(repetition_penalty=1.8, presence_penalty=1.5, frequency_penalty=1.0),
+               dict(logprobs=5, seed=1), dict(temperature=1.7, top_k=40, top_p=0.9, min_p=0.01)]
+    params = [SamplingParams(**{"temperature": 1.0, "max_tokens": 120, **o},
+                             structured_outputs=spec) for o in options]
+    with LLM("qwen3-tiny", max_num_seqs=16) as llm:
+        outs = llm.generate([f"Option {i}" for i in range(len(options))], params,
+                            use_tqdm=False)
+        stopped = llm.generate(["Stop"], SamplingParams(
+            temperature=1.0, max_tokens=120, stop=['"n"'], structured_outputs=spec),
+            use_tqdm=False)[0].outputs[0]
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), schema)
+    lps = outs[5].outputs[0].logprobs
+    assert len(lps) == len(outs[5].outputs[0].token_ids)
+    assert all(lp[t] > float("-inf") for lp, t in zip(lps, outs[5].outputs[0].token_ids))
+    # A stop string still ends a constrained output (cut before it, as always).
+    assert stopped.finish_reason == "stop" and stopped.text.startswith('{"ok":')
+    assert '"n"' not in stopped.text
+
+
 def test_ignore_eos_and_min_tokens_only_repeat_the_stop_token() -> None:
     """After the grammar ends, only EOS may follow; its text is empty."""
     with LLM("qwen3-tiny", max_num_seqs=4) as llm:
