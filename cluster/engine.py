@@ -295,7 +295,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-        self.structured.shutdown()
         # Back to the collector, so an engine shut down in a process that lives on (tests, a
         # notebook) can be collected with whatever cycles it holds.
         gc.unfreeze()

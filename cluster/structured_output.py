@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept (a JSON schema's is ~0.1-1 MB).
 GRAMMAR_CACHE_SIZE = 256
-# A constraint that takes longer than this to compile is refused (a pathological regex can
-# take minutes); its compile thread runs on, but nobody waits for it.
+# A constraint that takes longer than this to compile is refused; its compile thread (one per
+# compile, so a stuck one blocks no other) runs on, but nobody waits for it.
 COMPILE_TIMEOUT_S = 30.0
 # Consecutive whitespace characters allowed between JSON tokens: pretty-printed JSON nested 15
 # deep fits, and a model cannot loop on whitespace forever (xgrammar's own advice).
@@ -82,7 +82,6 @@ class StructuredOutputManager:
         self._compiler: Any = None
         self._grammars: OrderedDict[str, Any] = OrderedDict()
         self._compiling: dict[str, concurrent.futures.Future] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")
         # request id -> its grammar and its samples' matchers and sequence ids
         self._requests: dict[str, _Constrained] = {}
         self._by_seq: dict[int, Any] = {}  # seq_id -> matcher
@@ -130,27 +129,32 @@ class StructuredOutputManager:
                 return done
             future = self._compiling.get(key)
             if future is None:
-                future = self._compiling[key] = self._pool.submit(self._compile, key, spec)
+                future = self._compiling[key] = concurrent.futures.Future()
+                threading.Thread(target=self._compile, args=(key, spec, future),
+                                 name="grammar-compile", daemon=True).start()
             return future
 
-    def _compile(self, key: str, spec: StructuredOutputsParams) -> Any:
-        """(On a compile thread.)"""
-        grammar = None
+    def _compile(self, key: str, spec: StructuredOutputsParams,
+                 future: concurrent.futures.Future) -> None:
+        """(On its own compile thread.) The grammar, or the ValueError, into `future`."""
+        grammar = error = None
         try:
             grammar = self._get_compiler().compile_grammar(build_grammar(spec))
-            return grammar
-        except ValueError:
-            raise
+        except ValueError as e:
+            error = e
         except Exception as e:  # noqa: BLE001 — xgrammar reports a bad constraint as RuntimeError
-            raise ValueError(f"the {spec.kind} constraint does not compile: "
-                             f"{_xgrammar_message(e)}") from None
-        finally:
-            with self._lock:
-                self._compiling.pop(key, None)
-                if grammar is not None:
-                    self._grammars[key] = grammar
-                    while len(self._grammars) > GRAMMAR_CACHE_SIZE:
-                        self._grammars.popitem(last=False)
+            error = ValueError(f"the {spec.kind} constraint does not compile: "
+                               f"{_xgrammar_message(e)}")
+        with self._lock:
+            self._compiling.pop(key, None)
+            if grammar is not None:
+                self._grammars[key] = grammar
+                while len(self._grammars) > GRAMMAR_CACHE_SIZE:
+                    self._grammars.popitem(last=False)
+        if error is None:
+            future.set_result(grammar)
+        else:
+            future.set_exception(error)
 
     def _get_compiler(self) -> Any:
         """(On a compile thread: building the tokenizer info takes about a second.)"""
@@ -316,9 +320,6 @@ class StructuredOutputManager:
             for c in out.outputs:
                 if c.finish_reason is not None:
                     self.finish_seq(out.request_id, c.index)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Constrained:

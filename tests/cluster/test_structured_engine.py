@@ -351,3 +351,17 @@ def test_constrained_outputs_are_valid_on_ray_tp2(ray_cluster: None,
         for c in out.outputs:
             assert c.finish_reason == "stop"
             check(c.text, checks[i])
+
+
+@pytest.mark.gpu
+def test_constrained_outputs_are_valid_on_cuda_with_async_scheduling() -> None:
+    """On CUDA the bitmask is filled while the GPU runs the forward pass of its step, and
+    applied on the device (scheduling ahead is the default there)."""
+    prompts, params, checks = _requests()
+    with LLM("qwen3-tiny", device="cuda", dtype="float32", max_num_seqs=64) as llm:
+        assert llm.engine.async_scheduling
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, expected in zip(outs, checks):
+        for c in out.outputs:
+            assert c.finish_reason == "stop"
+            check(c.text, expected)
