@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import logging
 import time
 import uuid
 from collections import deque
@@ -46,6 +47,8 @@ from workers.distributed import get_free_port
 from workers.model_config import load_model_config
 from workers.tiny_model import resolve_model
 
+logger = logging.getLogger(__name__)
+
 # Below this many tokens per step, chunked prefill would starve long prompts of progress.
 _MIN_BATCHED_TOKENS = 8192
 # How often an idle engine probes its workers, so a dead one is noticed within seconds.
@@ -54,6 +57,28 @@ _HEALTH_PROBE_SECONDS = 2.0
 
 class EngineDeadError(RuntimeError):
     """The engine cannot serve any more requests (a worker died); the replica must be replaced."""
+
+
+class EngineRecoveringError(RuntimeError):
+    """A worker died and the engine is rebuilding its tensor-parallel group (not ready yet)."""
+
+
+# How many times the engine tries to rebuild its workers after a rank died before it gives
+# up (then it is dead, and Serve replaces the replica).
+MAX_REBUILD_ATTEMPTS = 2
+
+
+def rebuild_or_raise(executor: Executor, error: WorkerDiedError) -> None:
+    """Rebuild the executor's workers; WorkerDiedError once MAX_REBUILD_ATTEMPTS failed."""
+    last: BaseException = error
+    for _ in range(MAX_REBUILD_ATTEMPTS):
+        try:
+            executor.rebuild()
+            return
+        except Exception as e:  # noqa: BLE001 — any failure counts as one attempt
+            last = e
+    raise WorkerDiedError(f"{error}; rebuilding the workers failed "
+                          f"{MAX_REBUILD_ATTEMPTS} times: {type(last).__name__}: {last}") from last
 
 
 # Allocations of container objects between two young-generation collections (CPython's
@@ -145,6 +170,7 @@ class LLMEngine:
         # for a plan with nothing for the workers, time its scheduling began).
         self._inflight: deque[tuple[StepPlan, Any, float]] = deque()
         self._last_done = 0.0  # when the last step's result was applied
+        self.recoveries = 0  # tensor-parallel groups rebuilt after a rank died
         freeze_startup_heap()
 
     # ----- requests ---------------------------------------------------------------------
@@ -198,6 +224,13 @@ class LLMEngine:
         if not self._inflight:
             self.executor.park()
 
+    def resume_after_rebuild(self) -> None:
+        """The executor rebuilt its workers (empty caches): every unfinished request goes back
+        to recompute from its prompt and the tokens it has; the plans in flight are dropped."""
+        self.scheduler.reset_for_recompute()
+        self._inflight.clear()
+        self.recoveries += 1
+
     # ----- stepping ---------------------------------------------------------------------
     #
     # A step: make sure the next plan is submitted, then wait for the oldest plan's result
@@ -206,8 +239,15 @@ class LLMEngine:
     # workers find N+1 waiting when N ends (see scheduler/scheduler.py for what is safe).
 
     def step(self) -> list[RequestOutput]:
-        plan, result, start = self.next_step()
-        return self.finish_step(plan, None if result is None else result.result(), start)
+        """One step; a worker that died is replaced (see AsyncLLMEngine) and the step's
+        requests recomputed, the step then returning no outputs."""
+        try:
+            plan, result, start = self.next_step()
+            return self.finish_step(plan, None if result is None else result.result(), start)
+        except WorkerDiedError as e:
+            rebuild_or_raise(self.executor, e)
+            self.resume_after_rebuild()
+            return []
 
     def next_step(self) -> tuple[StepPlan, concurrent.futures.Future | None, float]:
         """Submit the next plan (with async scheduling, also the one after the step in flight)
@@ -281,6 +321,7 @@ class LLMEngine:
             "generation_tokens_total": s.generation_tokens_total,
             "num_preemptions_swap": s.preemptions_swap,
             "num_preemptions_recompute": s.preemptions_recompute,
+            "num_worker_recoveries": self.recoveries,
             "request_success_total": dict(self.latency.finished),
             "time_to_first_token_seconds": self.latency.ttft.copy(),
             "inter_token_latency_seconds": self.latency.itl.copy(),
@@ -320,6 +361,7 @@ class AsyncLLMEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._dead: str | None = None
+        self._recovering: str | None = None  # why, while the workers are being rebuilt
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
@@ -391,7 +433,10 @@ class AsyncLLMEngine:
                     try:
                         await asyncio.wait_for(self._wake.wait(), _HEALTH_PROBE_SECONDS)
                     except TimeoutError:
-                        await asyncio.to_thread(engine.executor.ping)
+                        try:
+                            await asyncio.to_thread(engine.executor.ping)
+                        except WorkerDiedError as e:
+                            await self._recover(e)
                     continue
                 self._stepping = True
                 try:
@@ -403,14 +448,38 @@ class AsyncLLMEngine:
                     if future is not None:  # (on a thread: the wait may block on the device)
                         result = (future.result() if future.done()
                                   else await asyncio.to_thread(future.result))
+                except WorkerDiedError as e:
+                    self._stepping = False
+                    await self._recover(e)
+                    self._apply_pending_aborts()
+                    continue
                 finally:
                     self._stepping = False
                 undelivered = engine.finish_step(plan, result, start, defer_text=True)
-                for request_id in self._pending_aborts:
-                    engine.abort(request_id)
-                self._pending_aborts.clear()
+                self._apply_pending_aborts()
         except Exception as e:  # noqa: BLE001 — anything here kills the engine; say why
             self._die(e)
+
+    def _apply_pending_aborts(self) -> None:
+        for request_id in self._pending_aborts:
+            self.engine.abort(request_id)
+        self._pending_aborts.clear()
+
+    async def _recover(self, error: WorkerDiedError) -> None:
+        """A rank died: rebuild the tensor-parallel group (new actors in the replica's
+        placement group, weights reloaded, empty caches) and resume every unfinished request
+        by recompute, so streams go on where they were. Not ready meanwhile (/health is 503).
+        Raises WorkerDiedError when MAX_REBUILD_ATTEMPTS rebuilds failed: the engine dies."""
+        self._recovering = str(error)
+        logger.warning("engine: %s; rebuilding the tensor-parallel workers", error)
+        start = time.perf_counter()
+        try:
+            await asyncio.to_thread(rebuild_or_raise, self.engine.executor, error)
+        finally:
+            self._recovering = None
+        self.engine.resume_after_rebuild()
+        logger.warning("engine: workers rebuilt in %.1f s; %d requests resume by recompute",
+                       time.perf_counter() - start, len(self.engine.scheduler.requests))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Fill in the text apply_result deferred and hand each delta to its request's queue."""
@@ -429,13 +498,20 @@ class AsyncLLMEngine:
         self._queues.clear()
 
     def check_health(self) -> None:
+        """Raise EngineDeadError when the engine cannot serve again. A dead worker is not
+        that: the step loop rebuilds the workers (see check_ready)."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+
+    def check_ready(self) -> None:
+        """check_health, and EngineRecoveringError while a worker is dead or being rebuilt."""
+        self.check_health()
+        if self._recovering is not None:
+            raise EngineRecoveringError(f"rebuilding the workers: {self._recovering}")
         try:
             self.engine.executor.check_health()
         except WorkerDiedError as e:
-            self._die(e)
-            raise EngineDeadError(str(e)) from e
+            raise EngineRecoveringError(f"a worker died; rebuilding: {e}") from e
 
     def metrics(self) -> dict[str, Any]:
         return self.engine.metrics()

@@ -22,9 +22,10 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from cluster.wakeup import Park, WakePipes
+from cluster.wakeup import Park, WakeSockets
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
+from workers.distributed import get_free_port
 
 
 class WorkerDiedError(RuntimeError):
@@ -74,6 +75,11 @@ class Executor(ABC):
     def check_health(self) -> None:  # noqa: B027 — a real default, not a missing override
         """Raise WorkerDiedError when a worker is gone. An in-process worker cannot die
         apart from this process, so by default there is nothing to check."""
+
+    def rebuild(self) -> None:
+        """Start the workers afresh after WorkerDiedError (empty KV caches of the same size);
+        raise when that is impossible (an in-process worker dies with its process)."""
+        raise WorkerDiedError("an in-process worker cannot be rebuilt")
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -142,7 +148,9 @@ class RayExecutor(Executor):
     """`tensor_parallel_size` worker actors, rank i in bundle `bundle_offset + i` of a placement group.
 
     Invariant: every rank receives every plan, in order; only rank 0's reply carries tokens.
-    A step completes when all ranks reply; if any rank fails, the executor is dead for good.
+    A step completes when all ranks reply. If any rank fails, every rank is stopped and
+    WorkerDiedError raised; `rebuild()` then starts a fresh set in the same bundles (the
+    engine's recovery), or `shutdown()` ends the executor.
     """
 
     def __init__(self, config: WorkerConfig, *, num_cpus: float, use_gpu: bool,
@@ -150,9 +158,6 @@ class RayExecutor(Executor):
                  compiled_graph: bool = True, lagged: bool = False) -> None:
         import ray
         from ray.util.placement_group import placement_group as make_pg
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from cluster.ray_worker import RayWorker
 
         tp = config.tensor_parallel_size
         self._owns_pg = placement_group is None
@@ -162,56 +167,85 @@ class RayExecutor(Executor):
             bundle_offset = 0
         self._pg = placement_group
         ray.get(placement_group.ready(), timeout=120)
-        env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-        self.workers = []
-        for rank in range(tp):
-            cfg = dataclasses.replace(config, rank=rank)
-            # Two threads: the compiled graph's loop holds one, health pings use the other.
-            actor = RayWorker.options(
-                num_cpus=num_cpus, num_gpus=1 if use_gpu else 0, max_concurrency=2,
-                runtime_env={"env_vars": env},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group,
-                    placement_group_bundle_index=bundle_offset + rank),
-            ).remote(cfg)
-            self.workers.append(actor)
-        self._dead: str | None = None
-        # Rendezvous happens inside init: all ranks must be called before any is waited on.
-        blocks = self._wait_all([w.init.remote() for w in self.workers])
-        self.num_gpu_blocks = min(b[0] for b in blocks)
-        self.num_cpu_blocks = min(b[1] for b in blocks)
-        self._wait_all([w.init_cache.remote(self.num_gpu_blocks, self.num_cpu_blocks)
-                        for w in self.workers])
+        self._config = config
+        self._actor_options = dict(num_cpus=num_cpus, num_gpus=1 if use_gpu else 0)
+        self._bundle_offset = bundle_offset
+        self._compiled_graph = compiled_graph
         # Lagged (async scheduling on a compiled graph): each call launches its plan and
         # returns the result of the plan launched by the call before, so the workers start
-        # plan N+1 before handing back N's tokens. (DAG output ref futures, oldest first,
-        # each with the step whose result it carries: None for a call that followed none.)
+        # plan N+1 before handing back N's tokens.
         self._lagged = lagged and compiled_graph
+        self.workers: list = []
+        self._dag: Any = None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._wake_sockets: WakeSockets | None = None
+        self._start(None)
+
+    def _start(self, blocks: tuple[int, int] | None) -> None:
+        """Actors for every rank, loaded, with caches of `blocks` (GPU, CPU) blocks (None:
+        the most every rank can hold), a compiled graph and wake sockets."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from cluster.ray_worker import RayWorker
+
+        env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+        self._dead: str | None = None
+        self.workers = []
+        for rank in range(self._config.tensor_parallel_size):
+            cfg = dataclasses.replace(self._config, rank=rank)
+            # Two threads: the compiled graph's loop holds one, health pings use the other.
+            actor = RayWorker.options(
+                **self._actor_options, max_concurrency=2, runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg,
+                    placement_group_bundle_index=self._bundle_offset + rank),
+            ).remote(cfg)
+            self.workers.append(actor)
+        # Rendezvous happens inside init: all ranks must be called before any is waited on.
+        held = self._wait_all([w.init.remote() for w in self.workers])
+        gpu, cpu = min(b[0] for b in held), min(b[1] for b in held)
+        if blocks is not None:
+            if gpu < blocks[0] or cpu < blocks[1]:
+                self._fail(RuntimeError(f"the new ranks hold {gpu}/{cpu} GPU/CPU KV blocks, "
+                                        f"fewer than the {blocks[0]}/{blocks[1]} before"))
+            gpu, cpu = blocks
+        self.num_gpu_blocks, self.num_cpu_blocks = gpu, cpu
+        self._wait_all([w.init_cache.remote(gpu, cpu) for w in self.workers])
+        # (DAG output ref futures, oldest first, each with the step whose result it carries:
+        # None for a call that followed none.)
         self._outputs: deque[tuple[int | None, concurrent.futures.Future]] = deque()
         self._last_launched: int | None = None
         self._calls: dict[int, concurrent.futures.Future] = {}  # not lagged: step -> call
         self._bitmask_refs: list = []
-        # Parking (cluster/wakeup.py): pipes when every rank shares this process's host; the
+        # Parking (cluster/wakeup.py): sockets when every rank shares this process's host; the
         # Park call's output while parked; not lagged, park outputs the next read must skip.
-        self._pipes = self._open_wake_pipes() if compiled_graph else None
+        self._wake_sockets = self._open_wake_sockets() if self._compiled_graph else None
         self._parked: concurrent.futures.Future | None = None
         self._unread_parks: deque[concurrent.futures.Future] = deque()
-        self._dag = self._compile() if compiled_graph else None
+        self._dag = self._compile() if self._compiled_graph else None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dag")
 
-    def _open_wake_pipes(self) -> WakePipes | None:
+    def rebuild(self) -> None:
+        """After a rank died: new actors for every rank in the same bundles, weights reloaded,
+        empty KV caches of the sizes the engine's scheduler already has."""
+        self._stop()
+        if self._config.tensor_parallel_size > 1:  # a fresh rendezvous port
+            self._config = dataclasses.replace(
+                self._config, dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")
+        self._start((self.num_gpu_blocks, self.num_cpu_blocks))
+
+    def _open_wake_sockets(self) -> WakeSockets | None:
         import ray
 
         here = ray.get_runtime_context().get_node_id()
         if any(n != here for n in self._wait_all([w.node_id.remote() for w in self.workers])):
-            return None  # ranks on another host: they spin when idle (no pipe reaches them)
-        pipes = WakePipes(len(self.workers))
-        self._wait_all([w.open_wake_pipe.remote(p) for w, p in zip(self.workers, pipes.paths)])
-        pipes.open()
-        return pipes
+            return None  # ranks on another host: they spin when idle (no socket reaches them)
+        sockets = WakeSockets(len(self.workers))
+        self._wait_all([w.open_wake_socket.remote(p) for w, p in zip(self.workers, sockets.paths)])
+        return sockets
 
     def park(self) -> None:
-        if self._pipes is None or self._parked is not None or self._dead is not None:
+        if self._wake_sockets is None or self._parked is not None or self._dead is not None:
             return
         self._parked = self._thread.submit(self._dag_submit, Park())
 
@@ -220,7 +254,7 @@ class RayExecutor(Executor):
         parked, self._parked = self._parked, None
         if parked is None:
             return
-        self._pipes.wake()
+        self._wake_sockets.wake()
         if self._lagged:
             self._outputs.append((None, parked))
         else:
@@ -251,7 +285,7 @@ class RayExecutor(Executor):
 
     def _fail(self, error: BaseException) -> NoReturn:
         self._dead = f"a tensor-parallel worker failed: {type(error).__name__}: {error}"
-        self.shutdown()
+        self._stop()
         raise WorkerDiedError(self._dead) from error
 
     def submit(self, plan: StepPlan) -> int:
@@ -259,6 +293,7 @@ class RayExecutor(Executor):
         thread-safe), in order: a plan submitted while the previous one runs is written to
         the graph's input channel at once, so the workers start it the moment they finish.
         The handle is the plan's step id."""
+        self.check_health()
         self._unpark()
         if self._lagged:
             self._outputs.append((self._last_launched,
@@ -271,6 +306,7 @@ class RayExecutor(Executor):
         return plan.step_id
 
     def result(self, handle: int) -> concurrent.futures.Future:
+        self.check_health()
         if not self._lagged:
             call = self._calls.pop(handle)
             return call if self._dag is None else self._thread.submit(self._dag_get, call)
@@ -345,31 +381,35 @@ class RayExecutor(Executor):
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
-    def shutdown(self) -> None:
+    def _stop(self) -> None:
+        """Stop every rank and the graph (best effort: this also runs after a rank died)."""
         import ray
-        from ray.util.placement_group import remove_placement_group
 
-        # Best effort throughout: shutdown also runs after a worker died.
         # Parked ranks wake first, so their loops can see the teardown.
         with contextlib.suppress(Exception):
             self._unpark()
         # The compiled graph first, while its actors live: tearing it down cancels their
         # execution loops cleanly (killed first, each cancel fails with ActorDiedError).
-        dag, self._dag = getattr(self, "_dag", None), None
+        dag, self._dag = self._dag, None
         if dag is not None:
             with contextlib.suppress(Exception):  # a dead worker: its loop is gone already
                 dag.teardown()
-        for w in getattr(self, "workers", []):
+        for w in self.workers:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(w, no_restart=True)
         self.workers = []
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=False)
+        sockets, self._wake_sockets = self._wake_sockets, None
+        if sockets is not None:
+            sockets.close()
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        self._stop()
         if self._owns_pg and self._pg is not None:
             with contextlib.suppress(Exception):  # removed with its job already
                 remove_placement_group(self._pg)
             self._pg = None
-        thread = getattr(self, "_thread", None)
-        if thread is not None:
-            thread.shutdown(wait=False)
-        pipes = getattr(self, "_pipes", None)
-        if pipes is not None:
-            pipes.close()

@@ -37,6 +37,8 @@ COUNTERS = (
      "Preemptions that swapped a request's KV blocks to CPU."),
     ("num_preemptions_recompute", "vllm:num_preemptions_recompute",
      "Preemptions that freed a request's KV blocks for recomputation."),
+    ("num_worker_recoveries", "qwen3_serve:num_worker_recoveries",
+     "Tensor-parallel groups rebuilt after a worker died (their requests recomputed)."),
 )
 HISTOGRAMS = (
     ("time_to_first_token_seconds", "vllm:time_to_first_token_seconds",

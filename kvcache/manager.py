@@ -526,6 +526,14 @@ class KVCacheManager(SwapMixin):
 
     # ---- stats / invariants ---------------------------------------------------------------
 
+    def reset(self) -> None:
+        """Forget every sequence and every cached block: the workers' caches are empty again
+        (the engine rebuilt its tensor-parallel group after a rank died)."""
+        self.gpu_pool = BlockPool(self.num_gpu_blocks, enable_caching=self.enable_prefix_caching)
+        self.cpu_pool = BlockPool(self.num_cpu_blocks, enable_caching=False)
+        self._seqs.clear()
+        self._last_hit = None
+
     def stats(self) -> KVCacheStats:
         return KVCacheStats(
             num_gpu_blocks=self.num_gpu_blocks,

@@ -234,6 +234,31 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def reset_for_recompute(self) -> None:
+        """The workers lost their state (a rank died; the engine rebuilt the group with empty
+        caches): every unfinished request goes back to waiting, at the front in admission
+        order, to recompute its prompt plus the tokens it has; the KV cache is emptied and
+        the plans in flight are forgotten (their tokens never arrived: they are sampled
+        again, and a seeded stream draws the same ones). Outputs already decided are kept."""
+        back = [r for r in self.running if r.status is _RUNNING]
+        back += list(self.swapped)
+        back += [r for r in self.waiting if r.status is SequenceStatus.PREEMPTED]
+        fresh = [r for r in self.waiting if r.status is not SequenceStatus.PREEMPTED]
+        self.kv.reset()
+        for req in back:
+            for seq in req.live_seqs():
+                seq.num_computed = 0
+                seq.on_worker = False
+            if req.status is not SequenceStatus.PREEMPTED:
+                req.move(SequenceStatus.PREEMPTED)
+        self.running, self.swapped = [], deque()
+        self.waiting = deque(back + fresh)
+        self._running_dirty = False
+        self._lane.clear()
+        self._lane_plans.clear()
+        self._inflight.clear()
+        self._pending_drops = []
+
     # ---- schedule ---------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
