@@ -6,7 +6,8 @@ constrained output that completes its JSON early goes on with EOS tokens, still 
 so both runs make the same tokens). Per run: output tok/s, wall ms per step, and the host
 time of the structured-output hooks per step (marking the plan's constrained rows, filling
 their bitmask, advancing the matchers: cluster/structured_output.py). The constraint is
-bench/serving.py's JSON_SCHEMA.
+bench/serving.py's JSON_SCHEMA. Then the sampler alone on `--requests` greedy rows of random
+logits, without and with a bitmask (workers/sampler.py's mask op), best of several.
 
     .venv/bin/python bench/structured_bench.py [--reps 3] [--set executor=ray] [--json out.json]
 """
@@ -50,6 +51,34 @@ def run(llm: Any, prompts: list[dict], max_tokens: int, constrained: bool) -> di
             "hook_ms_per_step": 1e3 * (eng.structured.hook_seconds - hooks0) / steps}
 
 
+def sampler_ms(rows: int, vocab: int, reps: int = 20) -> tuple[float, float]:
+    """(ms per call without a bitmask, with one) of the Sampler on greedy rows, best of 3."""
+    import torch
+
+    from workers.sampler import Sampler, SamplingMetadata
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=gen)
+    mask = torch.randint(-2**31, 2**31 - 1, (rows, -(-vocab // 32)), dtype=torch.int32,
+                         generator=gen)
+    sampler = Sampler()
+    out = []
+    for bitmask in (None, mask):
+        md = SamplingMetadata(
+            temperature=torch.zeros(rows), all_greedy=True, top_k=None, top_p=None, min_p=None,
+            rng_key=torch.zeros(rows, dtype=torch.int64),
+            rng_counter=torch.zeros(rows, dtype=torch.int64), penalties=None,
+            max_num_logprobs=None, token_bitmask=bitmask)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(reps):
+                sampler(logits, md)
+            best = min(best, (time.perf_counter() - start) / reps)
+        out.append(1e3 * best)
+    return out[0], out[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-tiny")
@@ -85,14 +114,23 @@ def main() -> None:
                       "ms/step", flush=True)
     median = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
               for name, runs in rows.items()}
-    ratio = median["json-schema"]["tok_per_s"] / median["plain"]["tok_per_s"]
+    # Each rep's json-schema run against the plain run right before it: the pair shares the
+    # VM's speed of the moment, which drifts more than the effect between reps.
+    ratio = statistics.median(j["tok_per_s"] / p["tok_per_s"]
+                              for p, j in zip(rows["plain"], rows["json-schema"]))
     print(f"median: plain {median['plain']['tok_per_s']:.1f} tok/s, json-schema "
-          f"{median['json-schema']['tok_per_s']:.1f} tok/s ({100 * ratio:.0f}%); hooks "
+          f"{median['json-schema']['tok_per_s']:.1f} tok/s; json-schema / plain per rep, "
+          f"median {100 * ratio:.0f}%; hooks "
           f"{median['json-schema']['hook_ms_per_step']:.3f} ms of "
           f"{median['json-schema']['ms_per_step']:.2f} ms per constrained step")
+    plain_ms, masked_ms = sampler_ms(args.requests, llm.engine.model_config.vocab_size)
+    print(f"sampler, {args.requests} greedy rows: {plain_ms:.2f} ms, with a bitmask "
+          f"{masked_ms:.2f} ms")
     if args.json:
         args.json.write_text(json.dumps({"engine_args": engine_args, "runs": rows,
-                                         "median": median, "ratio": ratio}, indent=2) + "\n")
+                                         "median": median, "ratio": ratio,
+                                         "sampler_ms": {"plain": plain_ms, "bitmask": masked_ms}},
+                                        indent=2) + "\n")
 
 
 if __name__ == "__main__":
