@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from cluster.config import EngineConfig
 from cluster.openai_api import LocalEngineClient, create_app
 from scheduler import CompletionOutput, RequestOutput, SamplingParams
 
@@ -37,6 +38,7 @@ class TextEngine:
 
     model_name = MODEL
     max_model_len = 4096
+    config = EngineConfig(max_num_seqs=8)
 
     def __init__(self, tokenizer: Any, text: str = "Hello.") -> None:
         self.tokenizer = tokenizer
