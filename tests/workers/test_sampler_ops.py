@@ -290,11 +290,15 @@ def test_token_bitmask_cpu_unpacking_reads_every_bit_like_the_device_formula() -
     mask = torch.randint(-2**31, 2**31 - 1, (4, 32), dtype=torch.int32, generator=gen)
     mask[1] = -1  # all allowed
     mask[2] = 0  # none (a row never gets this; the bits must still be read right)
-    got = apply_token_bitmask(torch.zeros(4, vocab), mask)
+    logits = torch.randn(4, vocab, generator=gen) * 1e4
     words = mask.to(torch.int64) & 0xFFFFFFFF
-    expected = [[0.0 if (int(words[r, t // 32]) >> (t % 32)) & 1 else float("-inf")
-                 for t in range(vocab)] for r in range(4)]
-    assert got.tolist() == expected
+    expected = [[x if (int(words[r, t // 32]) >> (t % 32)) & 1 else float("-inf")
+                 for t, x in enumerate(logits[r].tolist())] for r in range(4)]
+    assert apply_token_bitmask(logits.clone(), mask).tolist() == expected  # numpy, exact
+    half = logits.to(torch.bfloat16)  # (the torch formula, as on a GPU)
+    assert apply_token_bitmask(half.clone(), mask).tolist() == [
+        [x if e != float("-inf") else e for x, e in zip(h, row)]
+        for h, row in zip(half.tolist(), expected)]
 
 
 def test_sample_simple_is_the_sampler_for_temperature_only_rows() -> None:
