@@ -85,7 +85,7 @@ class StructuredOutputManager:
         # request id -> its grammar and its samples' matchers and sequence ids
         self._requests: dict[str, _Constrained] = {}
         self._by_seq: dict[int, Any] = {}  # seq_id -> matcher
-        self._seq_array: np.ndarray | None = None  # sorted keys of _by_seq (None: stale)
+        self._seq_array: np.ndarray | None = None  # the keys of _by_seq (None: stale)
         self._buffer = np.zeros((0, self.words), dtype=np.int32)
         self._stop_row: np.ndarray | None = None
         self._batch: Any = None
@@ -107,9 +107,10 @@ class StructuredOutputManager:
             raise self._timeout(spec) from None
 
     async def compile_async(self, spec: StructuredOutputsParams) -> None:
-        """`compile`, awaited without blocking the event loop (the result stays cached)."""
+        """`compile`, awaited without blocking the event loop (the result stays cached). The
+        compile is shared: a caller that gives up (timeout, cancelled) leaves it to the others."""
         try:
-            await asyncio.wait_for(asyncio.wrap_future(self._future(spec)),
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future(spec))),
                                    self.compile_timeout_s)
         except TimeoutError:
             raise self._timeout(spec) from None

@@ -254,6 +254,17 @@ def test_compile_async_shares_one_compile_and_times_out_cleanly(tokenizer: Any) 
 
     asyncio.run(both())
     assert len(fresh._grammars) == 1 and not fresh._compiling
+
+    async def one_gives_up() -> None:  # (a client gone while its schema compiles)
+        spec = SO(json={"type": "array", "items": {"type": "boolean"}})
+        quitter = asyncio.ensure_future(fresh.compile_async(spec))
+        stayer = asyncio.ensure_future(fresh.compile_async(spec))
+        await asyncio.sleep(0)
+        quitter.cancel()
+        await stayer  # the shared compile goes on for the one that stayed
+
+    asyncio.run(one_gives_up())
+    assert len(fresh._grammars) == 2
     with pytest.raises(ValueError, match="regex constraint does not compile"):
         asyncio.run(fresh.compile_async(SO(regex="(")))
 
