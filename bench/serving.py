@@ -7,9 +7,13 @@ Starts a Ray cluster and the app from a manifest (default manifests/qwen3-tiny.y
      request: TTFT over HTTP minus that request's TTFT inside the replica's engine (from
      /metrics), which is free of prompt-to-prompt engine variance (`--overhead-only`: this
      step alone);
-  2. for each workload (`random`: prompts uniform 32-256 tokens; `shared-prefix`: a 256-token
-     prefix shared by all + uniform 16-64 own tokens) and each request rate, Poisson arrivals
-     for `--duration` s; outputs uniform 16-64 tokens, greedy, ignore_eos.
+  2. for each request rate and each workload (`random`: prompts uniform 32-256 tokens;
+     `shared-prefix`: a 256-token prefix shared by all + uniform 16-64 own tokens;
+     `json-schema`: `random`'s requests, each constrained by JSON_SCHEMA through
+     response_format), Poisson arrivals for `--duration` s (the same arrivals for every
+     workload at a rate, the workloads run back to back: an A/B); outputs uniform 16-64
+     tokens, greedy, ignore_eos (a constrained output that completes its JSON early goes on
+     with EOS tokens, still constrained, so both runs make the same tokens).
 Prints a table, writes `--json PATH` and a PNG of latency vs load (`--plot PATH`). Failed
 requests are counted per reason: `http_<status>`, a transport error's exception type
 (ReadTimeout, RemoteProtocolError, ...), or `sse_error`/`empty_stream` for a 200 with no token.
@@ -44,6 +48,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from workers.distributed import get_free_port  # noqa: E402
 
 TOKEN_RANGE = (100, 150000)
+# Requests' prompts by workload: the seed offset (json-schema reuses random's requests).
+WORKLOAD_SEEDS = {"random": 10, "shared-prefix": 11, "json-schema": 10}
+# The json-schema workload's constraint: nested objects, an array, numbers with bounds, enums.
+JSON_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["id", "items"],
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 1000000},
+        "items": {"type": "array", "items": {
+            "type": "object", "additionalProperties": False, "required": ["name", "price", "tag"],
+            "properties": {"name": {"type": "string"},
+                           "price": {"type": "number", "minimum": 0, "maximum": 1000},
+                           "tag": {"enum": ["new", "used", "refurbished"]}}}}}}
 
 
 @dataclass(slots=True)
@@ -90,20 +106,20 @@ def make_requests(workload: str, n: int, seed: int) -> list[tuple[list[int], int
     prefix = [rng.randrange(*TOKEN_RANGE) for _ in range(256)]
     out = []
     for _ in range(n):
-        if workload == "random":
+        if workload in ("random", "json-schema"):
             prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(32, 256))]
         elif workload == "shared-prefix":
             prompt = prefix + [rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(16, 64))]
         else:
-            raise ValueError(f"workload must be 'random' or 'shared-prefix'; got {workload!r}")
+            raise ValueError(f"workload must be one of {list(WORKLOAD_SEEDS)}; got {workload!r}")
         out.append((prompt, rng.randint(16, 64)))
     return out
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int],
-                      max_tokens: int) -> Result:
+                      max_tokens: int, extra: dict[str, Any] | None = None) -> Result:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, **(extra or {})}
     start = time.perf_counter()
     last = start
     res = Result(ok=False)
@@ -140,8 +156,17 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int],
     return res
 
 
+def workload_body(workload: str) -> dict[str, Any]:
+    """What a workload adds to each request's body."""
+    if workload == "json-schema":
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "order", "schema": JSON_SCHEMA}}}
+    return {}
+
+
 async def poisson_load(url: str, requests: list[tuple[list[int], int]], rate: float,
-                       duration: float, seed: int) -> tuple[list[Result], float]:
+                       duration: float, seed: int,
+                       extra: dict[str, Any] | None = None) -> tuple[list[Result], float]:
     rng = random.Random(seed)
     tasks = []
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
@@ -157,7 +182,7 @@ async def poisson_load(url: str, requests: list[tuple[list[int], int]], rate: fl
             if delay > 0:
                 await asyncio.sleep(delay)
             prompt, max_tokens = requests[i % len(requests)]
-            tasks.append(asyncio.create_task(one_request(client, url, prompt, max_tokens)))
+            tasks.append(asyncio.create_task(one_request(client, url, prompt, max_tokens, extra)))
             i += 1
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
@@ -405,11 +430,12 @@ def main() -> None:
           f"the replica engine's TTFT: p50 {overhead['overhead_vs_replica_engine_p50_ms']:.1f} ms")
 
     rows: list[dict[str, Any]] = []
-    for w, workload in enumerate([] if args.overhead_only else args.workloads):
-        reqs = make_requests(workload, 4096, seed=args.seed + 10 + w)
-        for rate in args.rates:
-            results, wall = asyncio.run(poisson_load(url, reqs, rate, args.duration,
-                                                     seed=args.seed + int(rate * 1000)))
+    reqs = {w: make_requests(w, 4096, seed=args.seed + WORKLOAD_SEEDS[w]) for w in args.workloads}
+    for rate in [] if args.overhead_only else args.rates:
+        for workload in args.workloads:
+            results, wall = asyncio.run(poisson_load(url, reqs[workload], rate, args.duration,
+                                                     seed=args.seed + int(rate * 1000),
+                                                     extra=workload_body(workload)))
             rows.append(summarize(workload, rate, results, wall))
             r = rows[-1]
             print(f"{workload:>13} {rate:6.1f} req/s  sent {r['sent']:4d} ok {r['completed']:4d} "

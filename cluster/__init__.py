@@ -17,6 +17,7 @@ _EXPORTS = {
     "AsyncLLMEngine": "cluster.engine",
     "EngineDeadError": "cluster.engine",
     "SamplingParams": "scheduler.sampling_params",
+    "StructuredOutputsParams": "scheduler.sampling_params",
 }
 
 __all__ = list(_EXPORTS)

@@ -6,6 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.reasoning import REASONING_PARSERS
+from cluster.tool_parsers import TOOL_CALL_PARSERS
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _BACKENDS = ("auto", "triton", "flash_attn", "torch")
@@ -47,6 +50,11 @@ class EngineConfig:
     # docs/benchmarks.md: slower at tp 1 and tp 2 on the 2-core CI machine).
     async_scheduling: bool | None = None
     max_waiting_requests: int | None = None  # beyond this, new requests are refused (HTTP 429)
+    # Chat responses: split the model's thinking into `reasoning_content` ("qwen3"; None: off,
+    # as in vLLM), and turn its tool calls into `tool_calls` ("hermes", Qwen3's format; None:
+    # requests with tools are refused).
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -57,6 +65,8 @@ class EngineConfig:
         _choice(self, "attention_backend", _BACKENDS)
         _choice(self, "executor", _EXECUTORS)
         _choice(self, "preemption_mode", (None, "swap", "recompute"))
+        _choice(self, "reasoning_parser", (None, *REASONING_PARSERS))
+        _choice(self, "tool_call_parser", (None, *TOOL_CALL_PARSERS))
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError("async_scheduling must be true, false or null (auto); "
                              f"got {self.async_scheduling!r}")

@@ -3,6 +3,12 @@
 `LLMEngine` is the synchronous core (add_request / abort / step), used by the offline `LLM`.
 `AsyncLLMEngine` runs the same core as a background asyncio task, so a Serve replica can
 stream many requests at once: each request gets a queue of output deltas.
+
+Structured outputs (cluster/structured_output.py) hook in at three points: a plan's
+constrained rows are marked when it is scheduled; a step's tokens advance the matchers when
+its result is applied; and the oldest plan in flight gets its bitmask once every plan before
+it has been applied (at submit when it is the only one, else right after its predecessor's
+result), while its forward pass runs.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from cluster.executor import (
 )
 from cluster.fast_detokenizer import detokenizer_factory
 from cluster.metrics import LatencyMetrics, RequestTimes
+from cluster.structured_output import StructuredOutputManager
 from kvcache import KVCacheManager
 from scheduler import (
     RequestOutput,
@@ -152,6 +159,8 @@ class LLMEngine:
                             max_model_len=self.max_model_len, preemption_mode=preemption),
             kv, tokenizer=self.tokenizer, eos_token_ids=self.model_config.eos_token_ids,
             detokenizer_factory=detokenizer_factory(self.tokenizer))
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                  self.model_config.eos_token_ids)
         self.latency = LatencyMetrics()
         self._times: dict[str, RequestTimes] = {}
         self.num_steps = 0
@@ -185,17 +194,22 @@ class LLMEngine:
                              f"({self.max_model_len}); shorten the prompt or lower max_tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # cached for add_request
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, cache_salt: str | None = None) -> None:
         params = params or SamplingParams()
         self.validate(prompt_token_ids, params)
+        if params.structured_outputs is not None:
+            self.structured.add_request(request_id, params.structured_outputs)
         self.scheduler.add_request(request_id, list(prompt_token_ids), params,
                                    cache_salt=cache_salt)
         self._times[request_id] = RequestTimes(arrival=time.perf_counter())
 
     def abort(self, request_id: str) -> RequestOutput | None:
         out = self.scheduler.abort(request_id)
+        self.structured.release(request_id)
         times = self._times.pop(request_id, None)
         if out is not None and times is not None:
             self.latency.on_finished(times, time.perf_counter(), "abort")
@@ -250,14 +264,29 @@ class LLMEngine:
     def _submit(self) -> None:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.structured.active:
+            self.structured.mark(plan)
         # A plan with nothing for the workers (everyone waits on a token in flight) stays here.
         handle = None if plan.is_noop else self.executor.submit(plan)
         self._inflight.append((plan, handle, start))
+        if len(self._inflight) == 1:
+            self._provide_bitmask()
+
+    def _provide_bitmask(self) -> None:
+        """The oldest plan in flight samples once it has its constrained rows' bitmask: every
+        plan before it has been applied, so the matchers are where its sequences are."""
+        plan, handle, _ = self._inflight[0]
+        if plan.num_constrained and handle is not None:
+            self.executor.provide_bitmask(handle, self.structured.bitmask(plan))
 
     def finish_step(self, plan: StepPlan, result: StepResult | None, start: float,
                     defer_text: bool = False) -> list[RequestOutput]:
         """Apply a step's result (see Scheduler.apply_result) and record its timing."""
         outputs = self.scheduler.apply_result(plan, result, defer_text)
+        if self.structured.active:
+            self.structured.on_result(plan, result, outputs)
+        if self._inflight:  # (even with no constrained request left: one may be in flight)
+            self._provide_bitmask()
         now = time.perf_counter()
         for out in outputs:
             times = self._times.get(out.request_id)
@@ -345,6 +374,8 @@ class AsyncLLMEngine:
         self.check_health()
         self._ensure_loop()
         request_id = request_id or uuid.uuid4().hex
+        if sampling_params.structured_outputs is not None:  # compiled off the event loop
+            await self.engine.structured.compile_async(sampling_params.structured_outputs)
         queue: asyncio.Queue = asyncio.Queue()
         if self.config.max_waiting_requests is not None:
             waiting = self.engine.scheduler.stats().num_waiting

@@ -112,15 +112,19 @@ class LocalEngineClient:
 
 
 def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str | None = None,
-               api_key: str | None = None, max_body_bytes: int | None = None) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int | None = None,
+               reasoning_parser: str | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
     `api_key`, when set, is required as `Authorization: Bearer <key>` on every /v1 route
     (as vLLM does, /health and /metrics stay open for probes and scrapers).
     `max_body_bytes`: the largest request body accepted (413 beyond it); None: sized from
     max_model_len by `default_max_body_bytes`.
+    `reasoning_parser` / `tool_call_parser`: EngineConfig's settings of those names.
     """
-    serving = OpenAIServing(client, tokenizer, served_model_name, max_body_bytes)
+    serving = OpenAIServing(client, tokenizer, served_model_name, max_body_bytes,
+                            reasoning_parser, tool_call_parser)
     app = FastAPI(title="qwen3-serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_api_route("/v1/models", serving.list_models, methods=["GET"])
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
@@ -221,9 +225,12 @@ class OpenAIServing:
     """Request handlers; one instance per ingress replica."""
 
     def __init__(self, client: EngineClient, tokenizer: Any,
-                 served_model_name: str | None = None, max_body_bytes: int | None = None) -> None:
+                 served_model_name: str | None = None, max_body_bytes: int | None = None,
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> None:
         self.client = client
         self.served_model_name = served_model_name
+        self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
         self.prompts = PromptProcessor(tokenizer)
         self.max_body_bytes = max_body_bytes
         self._info: ModelInfo | None = None
@@ -297,16 +304,22 @@ class OpenAIServing:
             req = _parse(ChatCompletionRequest, body)
             self._check_model(req.model)
             self._check_n(req.n, info)
+            if req.uses_tools and self.tool_call_parser is None:
+                raise RequestError("tools need the server's tool_call_parser setting (hermes "
+                                   "for Qwen3), which is off; ask for it or send no tools",
+                                   param="tools")
             prompt = await self._off_loop(len(body), self.prompts.render_chat, req,
                                           info.max_model_len)
             max_tokens = self.prompts.max_tokens(req.requested_max_tokens, len(prompt),
                                                  info.max_model_len)
-            params = req.to_sampling_params(max_tokens)
+            params = req.to_sampling_params(
+                max_tokens, reasoning=self.reasoning_parser is not None and req.thinking)
             stream = self._start([prompt], [params], rid, req.cache_salt)
             first = await first_delta(stream)
         except Exception as e:  # noqa: BLE001
             return error_response(map_exception(e, rid))
-        builder = ChatBuilder(self.served_model_name, self.prompts.token_text, rid, req, prompt)
+        builder = ChatBuilder(self.served_model_name, self.prompts.token_text, rid, req, prompt,
+                              self.reasoning_parser, self.tool_call_parser)
         return await respond(builder, first, stream, req.stream)
 
     @staticmethod

@@ -16,7 +16,8 @@ from cluster.protocol import ChatCompletionRequest, CompletionRequest, RequestEr
 
 # Arguments of apply_chat_template that the request's own fields (or this server) set.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "return_dict", "tokenizer",
-                                       "add_generation_prompt", "continue_final_message"})
+                                       "add_generation_prompt", "continue_final_message",
+                                       "tools"})
 
 
 class PromptProcessor:
@@ -56,10 +57,12 @@ class PromptProcessor:
             if m.content is None and not getattr(m, "tool_calls", None):
                 raise RequestError(f"messages[{i}] ({m.role}) has neither content nor tool_calls; "
                                    "send its text as content", param="messages")
+        req.check_tools()
         messages = [m.to_template_dict() for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                messages, tools=req.tool_dicts() if req.uses_tools else None, tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, **kwargs)
         except Exception as e:  # noqa: BLE001 - template errors are the client's messages
             raise RequestError(f"the chat template rejected the messages: {e}",

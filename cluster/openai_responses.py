@@ -2,7 +2,9 @@
 
 A builder follows one HTTP request: `stream` yields the SSE chunks as deltas arrive,
 `collect` waits for the end and returns the whole body. Responses are plain dicts with one
-`json.dumps` per chunk (the hot path). Invariants: an SSE stream always ends with
+`json.dumps` per chunk (the hot path). A chat response runs each choice's text through the
+server's reasoning parser (`reasoning_content`) and, when the request has tools, its tool-call
+parser (`tool_calls`), streamed or whole alike. Invariants: an SSE stream always ends with
 `data: [DONE]`, an error after the headers went out is sent in-band as an error chunk, and
 the engine stream is closed however the builder stops reading it.
 """
@@ -20,6 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from cluster.async_streams import aclose
 from cluster.openai_errors import error_response, map_exception
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.reasoning import REASONING_PARSERS
+from cluster.tool_parsers import TOOL_CALL_PARSERS
 
 # JSON has no -inf; vLLM reports impossible tokens with this value instead.
 _MIN_LOGPROB = -9999.0
@@ -199,16 +203,89 @@ class CompletionBuilder(ResponseBuilder):
                 "model": self.model, "choices": choices, "usage": self.usage()}
 
 
+class _Parsed:
+    """One chat choice's text through the reasoning and tool-call parsers."""
+
+    __slots__ = ("reasoner", "tools", "reasoning", "content", "calls", "reasoning_tokens")
+
+    def __init__(self, reasoner: Any, tools: Any) -> None:
+        self.reasoner = reasoner
+        self.tools = tools
+        self.reasoning = ""
+        self.content = ""
+        self.calls: list[dict[str, Any]] = []
+        self.reasoning_tokens = 0
+
+    def feed(self, c: Any) -> dict[str, Any]:
+        """The delta of one CompletionOutput: reasoning_content, content and tool_calls parts
+        (the calls with their index in this choice)."""
+        text, reasoning = c.text, ""
+        done = c.finish_reason is not None
+        if self.reasoner is not None:
+            reasoning, text = self.reasoner.feed(text)
+            if self.reasoner.last_in_reasoning:
+                self.reasoning_tokens += len(c.token_ids)
+            if done:
+                r, t = self.reasoner.finish()
+                reasoning, text = reasoning + r, text + t
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            text, calls = self.tools.feed(text)
+            if done:
+                t, more = self.tools.finish()
+                text, calls = text + t, calls + more
+        delta: dict[str, Any] = {}
+        if reasoning:
+            self.reasoning += reasoning
+            delta["reasoning_content"] = reasoning
+        if text:
+            self.content += text
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [{"index": len(self.calls) + i, **call}
+                                   for i, call in enumerate(calls)]
+            self.calls += calls
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        # OpenAI's reason for an answer that is tool calls
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
+    def message(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        if self.reasoner is not None:
+            msg["reasoning_content"] = self.reasoning if self.reasoner.opened else None
+        if self.calls:
+            msg["tool_calls"] = self.calls
+        return msg
+
+
 class ChatBuilder(ResponseBuilder):
     object_name = "chat.completion.chunk"
 
     def __init__(self, model: str | None, token_text: Callable[[int], str], rid: str,
-                 req: ChatCompletionRequest, prompt: list[int]) -> None:
+                 req: ChatCompletionRequest, prompt: list[int], reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None) -> None:
         super().__init__(model, token_text, rid, req.n, 1, len(prompt), req.include_usage)
         self.req = req
+        self.reasoning = reasoning_parser is not None
+        self.parsed: list[_Parsed] | None = None
+        tools = tool_call_parser is not None and req.uses_tools
+        if self.reasoning or tools:
+            self.parsed = [_Parsed(
+                REASONING_PARSERS[reasoning_parser](req.thinking) if self.reasoning else None,
+                TOOL_CALL_PARSERS[tool_call_parser]() if tools else None)
+                for _ in range(req.n)]
 
     def top_logprobs_k(self) -> int:
         return self.req.top_logprobs or 0
+
+    def usage(self) -> dict[str, Any]:
+        usage = super().usage()
+        if self.reasoning and self.parsed is not None:
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": sum(p.reasoning_tokens for p in self.parsed)}
+        return usage
 
     def preamble(self) -> list[str]:
         # OpenAI opens every choice with a role-only delta.
@@ -225,9 +302,17 @@ class ChatBuilder(ResponseBuilder):
             if self.req.logprobs:
                 lp = {"content": self._logprobs(c)}
                 ch.lp_content += lp["content"]
-            delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+            reason = c.finish_reason
+            if self.parsed is None:
+                delta = {"content": c.text} if c.text or reason is None else {}
+            else:
+                parsed = self.parsed[idx]
+                delta = parsed.feed(c)
+                if not delta and reason is None:
+                    delta = {"content": ""}
+                reason = ch.finish_reason = parsed.finish_reason(reason)
             parts.append({"index": idx, "delta": delta, "logprobs": lp,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                          "finish_reason": reason, "stop_reason": c.stop_reason})
         return self.chunk(parts) if render else ""
 
     def _logprobs(self, c: Any) -> list[dict[str, Any]]:
@@ -243,10 +328,13 @@ class ChatBuilder(ResponseBuilder):
         return entries
 
     def final(self) -> dict[str, Any]:
-        choices = [{"index": idx, "message": {"role": "assistant", "content": ch.text},
-                    "logprobs": {"content": ch.lp_content} if self.req.logprobs else None,
-                    "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
-                   for idx, ch in enumerate(self.choices)]
+        choices = []
+        for idx, ch in enumerate(self.choices):
+            message = ({"role": "assistant", "content": ch.text} if self.parsed is None
+                       else self.parsed[idx].message())
+            choices.append({"index": idx, "message": message,
+                            "logprobs": {"content": ch.lp_content} if self.req.logprobs else None,
+                            "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
         return {"id": self.rid, "object": "chat.completion", "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage()}
 

@@ -1,21 +1,32 @@
 """OpenAI request bodies (with vLLM's extras), their mapping onto SamplingParams, and error bodies.
 
 Request models are strict: a JSON value of the wrong type (`"max_tokens": "ten"`,
-`"stream": 1`) is a 400, never coerced. Fields OpenAI clients send that this server does
-not use (`user`, `logit_bias` left empty, ...) are ignored, as vLLM does; fields whose
-meaning we cannot honour (`suffix`, `tools`, prompt logprobs) are rejected with a 400
-naming the field, so a client never silently gets something else than it asked for.
+`"stream": 1`) is a 400, never coerced. Top-level fields this server does not know are a 400
+naming the field, except the few that cannot change the output (`HARMLESS_FIELDS`: `user`,
+`metadata`, ...), which are ignored; known fields whose meaning we cannot honour (`suffix`,
+prompt logprobs, ...) are a 400 too, so a client never silently gets something else than it
+asked for. Constraints (`response_format`, vLLM's `guided_*` and `structured_outputs`, a
+required or named `tool_choice`) become `SamplingParams.structured_outputs`.
 Responses are built as plain dicts in `openai_responses.py`: one `json.dumps` per SSE chunk is
 the hot path, and pydantic models there would only add latency.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+
+# Top-level request fields that cannot change the output: accepted and ignored. Any other
+# field the models below do not declare is a 400.
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                             "safety_identifier", "prediction", "priority", "request_id"})
+
+
+_STRUCTURED_OUTPUTS_FIELDS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams))
 
 
 class _Request(BaseModel):
@@ -26,8 +37,22 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced exactly
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -51,8 +76,18 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _sampling_kwargs(self) -> dict[str, Any]:
+        unknown = sorted(set(self.model_extra or ()) - HARMLESS_FIELDS)
+        if unknown:
+            raise RequestError(f"unknown field {unknown[0]!r}: this server does not support it; "
+                               "remove it", param=unknown[0])
         if self.logit_bias:
             raise RequestError("logit_bias is not supported by this server; remove it",
                                param="logit_bias")
@@ -68,6 +103,49 @@ class _SamplingFields(_Request):
             if value is not None:  # None means "the default", as in OpenAI's API
                 kw[name] = value
         return kw
+
+    def constraints(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """The output constraints the request asks for, each with the field that asked."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise RequestError("response_format of type json_schema needs "
+                                   "json_schema.schema", param="response_format")
+            found.append(("response_format", {"json": fmt.json_schema.schema_}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        if self.structured_outputs is not None:
+            unknown = sorted(set(self.structured_outputs) - set(_STRUCTURED_OUTPUTS_FIELDS))
+            if unknown:
+                raise RequestError(f"structured_outputs: unknown field {unknown[0]!r}; valid "
+                                   f"ones: {list(_STRUCTURED_OUTPUTS_FIELDS)}",
+                                   param="structured_outputs")
+            found.append(("structured_outputs", self.structured_outputs))
+        out = []
+        for name, kwargs in found:
+            try:
+                out.append((name, StructuredOutputsParams(**kwargs)))
+            except ValueError as e:
+                raise RequestError(f"{name}: {e}", param=name) from None
+        return out
+
+    def _constraint(self, extra: list[tuple[str, StructuredOutputsParams]] = (),
+                    reasoning: bool = False) -> StructuredOutputsParams | None:
+        """The one constraint of the request (400 for two), with `reasoning` set."""
+        found = self.constraints() + list(extra)
+        if len(found) > 1:
+            raise RequestError(f"{found[0][0]} and {found[1][0]} both constrain the output; "
+                               "send one of them", param=found[1][0])
+        if not found:
+            return None
+        spec = found[0][1]
+        spec.reasoning = reasoning
+        return spec
 
     @property
     def include_usage(self) -> bool:
@@ -95,7 +173,18 @@ class CompletionRequest(_SamplingFields):
             raise RequestError("echo together with logprobs needs prompt logprobs, which this "
                                "server does not compute; drop one of them", param="echo")
         return _make_params(**self._sampling_kwargs(), max_tokens=max_tokens,
-                            logprobs=self.logprobs)
+                            logprobs=self.logprobs, structured_outputs=self._constraint())
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Request):
@@ -103,6 +192,8 @@ class ChatMessage(_Request):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: which call it answers
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as a chat template expects it (content parts joined into text)."""
@@ -121,7 +212,32 @@ class ChatMessage(_Request):
             msg["name"] = self.name
         if self.reasoning_content is not None:
             msg["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -135,7 +251,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -144,14 +262,65 @@ class ChatCompletionRequest(_SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        if self.tools:
-            raise RequestError("tools are not supported by this server; remove them",
-                               param="tools")
+    @property
+    def thinking(self) -> bool:
+        """Whether the chat template lets the model think (Qwen3's `enable_thinking`)."""
+        return (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the model is shown the tools and its calls are parsed."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def check_tools(self) -> None:
+        """400 for a tool_choice without tools or naming a tool that is not there, and for a
+        tool message that answers no earlier call."""
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise RequestError("tool_choice needs tools; send the tools the model may call",
+                               param="tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if choice.function.name not in names:
+                raise RequestError(f"tool_choice names the function {choice.function.name!r}, "
+                                   f"which is not in tools ({names})", param="tool_choice")
+        call_ids: set[str] = set()
+        for i, m in enumerate(self.messages):
+            call_ids.update(c.id for c in m.tool_calls or ())
+            if m.role == "tool" and m.tool_call_id not in call_ids:
+                raise RequestError(f"messages[{i}] is a tool result whose tool_call_id "
+                                   f"{m.tool_call_id!r} answers no earlier assistant tool call",
+                                   param="messages")
+
+    def to_sampling_params(self, max_tokens: int | None,
+                           reasoning: bool = False) -> SamplingParams:
+        """`reasoning`: the server parses reasoning and the model thinks, so a constrained
+        output may open with its thinking block."""
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return _make_params(**self._sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs)
+        extra = []
+        if self.uses_tools and (self.tool_choice not in (None, "auto")
+                                or not self.parallel_tool_calls):
+            from cluster.tool_parsers import tool_call_constraint
+
+            try:
+                extra.append(("tool_choice", tool_call_constraint(
+                    self.tool_dicts(), self._xgrammar_tool_choice(), self.parallel_tool_calls)))
+            except ValueError as e:
+                raise RequestError(f"tools: {e}", param="tools") from None
+        return _make_params(**self._sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs,
+                            structured_outputs=self._constraint(extra, reasoning))
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as the chat template (and xgrammar) take them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    def _xgrammar_tool_choice(self) -> Any:
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.model_dump()
+        return choice or "auto"
 
 
 class RequestError(ValueError):

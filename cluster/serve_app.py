@@ -170,7 +170,8 @@ class OpenAIIngress:
 
     def __init__(self, llm_server: DeploymentHandle, model: str,
                  served_model_name: str | None = None, api_key: str | None = None,
-                 max_request_body_bytes: int | None = None) -> None:
+                 max_request_body_bytes: int | None = None,
+                 parsers: tuple[str | None, str | None] = (None, None)) -> None:
         from transformers import AutoTokenizer
 
         from workers.tiny_model import resolve_model
@@ -181,10 +182,15 @@ class OpenAIIngress:
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.max_request_body_bytes = max_request_body_bytes
+        self.reasoning_parser, self.tool_call_parser = parsers
+        if self.tool_call_parser is not None:
+            import xgrammar  # noqa: F401 — loaded now, not on the first forced tool call (~2 s)
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self.client, self.tokenizer, served_model_name=self.served_model_name,
-                          api_key=self.api_key, max_body_bytes=self.max_request_body_bytes)
+                          api_key=self.api_key, max_body_bytes=self.max_request_body_bytes,
+                          reasoning_parser=self.reasoning_parser,
+                          tool_call_parser=self.tool_call_parser)
 
 
 def pack_output(out: RequestOutput) -> tuple:
@@ -256,5 +262,5 @@ def build_app(args: dict[str, Any]) -> Application:
         backpressure_config=backpressure,
     ).bind(llm, config.model, serving["served_model_name"],
            serving["api_key"] or os.environ.get(API_KEY_ENV) or None,
-           serving["max_request_body_bytes"])
+           serving["max_request_body_bytes"], (config.reasoning_parser, config.tool_call_parser))
     return ingress

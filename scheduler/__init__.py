@@ -9,7 +9,7 @@ from scheduler.detokenizer import IncrementalDetokenizer, StopStringBuffer
 from scheduler.outputs import CompletionOutput, RequestOutput, SchedulerStats
 from scheduler.plan import NewSeq, StepPlan, StepResult
 from scheduler.request import Request, RequestStatus, Sequence, SequenceStatus
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler
 
 __all__ = [
@@ -28,4 +28,5 @@ __all__ = [
     "StepPlan",
     "StepResult",
     "StopStringBuffer",
+    "StructuredOutputsParams",
 ]

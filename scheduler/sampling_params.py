@@ -1,11 +1,84 @@
-"""Sampling parameters, with vLLM's names, defaults and validation."""
+"""Sampling parameters, with vLLM's names, defaults and validation.
+
+`StructuredOutputsParams` is only the description of a constraint (plain data, checked for
+shape here); compiling it into a grammar and enforcing it is cluster/structured_output.py's.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 # Greedy sampling is temperature below this; vLLM uses the same cut-off.
 _GREEDY_EPS = 1e-5
+
+
+# The fields of StructuredOutputsParams that say what the output must match; exactly one is set.
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """What a constrained output must match, with vLLM's names (`GuidedDecodingParams` before).
+
+    Exactly one of: `json` (a JSON schema, as a dict or its JSON text), `regex` (the whole
+    output matches it), `choice` (the output is one of these strings), `grammar` (an EBNF
+    grammar with a `root` rule, or a Lark grammar), `json_object` (any JSON object),
+    `structural_tag` (xgrammar's structural tag, as JSON text).
+    `disable_any_whitespace`: JSON without whitespace between its tokens (otherwise a few
+    characters of whitespace may separate them). `reasoning`: the output may open with one
+    complete `<think>...</think>` block, unconstrained, before the constrained part (set by the
+    server for a thinking model when its reasoning parser is on).
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{', '.join(_CONSTRAINTS)}; got {set_ or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        _check(self.json is None or isinstance(self.json, (dict, bool)), "structured_outputs.json",
+               self.json, "a JSON schema (an object)")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value != ""),
+                   f"structured_outputs.{name}", value, "a non-empty string")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            _check(bool(self.choice) and all(isinstance(c, str) and c for c in self.choice),
+                   "structured_outputs.choice", self.choice, "a non-empty list of non-empty strings")
+        _check(self.json_object in (None, True), "structured_outputs.json_object",
+               self.json_object, "true or omitted")
+        for name in ("disable_any_whitespace", "reasoning"):
+            _check(isinstance(getattr(self, name), bool), f"structured_outputs.{name}",
+                   getattr(self, name), "true or false")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of json, regex, choice, grammar, json_object,
+        structural_tag."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    def key(self) -> str:
+        """The constraint as canonical JSON text: equal for equal constraints (the compile
+        cache's key)."""
+        return json.dumps({self.kind: getattr(self, self.kind),
+                           "disable_any_whitespace": self.disable_any_whitespace,
+                           "reasoning": self.reasoning}, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(slots=True)
@@ -34,6 +107,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrain the output to a JSON schema, regex, choice or grammar (None: unconstrained).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +144,9 @@ class SamplingParams:
                self.frequency_penalty, "[-2, 2]")
         _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
                self.repetition_penalty, "(0, 2]")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

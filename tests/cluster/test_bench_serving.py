@@ -80,3 +80,17 @@ def test_summary_row_carries_the_breakdown_into_json() -> None:
     assert (row["sent"], row["completed"], row["failed"]) == (3, 1, 2)
     assert row["failures"] == {"ConnectError": 1, "http_503": 1}
     assert row["output_tok_per_s"] == 2.0
+
+
+def test_json_schema_workload_is_random_with_a_constraint_the_server_takes() -> None:
+    from cluster.protocol import CompletionRequest
+    from cluster.structured_output import check_schema
+
+    reqs = serving.make_requests("json-schema", 5, seed=serving.WORKLOAD_SEEDS["json-schema"])
+    assert reqs == serving.make_requests("random", 5, seed=serving.WORKLOAD_SEEDS["random"])
+    assert serving.workload_body("random") == {}
+    body = {"prompt": reqs[0][0], "max_tokens": reqs[0][1],
+            **serving.workload_body("json-schema")}
+    sp = CompletionRequest.model_validate_json(json.dumps(body)).to_sampling_params(4)
+    assert sp.structured_outputs.json == serving.JSON_SCHEMA
+    check_schema(serving.JSON_SCHEMA)  # nothing in it that xgrammar would not enforce

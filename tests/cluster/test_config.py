@@ -36,3 +36,12 @@ def test_auto_in_process_asks_torch_not_the_cluster(
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 0.0 if has_cuda else 8.0})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: has_cuda)
     assert EngineConfig().resolve_device(from_ray=False) == expected
+
+
+@pytest.mark.parametrize(("field", "value"), [("reasoning_parser", "deepseek_r1"),
+                                              ("tool_call_parser", "mistral")])
+def test_unknown_parser_names_the_valid_ones(field: str, value: str) -> None:
+    with pytest.raises(ValueError, match=rf"{field} must be one of \[None, '"):
+        EngineConfig(**{field: value})
+    assert getattr(EngineConfig(reasoning_parser="qwen3", tool_call_parser="hermes"),
+                   field) in ("qwen3", "hermes")

@@ -17,6 +17,7 @@ from workers.sampler import (
     SamplingMetadata,
     apply_min_p,
     apply_penalties,
+    apply_token_bitmask,
     apply_top_k_top_p,
     sample_simple,
     stream_key,
@@ -207,6 +208,23 @@ def test_token_bitmask_masks_sampling_greedy_and_logprobs() -> None:
     assert out.token_ids[1].item() == max(allowed[1], key=lambda t: logits[1, t].item())
     assert out.token_ids[2].item() == 5
     assert out.top_token_ids[0, 0].item() in allowed[0]
+
+
+def test_token_bitmask_cpu_unpacking_reads_every_bit_like_the_device_formula() -> None:
+    vocab = 1000  # 32 words, the last one partly used
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.randint(-2**31, 2**31 - 1, (4, 32), dtype=torch.int32, generator=gen)
+    mask[1] = -1  # all allowed
+    mask[2] = 0  # none (a row never gets this; the bits must still be read right)
+    logits = torch.randn(4, vocab, generator=gen) * 1e4
+    words = mask.to(torch.int64) & 0xFFFFFFFF
+    expected = [[x if (int(words[r, t // 32]) >> (t % 32)) & 1 else float("-inf")
+                 for t, x in enumerate(logits[r].tolist())] for r in range(4)]
+    assert apply_token_bitmask(logits.clone(), mask).tolist() == expected  # numpy, exact
+    half = logits.to(torch.bfloat16)  # (the torch formula, as on a GPU)
+    assert apply_token_bitmask(half.clone(), mask).tolist() == [
+        [x if e != float("-inf") else e for x, e in zip(h, row)]
+        for h, row in zip(half.tolist(), expected)]
 
 
 def test_sample_simple_is_the_sampler_for_temperature_only_rows() -> None:
