@@ -142,33 +142,12 @@ def bench_admit(num_seqs: int, prompt_len: int, seed: int, tokenizer, factory=No
             "step_us_min": round(min(times) * 1e6, 1)}
 
 
-def _load_tree(root: str):
-    """This benchmark module as another checkout at `root` has it, with that checkout's
-    scheduler, kvcache and cluster packages (the modules of this tree stay loaded too)."""
-    pkgs = ("scheduler", "kvcache", "cluster", "workers", "kernels")
-    saved = {k: m for k, m in sys.modules.items() if k.split(".")[0] in pkgs}
-    for k in saved:
-        del sys.modules[k]
-    spec = importlib.util.spec_from_file_location("scheduler_bench_other",
-                                                  os.path.join(root, "bench", "scheduler_bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, root)
-    try:
-        spec.loader.exec_module(module)
-        if not sys.modules["scheduler"].__file__.startswith(os.path.abspath(root)):
-            raise SystemExit(f"--against {root}: its scheduler package did not load")
-    finally:
-        sys.path.remove(root)
-        for k in [k for k in sys.modules if k.split(".")[0] in pkgs]:
-            del sys.modules[k]
-        sys.modules.update(saved)
-    return module
-
-
 def compare(other_root: str, contexts: list[int], rounds: int, steps: int, num_seqs: int,
             pipelined: bool) -> list[dict]:
     """Decode rows of this tree and of `other_root`, alternating which goes first."""
-    runs = {"this": sys.modules[__name__], "other": _load_tree(other_root)}
+    from against import load_bench
+
+    runs = {"this": sys.modules[__name__], "other": load_bench(other_root, "scheduler_bench.py")}
     rows = []
     for r in range(rounds):
         for c in contexts:

@@ -389,7 +389,16 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
         lane = self._lane
         n = len(lane)
         self._lane_steps += 1
-        done = self.kv.append_slots(lane.seq_ids, lane.token_lists, int(ahead), step.appended)
+        done = 0
+        allocate = self.kv.allocate_slots
+        appended = step.appended
+        for sid, tokens in zip(lane.seq_ids, lane.token_lists):
+            alloc = allocate(sid, tokens, 1, num_pending=int(ahead))
+            if alloc is None or alloc.copies:
+                break
+            if alloc.new_block_ids:
+                appended[sid] = alloc.new_block_ids
+            done += 1
         if ahead:
             inputs = np.full(done, PENDING_TOKEN, dtype=np.int64)
         else:
@@ -422,7 +431,7 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
         workers hold that gets its slot without preemption or copy-on-write, is inlined and
         joins the decode lane; its entries are counted in `taken` and charged to the step's
         budget and sequence slots in one go, before any slow path (which charges its own)."""
-        append_slot = self.kv.append_slot
+        allocate = self.kv.allocate_slots
         appended = step.appended
         dec_ids, dec_pos, dec_tokens = step.dec_ids, step.dec_pos, step.dec_tokens
         step_id = step.step_id
@@ -469,7 +478,7 @@ class Scheduler(SeqSchedulingMixin, ResultsMixin):
                     full = True
                     break
                 sid = seq.seq_id
-                alloc = append_slot(sid, tokens, ahead)
+                alloc = allocate(sid, tokens, 1, num_pending=ahead)
                 if alloc is None or alloc.copies or not seq.on_worker:
                     step.budget -= taken
                     step.seq_slots -= taken

@@ -141,7 +141,7 @@ def test_manager_reserves_a_slot_ahead_and_refuses_two() -> None:
     kv = KVCacheManager(8, 0, 4, enable_prefix_caching=True)
     tokens = [1, 2, 3]
     kv.allocate_slots(0, tokens, 3)
-    kv.append_slot(0, tokens, num_pending=1)
+    kv.allocate_slots(0, tokens, 1, num_pending=1)
     assert kv.num_slots(0) == 4
     with pytest.raises(ValueError, match="1 pending"):
         kv.allocate_slots(0, tokens, 1, num_pending=1)
