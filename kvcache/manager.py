@@ -161,7 +161,8 @@ class KVCacheManager:
         num_pending: int = 0,
     ) -> Allocation | None:
         """Reserve KV slots for the seq's next num_new_tokens tokens: the one way a sequence
-        gets slots, for its first chunk, later chunks and every decode (see the diagram above).
+        gets slots, for its first chunk, later chunks and every decode (see the diagram above;
+        a batch of one-token decodes may take them in one allocate_decode_slots call).
 
         token_ids is the seq's whole known token list, followed by num_pending tokens still
         being sampled (async scheduling computes a token in the step after the one that
@@ -179,32 +180,61 @@ class KVCacheManager:
         if seq is None:
             return self._allocate_new(seq_id, token_ids, num_new_tokens, prefix_block_ids, extra_key,
                                       admit, block_hashes)
-        # The common decode: one slot, the last block the seq's own, with room or full (a new
-        # block opens). Decided from small ints on the seq alone: touching the table or the
-        # block (cache misses) or computing on token counts > 256 (heap ints) would grow with
-        # the context.
-        num_slots = seq.num_slots
-        num_known = len(token_ids)
-        if (num_new_tokens == 1 and not seq.shared_tail and not seq.swapped
-                and num_slots < num_known + num_pending):
+        if (num_new_tokens == 1 and not (prefix_block_ids or admit)
+                and seq.num_slots < len(token_ids) + num_pending):
+            new_blocks: dict[int, list[int]] = {}
+            if self.allocate_decode_slots((seq_id,), (token_ids,), num_pending, new_blocks):
+                new_ids = new_blocks.get(seq_id)
+                return NOTHING_NEW if new_ids is None else Allocation(new_ids, [])
+        return self._grow(seq_id, seq, token_ids, num_new_tokens, prefix_block_ids, admit,
+                          num_pending)
+
+    def allocate_decode_slots(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
+                              num_pending: int, new_blocks: dict[int, list[int]]) -> int:
+        """allocate_slots(seq_id, token_ids, 1, num_pending=num_pending) for each sequence in
+        order, in one call (a decode batch), for as long as each is the common decode: a seq
+        with GPU blocks whose last block it owns alone, with room in it or a free block to
+        open. Stops at the first sequence that is not, untouched, and returns how many were
+        done; each new block's id goes into new_blocks[seq_id]. Everything else (copy-on-
+        write, a full pool, errors) is allocate_slots', which takes its own one-token decodes
+        through here: this is the only copy of the decode fast path. The caller guarantees
+        what allocate_slots would check: each slot is for a known token or a pending one
+        (num_slots < len(token_ids) + num_pending).
+
+        Decided from small ints on the seq alone: touching the table or the block (cache
+        misses) or computing on token counts > 256 (heap ints) would grow with the context.
+        """
+        bs = self.block_size
+        if bs == 1:
+            return 0  # (every slot opens a block that it fills: the general path)
+        seqs_get = self._seqs.get
+        caching = self.enable_prefix_caching
+        pool = self.gpu_pool
+        free_queue = pool.free_block_queue
+        cache_full_blocks = self.prefix.cache_full_blocks
+        for i, (seq_id, token_ids) in enumerate(zip(seq_ids, token_lists)):
+            seq = seqs_get(seq_id)
+            if seq is None or seq.shared_tail or seq.swapped:
+                return i
+            num_slots = seq.num_slots
             room = seq.tail_room
             if room:
                 seq.num_slots = num_slots + 1
                 seq.tail_room = room - 1
                 # (a block filled by a pending token is hashed when the next one opens)
-                if room == 1 and self.enable_prefix_caching and num_slots < num_known:
-                    self.prefix.cache_full_blocks(seq, token_ids)  # the last block just filled
-                return NOTHING_NEW
-            if self.gpu_pool.free_block_queue.num_free_blocks and self.block_size > 1:
-                if self.enable_prefix_caching and len(seq.block_hashes) < len(seq.block_ids):
-                    self.prefix.cache_full_blocks(seq, token_ids)  # filled ahead of its token
-                block_id = self.gpu_pool.get_new_block().block_id
-                seq.block_ids.append(block_id)
-                seq.num_slots = num_slots + 1
-                seq.tail_room = self.block_size - 1
-                return Allocation([block_id], [])
-        return self._grow(seq_id, seq, token_ids, num_new_tokens, prefix_block_ids, admit,
-                          num_pending)
+                if room == 1 and caching and num_slots < len(token_ids):
+                    cache_full_blocks(seq, token_ids)  # the last block just filled
+                continue
+            if not free_queue.num_free_blocks:
+                return i
+            if caching and len(seq.block_hashes) < len(seq.block_ids):
+                cache_full_blocks(seq, token_ids)  # the last block, filled ahead of its token
+            block_id = pool.get_new_block().block_id
+            seq.block_ids.append(block_id)
+            seq.num_slots = num_slots + 1
+            seq.tail_room = bs - 1
+            new_blocks[seq_id] = [block_id]
+        return len(seq_ids)
 
     def _check_growable(self, seq_id: int, seq: SeqBlocks, prefix_block_ids: Sequence[int]) -> None:
         if seq.swapped:

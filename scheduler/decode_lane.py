@@ -46,6 +46,7 @@ class LaneRows:
 
     reqs: list[Request]
     seqs: list[Seq]
+    token_lists: list[list[int]]  # each seq's token_ids
     pos: np.ndarray  # each member's num_computed before this plan's decode
     max_len: np.ndarray
     departures: int  # the lane's departure count when the plan was made; -1: cut short
@@ -104,17 +105,7 @@ class DecodeLane:
         `_fits` held), the lane then emptied."""
         n = len(self.reqs)
         self.steps += 1
-        allocate = kv.allocate_slots
-        appended = step.appended
-        pending = int(ahead)
-        done = 0
-        for sid, tokens in zip(self.seq_ids, self.token_lists):
-            alloc = allocate(sid, tokens, 1, (), None, False, (), pending)
-            if alloc is None:
-                break
-            if alloc.new_block_ids:
-                appended[sid] = alloc.new_block_ids
-            done += 1
+        done = kv.allocate_decode_slots(self.seq_ids, self.token_lists, int(ahead), step.appended)
         if ahead:
             inputs = np.full(done, PENDING_TOKEN, dtype=np.int64)
         else:
@@ -122,7 +113,8 @@ class DecodeLane:
         reqs, seqs, pos = self.reqs[:done], self.seqs[:done], self.pos[:done].copy()
         step.lane = (self.ids[:done], pos, inputs)
         # (max_len is never changed in place: its slice stays as it is now)
-        self._plans[step.step_id] = LaneRows(reqs, seqs, pos, self.max_len[:done],
+        self._plans[step.step_id] = LaneRows(reqs, seqs, self.token_lists[:done], pos,
+                                             self.max_len[:done],
                                              self.departures if done == n else -1)
         rest: list[Request] = []
         if done < n:

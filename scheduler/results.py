@@ -10,7 +10,6 @@ string it finds finishes the sequence through Scheduler.stop_by_string.
 
 from __future__ import annotations
 
-from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
@@ -67,29 +66,42 @@ class ResultApplier:
                              f"tokens does not answer plan {plan.step_id} "
                              f"({num_sampled} sequences sample)")
         self.inflight.land()
-        reqs: list[Request] = []
-        seqs: list[Seq] = []
-        tokens_out: list[int] = []
-        finished: list[SequenceStatus | None] = []
-        rows: list[int] = []
-        seqs_get = self.queues.seqs.get
-        finish_seq = self.queues.finish_seq
         lane_rows = self.lane.take_rows(plan.step_id)
         fast = self._fast_rows(lane_rows, plan, result) if lane_rows is not None else None
-        lane_reqs = lane_rows.reqs if fast is not None else []
-        lane_seqs = lane_rows.seqs if fast is not None else []
-        for row, (sid, token, plain) in enumerate(zip(result.seq_ids.tolist(),
-                                                      result.token_ids.tolist(),
-                                                      repeat(False) if fast is None else fast)):
-            if plain:
-                # A lane member still running whose token can neither stop it nor reach its
-                # length (_fast_rows): nothing to decide.
-                req = lane_reqs[row]
-                seq = lane_seqs[row]
+        seq_ids = result.seq_ids.tolist()
+        token_ids = result.token_ids.tolist()
+        start = 0
+        if fast is not None and all(fast):
+            # Every lane row needs no decision: their tokens in bulk, the other rows below.
+            start = n = len(fast)
+            for tokens, token in zip(lane_rows.token_lists, token_ids):
+                tokens.append(token)
+            out = StepOutcome(list(lane_rows.reqs), list(lane_rows.seqs), token_ids[:n],
+                              [None] * n, list(range(n)), result, early)
+        else:
+            out = StepOutcome([], [], [], [], [], result, early)
+        fast = (fast or []) + [False] * (len(seq_ids) - len(fast or ()))
+        self._apply_rows(out, seq_ids, token_ids, start, fast, lane_rows)
+        self.generation_tokens_total += len(out.token_ids)
+        return out
+
+    def _apply_rows(self, out: StepOutcome, seq_ids: list[int], token_ids: list[int],
+                    start: int, fast: list[bool], lane_rows: LaneRows | None) -> None:
+        """Rows from `start` on, one by one, into `out`; fast[row]: a lane row that needs no
+        decision (see _fast_rows)."""
+        reqs, seqs, tokens_out = out.reqs, out.seqs, out.token_ids
+        finished, rows = out.finished, out.rows
+        seqs_get = self.queues.seqs.get
+        finish_seq = self.queues.finish_seq
+        for row in range(start, len(seq_ids)):
+            token = token_ids[row]
+            if fast[row]:
+                req = lane_rows.reqs[row]
+                seq = lane_rows.seqs[row]
                 seq.token_ids.append(token)
                 status = None
             else:
-                entry = seqs_get(sid)
+                entry = seqs_get(seq_ids[row])
                 if entry is None:
                     continue  # aborted, or finished by the token of the step before (async)
                 req, seq = entry
@@ -109,8 +121,6 @@ class ResultApplier:
             tokens_out.append(token)
             finished.append(status)
             rows.append(row)
-        self.generation_tokens_total += len(tokens_out)
-        return StepOutcome(reqs, seqs, tokens_out, finished, rows, result, early)
 
     def _fast_rows(self, lane_rows: LaneRows, plan: StepPlan, result: StepResult
                    ) -> list[bool] | None:
@@ -133,4 +143,4 @@ class ResultApplier:
             tokens = result.token_ids[:n]
             for token in stop_ids.tolist():
                 ok &= tokens != token
-        return ok.tolist() + [False] * (result.seq_ids.shape[0] - n)
+        return ok.tolist()

@@ -329,10 +329,11 @@ def test_one_slot_errors_and_new_seq():
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("pending", [0, 1])
-def test_decode_batch_fast_path_matches_the_general_path(seed: int, pending: int):
-    """A decode batch, one slot per sequence in order, by the fast path and by the general
-    path: same tables, hashes, free queue and new block ids, over many steps across block
-    boundaries (with pending tokens, each block is hashed a step late)."""
+def test_allocate_decode_slots_is_allocate_slots_for_each_sequence(seed: int, pending: int):
+    """A decode batch in one allocate_decode_slots call leaves the manager as the general path
+    of allocate_slots(seq, tokens, 1) called for each sequence in order: same tables, hashes,
+    free queue and new block ids, over many steps across block boundaries (with pending
+    tokens, each block is hashed a step late)."""
     rng = random.Random(seed)
     one, bulk = mgr(gpu=64, cpu=0), mgr(gpu=64, cpu=0)
     toks = {sid: [rng.randrange(0, 5) for _ in range(rng.randint(1, 9))] for sid in range(6)}
@@ -347,10 +348,7 @@ def test_decode_batch_fast_path_matches_the_general_path(seed: int, pending: int
             if alloc.new_block_ids:
                 expected[sid] = alloc.new_block_ids
         opened: dict[int, list[int]] = {}
-        for sid in sids:
-            alloc = bulk.allocate_slots(sid, toks[sid], 1, num_pending=pending)
-            if alloc.new_block_ids:
-                opened[sid] = alloc.new_block_ids
+        assert bulk.allocate_decode_slots(sids, [toks[s] for s in sids], pending, opened) == len(sids)
         assert opened == expected
         assert _state(one, sids) == _state(bulk, sids)
         for t in toks.values():
@@ -360,21 +358,32 @@ def test_decode_batch_fast_path_matches_the_general_path(seed: int, pending: int
         assert all(len(bulk._seqs[s].block_hashes) == bulk.num_slots(s) // 4 for s in sids)
 
 
-def test_decode_slot_at_a_shared_tail_copies_and_at_a_full_pool_is_refused():
+def test_allocate_decode_slots_stops_untouched_at_a_shared_tail_an_unknown_seq_or_a_full_pool():
     m = mgr(gpu=5, cpu=0)
     m.allocate_slots(1, A[:4], 4)  # block 0 full
     m.allocate_slots(2, B[:3], 2)  # block 1, room 2
     m.fork(2, 3)  # 3 shares block 1
-    assert m.allocate_slots(2, B[:3], 1) == Allocation([], [(1, 2)])  # 2's tail is shared
-    assert m.allocate_slots(1, A[:5], 1) == Allocation([3], [])
-    assert m.num_slots(1) == 5 and m.block_table(3) == [1]
-    m.allocate_slots(4, B[:4], 4)  # takes the last free block
+    before = _state(m, [1, 2, 3])
+    opened: dict[int, list[int]] = {}
+    assert m.allocate_decode_slots([2, 1], [B[:3], A[:5]], 0, opened) == 0  # 2's tail is shared
+    assert m.allocate_decode_slots([1, 9], [A[:5], A[:2]], 0, opened) == 1  # seq 9 is unknown
+    assert opened == {1: [2]} and m.num_slots(1) == 5
+    assert _state(m, [2, 3])[:2] == before[1:3]  # their tables and slots
+    m.allocate_slots(4, B, 8)  # takes the last two free blocks
     assert m.num_free_gpu_blocks == 0
     t1 = A[:5] + [0, 0, 0, 0]
     for _ in range(3):
-        assert m.allocate_slots(1, t1, 1) == Allocation([], [])  # room in block 3
-    before = _state(m, [1, 2, 3, 4])
-    assert m.allocate_slots(1, t1, 1) is None  # block 3 is full and none is free
-    assert _state(m, [1, 2, 3, 4]) == before  # refused, changing nothing
+        assert m.allocate_decode_slots([1], [t1], 0, opened) == 1  # room in block 2
+    assert m.allocate_decode_slots([1], [t1], 0, {}) == 0  # block 2 is full and none is free
     assert m.num_slots(1) == 8
+    assert m.allocate_slots(1, t1, 1) is None  # the general path refuses too, changing nothing
+    m.check_invariants()
+
+
+def test_decode_slot_at_a_shared_tail_copies():
+    m = mgr(gpu=5, cpu=0)
+    m.allocate_slots(2, B[:3], 2)  # block 0, room 2
+    m.fork(2, 3)  # 3 shares block 0
+    assert m.allocate_slots(2, B[:3], 1) == Allocation([], [(0, 1)])  # 2's tail is shared
+    assert m.block_table(2) == [1] and m.block_table(3) == [0]
     m.check_invariants()
