@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from operator import attrgetter
 
 from kvcache import swap
@@ -40,23 +39,10 @@ from kvcache.block_pool import BlockPool
 from kvcache.hashing import BlockHash
 from kvcache.invariants import check_manager_invariants
 from kvcache.prefix import PrefixCache
-from kvcache.tables import NOTHING_NEW, Allocation, SeqBlocks
+from kvcache.tables import NOTHING_NEW, Allocation, KVCacheStats, SeqBlocks
 
 _block_id = attrgetter("block_id")
 _ref_cnt = attrgetter("ref_cnt")
-
-
-@dataclass(slots=True)
-class KVCacheStats:
-    num_gpu_blocks: int
-    num_free_gpu_blocks: int
-    num_cpu_blocks: int
-    num_free_cpu_blocks: int
-    gpu_usage: float  # fraction of GPU blocks referenced by some sequence
-    cpu_usage: float
-    prefix_queries: int  # tokens queried (cumulative)
-    prefix_hits: int  # tokens hit (cumulative)
-    evictions: int  # cached blocks evicted (cumulative)
 
 
 class KVCacheManager:

@@ -1,4 +1,5 @@
-"""Requests, their sequences, and the one state machine both follow.
+"""Requests, their sequences, the one state machine both follow, and the check that a new
+request could ever be scheduled (`check_prompt`).
 
     WAITING ──admit──▶ RUNNING ──stop/length──▶ FINISHED_STOPPED / FINISHED_LENGTH
        │                │  ▲
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import enum
 
+from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 
 
@@ -187,3 +189,38 @@ class Request:
 
     def __repr__(self) -> str:
         return f"Request({self.request_id!r}, {self.status.name}, seqs={self.seqs})"
+
+
+def check_prompt(request_id: str, prompt: list[int], sp: SamplingParams,
+                 config: SchedulerConfig, num_gpu_blocks: int, block_size: int,
+                 vocab_size: int | None) -> None:
+    """Raise ValueError, naming the fix, for a request that could never be scheduled."""
+    if not prompt:
+        raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; "
+                         "a request needs at least one prompt token")
+    if min(prompt) < 0 or (vocab_size is not None and max(prompt) >= vocab_size):
+        raise ValueError(f"request {request_id!r}: prompt token ids must be in "
+                         f"[0, {vocab_size if vocab_size is not None else 'vocab size'}); got "
+                         f"min {min(prompt)}, max {max(prompt)}")
+    max_len = config.max_model_len
+    if len(prompt) >= max_len:
+        raise ValueError(f"request {request_id!r}: prompt has {len(prompt)} tokens; "
+                         f"max_model_len is {max_len} (the prompt must be shorter to leave "
+                         "room for output)")
+    if sp.n > config.max_num_seqs:
+        raise ValueError(f"request {request_id!r}: n={sp.n} exceeds max_num_seqs="
+                         f"{config.max_num_seqs}")
+    need = min_blocks(len(prompt), sp.n, block_size)
+    if need > num_gpu_blocks:
+        raise ValueError(
+            f"request {request_id!r}: a prompt of {len(prompt)} tokens with n={sp.n} needs "
+            f"{need} KV blocks of {block_size} tokens, but the GPU cache has only "
+            f"{num_gpu_blocks}; shorten the prompt, lower n, or give the cache more memory")
+
+
+def min_blocks(num_prompt: int, n: int, block_size: int) -> int:
+    """Blocks a request needs to sample its first tokens: the prompt but its last token,
+    then that token once per sequence (in the shared last block, copied per child, or in
+    a new block each when the shared part ends on a block boundary)."""
+    shared = num_prompt - 1
+    return -(-shared // block_size) + (n if shared % block_size == 0 else n - 1)

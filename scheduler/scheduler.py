@@ -51,7 +51,7 @@ from scheduler.outputs import SchedulerStats, StepOutcome
 from scheduler.plan import StepPlan, StepResult
 from scheduler.preemption import Preemptor
 from scheduler.queues import RequestQueues
-from scheduler.request import Request, Seq, SequenceStatus
+from scheduler.request import Request, Seq, SequenceStatus, check_prompt
 from scheduler.results import ResultApplier
 from scheduler.sampling_params import SamplingParams
 from scheduler.step_builder import StepBuilder
@@ -101,7 +101,8 @@ class Scheduler:
         if request_id in self.queues.requests:
             raise ValueError(f"request_id {request_id!r} is already in use; pick a unique id")
         prompt = list(map(int, prompt_token_ids))
-        self._check_prompt(request_id, prompt, sp)
+        check_prompt(request_id, prompt, sp, self.config, self.kv.num_gpu_blocks,
+                     self.block_size, self.vocab_size)
         num_prompt = len(prompt)
         parent = Seq(next(self._seq_ids), 0, list(prompt), num_prompt, SequenceStatus.WAITING)
         req = Request(request_id, prompt, sp,
@@ -121,31 +122,6 @@ class Scheduler:
         for seq in req.seqs:
             seq.max_len = seq.prompt_len + req.max_output
         self.queues.add(req)
-
-    def _check_prompt(self, request_id: str, prompt: list[int], sp: SamplingParams) -> None:
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; "
-                             "a request needs at least one prompt token")
-        vocab = self.vocab_size
-        if min(prompt) < 0 or (vocab is not None and max(prompt) >= vocab):
-            raise ValueError(f"request {request_id!r}: prompt token ids must be in "
-                             f"[0, {vocab if vocab is not None else 'vocab size'}); got "
-                             f"min {min(prompt)}, max {max(prompt)}")
-        max_len = self.config.max_model_len
-        if len(prompt) >= max_len:
-            raise ValueError(f"request {request_id!r}: prompt has {len(prompt)} tokens; "
-                             f"max_model_len is {max_len} (the prompt must be shorter to leave "
-                             "room for output)")
-        if sp.n > self.config.max_num_seqs:
-            raise ValueError(f"request {request_id!r}: n={sp.n} exceeds max_num_seqs="
-                             f"{self.config.max_num_seqs}")
-        need = self._min_blocks(len(prompt), sp.n)
-        if need > self.kv.num_gpu_blocks:
-            raise ValueError(
-                f"request {request_id!r}: a prompt of {len(prompt)} tokens with n={sp.n} needs "
-                f"{need} KV blocks of {self.block_size} tokens, but the GPU cache has only "
-                f"{self.kv.num_gpu_blocks}; shorten the prompt, lower n, or give the cache more "
-                "memory")
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request in any state now, freeing its blocks; its sequences that were live
@@ -421,14 +397,6 @@ class Scheduler:
         """The only running request cannot grow: the cache is its length limit."""
         self.queues.finish_seq(req, seq, SequenceStatus.FINISHED_LENGTH)
         self.results.finished_early(req, seq)
-
-    def _min_blocks(self, num_prompt: int, n: int) -> int:
-        """Blocks a request needs to sample its first tokens: the prompt but its last token,
-        then that token once per sequence (in the shared last block, copied per child, or in
-        a new block each when the shared part ends on a block boundary)."""
-        bs = self.block_size
-        shared = num_prompt - 1
-        return -(-shared // bs) + (n if shared % bs == 0 else n - 1)
 
     def check_lane(self) -> None:
         """Assert the decode lane mirrors the sequences' state (for tests, between calls)."""
