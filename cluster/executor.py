@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from cluster.wakeup import Park, WakePipes
+from cluster.wakeup import Park, WakeSockets
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
@@ -178,12 +178,12 @@ class RayExecutor(Executor):
         self.workers: list = []
         self._dag: Any = None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pipes: WakePipes | None = None
+        self._wake_sockets: WakeSockets | None = None
         self._start(None)
 
     def _start(self, blocks: tuple[int, int] | None) -> None:
         """Actors for every rank, loaded, with caches of `blocks` (GPU, CPU) blocks (None:
-        the most every rank can hold), a compiled graph and wake pipes."""
+        the most every rank can hold), a compiled graph and wake sockets."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from cluster.ray_worker import RayWorker
@@ -217,9 +217,9 @@ class RayExecutor(Executor):
         self._last_launched: int | None = None
         self._calls: dict[int, concurrent.futures.Future] = {}  # not lagged: step -> call
         self._bitmask_refs: list = []
-        # Parking (cluster/wakeup.py): pipes when every rank shares this process's host; the
+        # Parking (cluster/wakeup.py): sockets when every rank shares this process's host; the
         # Park call's output while parked; not lagged, park outputs the next read must skip.
-        self._pipes = self._open_wake_pipes() if self._compiled_graph else None
+        self._wake_sockets = self._open_wake_sockets() if self._compiled_graph else None
         self._parked: concurrent.futures.Future | None = None
         self._unread_parks: deque[concurrent.futures.Future] = deque()
         self._dag = self._compile() if self._compiled_graph else None
@@ -234,19 +234,18 @@ class RayExecutor(Executor):
                 self._config, dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")
         self._start((self.num_gpu_blocks, self.num_cpu_blocks))
 
-    def _open_wake_pipes(self) -> WakePipes | None:
+    def _open_wake_sockets(self) -> WakeSockets | None:
         import ray
 
         here = ray.get_runtime_context().get_node_id()
         if any(n != here for n in self._wait_all([w.node_id.remote() for w in self.workers])):
-            return None  # ranks on another host: they spin when idle (no pipe reaches them)
-        pipes = WakePipes(len(self.workers))
-        self._wait_all([w.open_wake_pipe.remote(p) for w, p in zip(self.workers, pipes.paths)])
-        pipes.open()
-        return pipes
+            return None  # ranks on another host: they spin when idle (no socket reaches them)
+        sockets = WakeSockets(len(self.workers))
+        self._wait_all([w.open_wake_socket.remote(p) for w, p in zip(self.workers, sockets.paths)])
+        return sockets
 
     def park(self) -> None:
-        if self._pipes is None or self._parked is not None or self._dead is not None:
+        if self._wake_sockets is None or self._parked is not None or self._dead is not None:
             return
         self._parked = self._thread.submit(self._dag_submit, Park())
 
@@ -255,7 +254,7 @@ class RayExecutor(Executor):
         parked, self._parked = self._parked, None
         if parked is None:
             return
-        self._pipes.wake()
+        self._wake_sockets.wake()
         if self._lagged:
             self._outputs.append((None, parked))
         else:
@@ -402,9 +401,9 @@ class RayExecutor(Executor):
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.shutdown(wait=False)
-        pipes, self._pipes = self._pipes, None
-        if pipes is not None:
-            pipes.close()
+        sockets, self._wake_sockets = self._wake_sockets, None
+        if sockets is not None:
+            sockets.close()
 
     def shutdown(self) -> None:
         from ray.util.placement_group import remove_placement_group

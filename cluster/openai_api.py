@@ -8,7 +8,12 @@ work: the engine runs behind an `EngineClient` (a Serve DeploymentHandle in prod
 engine object itself in tests and offline use).
 
 Invariants:
-- every response with status >= 400 carries OpenAI's error body (cluster/openai_errors.py);
+- every response with status >= 400 carries OpenAI's error body (cluster/openai_errors.py),
+  and every response its request id as X-Request-Id;
+- a request body is read only up to `max_body_bytes`: 413 as soon as it is over (HAProxy and
+  Serve's proxy still deliver it to a client that is sending the rest), and a prompt bigger
+  than INLINE_PROMPT_BYTES is rendered and tokenized in a worker thread: one heavy request
+  never holds the event loop that every other request's tokens pass through;
 - a request whose generator is closed early (client gone) closes the engine-side stream,
   which aborts the request in the engine;
 - nothing in a request body reaches the engine unvalidated: token ids are checked against
@@ -17,15 +22,22 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.async_streams import first_delta, merge_streams, tag_stream
 from cluster.openai_errors import error_message, error_response, map_exception
@@ -40,11 +52,28 @@ from cluster.protocol import (
 )
 from scheduler.sampling_params import SamplingParams
 
+logger = logging.getLogger("ray.serve")
+
+# The default request-body limit: room for a whole context of text at a generous 32 bytes
+# per token (JSON-escaped CJK text takes ~9), and never below 1 MiB.
+BODY_BYTES_PER_TOKEN = 32
+MIN_BODY_BYTES = 1 << 20
+# Prompts (request bodies) up to this size are rendered and tokenized on the event loop, in
+# about a millisecond; bigger ones in a worker thread, where they cannot stall other requests
+# and small requests never queue behind them.
+INLINE_PROMPT_BYTES = 8 << 10
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The request-body limit when the manifest sets none: see BODY_BYTES_PER_TOKEN."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
+
 
 @dataclass(slots=True)
 class ModelInfo:
     model_name: str
     max_model_len: int
+    max_num_seqs: int | None = None  # sequences per step: the most samples (n) one prompt may ask
 
 
 class EngineClient(Protocol):
@@ -67,7 +96,8 @@ class LocalEngineClient:
         self.engine = engine
 
     async def model_info(self) -> ModelInfo:
-        return ModelInfo(self.engine.model_name, self.engine.max_model_len)
+        return ModelInfo(self.engine.model_name, self.engine.max_model_len,
+                         self.engine.config.max_num_seqs)
 
     def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  request_id: str, cache_salt: str | None = None) -> AsyncIterator[Any]:
@@ -82,45 +112,124 @@ class LocalEngineClient:
 
 
 def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str | None = None,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int | None = None) -> FastAPI:
     """The FastAPI app serving /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
     `api_key`, when set, is required as `Authorization: Bearer <key>` on every /v1 route
     (as vLLM does, /health and /metrics stay open for probes and scrapers).
+    `max_body_bytes`: the largest request body accepted (413 beyond it); None: sized from
+    max_model_len by `default_max_body_bytes`.
     """
-    serving = OpenAIServing(client, tokenizer, served_model_name)
-    app = FastAPI(title="qwen3-serve", docs_url=None, redoc_url=None)
-
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def check_api_key(request: Request, call_next: Callable) -> Response:
-            if request.url.path.startswith("/v1"):
-                got = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(got, expected):
-                    return error_response(RequestError(
-                        "missing or invalid API key; send 'Authorization: Bearer <key>'",
-                        status=401, err_type="invalid_request_error", code="invalid_api_key"))
-            return await call_next(request)
-
+    serving = OpenAIServing(client, tokenizer, served_model_name, max_body_bytes)
+    app = FastAPI(title="qwen3-serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_api_route("/v1/models", serving.list_models, methods=["GET"])
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/metrics", serving.metrics, methods=["GET"])
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    app.add_middleware(_FrontDoor, api_key=api_key)
     return app
+
+
+class _FrontDoor:
+    """Pure ASGI, in front of every route: gives each request its id and, when an API key is
+    set, checks it on /v1 routes.
+
+    The id is the request's X-Request-Id when it has one (Serve's own middleware sets it on
+    every request it proxies, and sends it back) and otherwise a new one, sent back as
+    X-Request-Id; handlers read it as `request.state.request_id`. The bearer scheme is matched
+    case-insensitively (RFC 7235), the key in constant time.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        request_id = given.decode("latin-1") if given else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        if given is None:
+            id_header = (b"x-request-id", request_id.encode())
+
+            async def send_with_id(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message.get("headers", ()), id_header]
+                await send(message)
+        else:
+            send_with_id = send
+
+        if self.api_key and scope["path"].startswith("/v1") and not self._authorized(scope):
+            denied = error_response(RequestError(
+                "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                status=401, err_type="invalid_request_error", code="invalid_api_key"))
+            await denied(scope, receive, send_with_id)
+            return
+        await self.app(scope, receive, send_with_id)
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.api_key is not None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.strip().partition(b" ")
+                return (scheme.lower() == b"bearer"
+                        and hmac.compare_digest(token.strip(), self.api_key))
+        return False
+
+
+def _request_id(request: Request) -> str:
+    """The id _FrontDoor gave this request (a fresh one for a request built without it)."""
+    return getattr(request.state, "request_id", None) or uuid.uuid4().hex
+
+
+def _engine_request_id(prefix: str) -> str:
+    """A new id for the engine and the response body: unique, whatever X-Request-Id a client
+    sends. Errors name it, and the server log records it next to Serve's request id."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        message = f"Invalid URL ({where}); this server serves /v1/models, /v1/completions, " \
+                  "/v1/chat/completions, /health and /metrics"
+    elif exc.status_code == 405:
+        message = f"Method not allowed ({where}); allowed: {(exc.headers or {}).get('Allow')}"
+    else:
+        message = f"{exc.detail} ({where})"
+    response = error_response(RequestError(message, status=exc.status_code))
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    msg, param = validation_error_message(list(exc.errors()))
+    return error_response(RequestError(msg, param=param))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    return error_response(map_exception(exc, _request_id(request)))
 
 
 class OpenAIServing:
     """Request handlers; one instance per ingress replica."""
 
     def __init__(self, client: EngineClient, tokenizer: Any,
-                 served_model_name: str | None = None) -> None:
+                 served_model_name: str | None = None, max_body_bytes: int | None = None) -> None:
         self.client = client
         self.served_model_name = served_model_name
         self.prompts = PromptProcessor(tokenizer)
+        self.max_body_bytes = max_body_bytes
         self._info: ModelInfo | None = None
+        # Rendering and tokenizing big prompts; the Rust tokenizer releases the GIL.
+        self._prompt_pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                               thread_name_prefix="prompts")
 
     async def info(self) -> ModelInfo:
         if self._info is None:
@@ -129,6 +238,9 @@ class OpenAIServing:
                 self.served_model_name = self._info.model_name
         return self._info
 
+    def body_limit(self, info: ModelInfo) -> int:
+        return self.max_body_bytes or default_max_body_bytes(info.max_model_len)
+
     async def list_models(self) -> Response:
         info = await self.info()
         return JSONResponse({"object": "list", "data": [{
@@ -136,58 +248,99 @@ class OpenAIServing:
             "owned_by": "qwen3-serve", "root": info.model_name, "parent": None,
             "max_model_len": info.max_model_len}]})
 
-    async def health(self) -> Response:
+    async def health(self, request: Request) -> Response:
         try:
             await self.client.check_health()
         except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
-            return error_response(RequestError(f"engine is not healthy: {error_message(e)}",
+            rid = _request_id(request)
+            logger.warning("health check %s: the engine is not healthy: %s", rid, error_message(e))
+            return error_response(RequestError(f"the engine is not healthy (request id {rid})",
                                                status=503, err_type="server_error"))
         return Response(status_code=200)
 
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
         try:
             snapshots = await self.client.metrics()
             info = await self.info()
         except Exception as e:  # noqa: BLE001
-            return error_response(map_exception(e))
+            return error_response(map_exception(e, _request_id(request)))
         return PlainTextResponse(render_prometheus(snapshots, info.model_name),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def completions(self, request: Request) -> Response:
+        rid = _engine_request_id("cmpl")
         try:
-            req = _parse(CompletionRequest, await request.body())
             info = await self.info()
+            body = await self.read_body(request, self.body_limit(info))
+            req = _parse(CompletionRequest, body)
             self._check_model(req.model)
-            prompts = self.prompts.completion_prompts(req.prompt)
+            self._check_n(req.n, info)
+            prompts = await self._off_loop(len(body), self.prompts.completion_prompts,
+                                           req.prompt, info.max_model_len)
             params = [req.to_sampling_params(
                 self.prompts.max_tokens(req.max_tokens, len(p), info.max_model_len))
                 for p in prompts]
-            rid = f"cmpl-{uuid.uuid4().hex}"
             stream = self._start(prompts, params, rid, req.cache_salt)
             first = await first_delta(stream)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
-            return error_response(map_exception(e))
+            return error_response(map_exception(e, rid))
         echo = [self.prompts.echo_text(p, req) for p in prompts]
         builder = CompletionBuilder(self.served_model_name, self.prompts.token_text, rid, req,
                                     prompts, echo)
         return await respond(builder, first, stream, req.stream)
 
     async def chat_completions(self, request: Request) -> Response:
+        rid = _engine_request_id("chatcmpl")
         try:
-            req = _parse(ChatCompletionRequest, await request.body())
             info = await self.info()
+            body = await self.read_body(request, self.body_limit(info))
+            req = _parse(ChatCompletionRequest, body)
             self._check_model(req.model)
-            prompt = self.prompts.render_chat(req)
+            self._check_n(req.n, info)
+            prompt = await self._off_loop(len(body), self.prompts.render_chat, req,
+                                          info.max_model_len)
             max_tokens = self.prompts.max_tokens(req.requested_max_tokens, len(prompt),
                                                  info.max_model_len)
             params = req.to_sampling_params(max_tokens)
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
             stream = self._start([prompt], [params], rid, req.cache_salt)
             first = await first_delta(stream)
         except Exception as e:  # noqa: BLE001
-            return error_response(map_exception(e))
+            return error_response(map_exception(e, rid))
         builder = ChatBuilder(self.served_model_name, self.prompts.token_text, rid, req, prompt)
         return await respond(builder, first, stream, req.stream)
+
+    @staticmethod
+    async def read_body(request: Request, limit: int) -> bytes:
+        """The JSON request body, at most `limit` bytes of it (413 beyond, 415 if not JSON)."""
+        content_type = request.headers.get("content-type")
+        if content_type is not None:
+            media = content_type.split(";", 1)[0].strip().lower()
+            if media != "application/json" and not media.endswith("+json"):
+                raise RequestError(f"Content-Type {media!r} is not supported; send the body as "
+                                   "JSON with 'Content-Type: application/json'", status=415)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _body_too_large(int(declared), limit)
+        chunks, received = [], 0
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise _body_too_large(received, limit, at_least=True)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _off_loop(self, body_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)`, in the prompt thread pool when the body is big (INLINE_PROMPT_BYTES)."""
+        if body_bytes <= INLINE_PROMPT_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, fn, *args)
+
+    @staticmethod
+    def _check_n(n: int, info: ModelInfo) -> None:
+        if info.max_num_seqs is not None and n > info.max_num_seqs:
+            raise RequestError(f"n={n} is more samples than this server runs at once "
+                               f"(max_num_seqs={info.max_num_seqs}); ask for at most "
+                               f"{info.max_num_seqs}", param="n")
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -201,6 +354,12 @@ class OpenAIServing:
             return tag_stream(0, self.client.generate(prompts[0], params[0], rid, cache_salt))
         return merge_streams([self.client.generate(p, sp, f"{rid}-{i}", cache_salt)
                               for i, (p, sp) in enumerate(zip(prompts, params))])
+
+
+def _body_too_large(size: int, limit: int, at_least: bool = False) -> RequestError:
+    return RequestError(f"the request body is {'at least ' if at_least else ''}{size} bytes; this "
+                        f"server accepts at most {limit} (max_request_body_bytes)", status=413,
+                        code="request_too_large")
 
 
 def _parse(model: type, body: bytes) -> Any:

@@ -1,7 +1,11 @@
 """Prompts in, token ids out: tokenization, chat-template rendering and length checks.
 
-Invariant: every id list returned here is non-empty and inside the vocabulary, and every
+Invariants: every id list returned here is non-empty and inside the vocabulary, and every
 max_tokens fits the context next to its prompt, so nothing a client sends can crash a worker.
+A text that cannot fit the context whatever its tokenization (more bytes than
+`max_token_bytes` times the context) is refused before it is tokenized, so a huge prompt costs
+a length check, not seconds of tokenizer time. The methods here are synchronous and may take
+long on big prompts: the HTTP layer runs them off its event loop.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ class PromptProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
+        self.max_token_bytes = max_token_bytes(tokenizer)
         self._token_text: dict[int, str] = {}
 
-    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+    def completion_prompts(self, prompt: Any, max_model_len: int) -> list[list[int]]:
         """/v1/completions' `prompt` (a string, ids, or a batch of either) as id lists."""
         if isinstance(prompt, str):
             batch: list[Any] = [prompt]
@@ -34,13 +39,10 @@ class PromptProcessor:
         if not batch:
             raise RequestError("prompt is empty; send a string or a list of token ids",
                                param="prompt")
-        out = []
-        for p in batch:
-            ids = self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p
-            out.append(self.check_ids(ids, "prompt"))
-        return out
+        return [self.check_ids(self.encode(p, max_model_len, "prompt") if isinstance(p, str)
+                               else p, "prompt") for p in batch]
 
-    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def render_chat(self, req: ChatCompletionRequest, max_model_len: int) -> list[int]:
         """The messages rendered through the model's chat template, tokenized."""
         kwargs = dict(req.chat_template_kwargs or {})
         bad = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
@@ -50,6 +52,10 @@ class PromptProcessor:
         if req.continue_final_message and req.add_generation_prompt:
             raise RequestError("continue_final_message needs add_generation_prompt: false",
                                param="continue_final_message")
+        for i, m in enumerate(req.messages):
+            if m.content is None and not getattr(m, "tool_calls", None):
+                raise RequestError(f"messages[{i}] ({m.role}) has neither content nor tool_calls; "
+                                   "send its text as content", param="messages")
         messages = [m.to_template_dict() for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(
@@ -58,7 +64,18 @@ class PromptProcessor:
         except Exception as e:  # noqa: BLE001 - template errors are the client's messages
             raise RequestError(f"the chat template rejected the messages: {e}",
                                param="messages") from None
-        return self.check_ids(self.tokenizer.encode(text, add_special_tokens=False), "messages")
+        return self.check_ids(self.encode(text, max_model_len, "messages"), "messages")
+
+    def encode(self, text: str, max_model_len: int, param: str) -> list[int]:
+        """`text`'s token ids; a text too long for any tokenization to fit is refused untokenized."""
+        num_bytes = len(text.encode())
+        at_least = -(-num_bytes // self.max_token_bytes)
+        if at_least >= max_model_len:  # not even one completion token would fit
+            raise RequestError(
+                f"This model's maximum context length is {max_model_len} tokens. However, the "
+                f"{num_bytes} bytes of text in `{param}` make at least {at_least} tokens. Please "
+                "reduce the length of the prompt.", param=param)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         if not ids:
@@ -97,3 +114,18 @@ class PromptProcessor:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """The most bytes of UTF-8 text one token of `tokenizer` stands for (an upper bound).
+
+    A vocabulary entry's UTF-8 length bounds the text it decodes to (SentencePiece's "\u2581"
+    is one space; a byte-fallback "<0xE4>" is one byte). Byte-level BPE (GPT-2, Qwen) spells
+    each byte as one character, so there the character count is the exact byte count; added
+    tokens are stored as their text.
+    """
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    byte_level = type(decoder).__name__ == "ByteLevel"
+    added = set(tokenizer.get_added_vocab())
+    return max((len(tok) if byte_level and tok not in added else len(tok.encode()))
+               for tok in tokenizer.get_vocab())

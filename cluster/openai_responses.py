@@ -120,7 +120,7 @@ class ResponseBuilder(ABC):
             if self.include_usage:
                 yield self.usage_chunk()
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as vLLM does
-            yield f"data: {json.dumps(map_exception(e).body())}\n\n"
+            yield f"data: {json.dumps(map_exception(e, self.rid).body())}\n\n"
         finally:
             await aclose(rest)
         yield "data: [DONE]\n\n"
@@ -260,4 +260,4 @@ async def respond(builder: ResponseBuilder, first: tuple[int, Any] | None,
     try:
         return JSONResponse(await builder.collect(first, stream))
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
-        return error_response(map_exception(e))
+        return error_response(map_exception(e, builder.rid))

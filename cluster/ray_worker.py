@@ -48,8 +48,8 @@ class RayWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def open_wake_pipe(self, path: str) -> None:
-        """The pipe this rank parks on (cluster/wakeup.py)."""
+    def open_wake_socket(self, path: str) -> None:
+        """The socket this rank parks on (cluster/wakeup.py)."""
         self._wake = WakeReader(path)
 
     def execute(self, plan: StepPlan | Park) -> StepResult | None:
@@ -69,7 +69,7 @@ class RayWorker:
     def _park(self) -> None:
         """Wait, without spinning, until the engine has work again (see cluster/wakeup.py)."""
         if self._wake is None:
-            raise RuntimeError("Park sent to a rank with no wake pipe")
+            raise RuntimeError("Park sent to a rank with no wake socket")
         self._wake.wait()
 
     def provide_bitmask(self, step_id: int, bitmask: np.ndarray) -> None:

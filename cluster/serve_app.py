@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster.config import EngineConfig
 from cluster.openai_api import ModelInfo, create_app
 from cluster.openai_errors import DEFAULT_RETRY_AFTER_S
-from cluster.serve_env import REPLICA_ENV_VARS
+from cluster.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
 from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -50,12 +50,18 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "ingress_num_cpus": 1.0,
     "ingress_num_replicas": 1,
     "ingress_max_ongoing_requests": 1024,
+    "max_request_body_bytes": None,  # beyond: 413; None = max(1 MiB, 32 bytes x max_model_len)
 }
+
+
+# A stopping replica checks for unfinished requests every SHUTDOWN_POLL_S (Serve's default:
+# 2 s, the least it waits even when idle): part of how long Ctrl-C on `./dev serve` takes.
+SHUTDOWN_POLL_S = 0.5
 
 
 @serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["max_ongoing_requests"],
                   health_check_period_s=5.0, health_check_timeout_s=30.0,
-                  graceful_shutdown_timeout_s=5.0)
+                  graceful_shutdown_timeout_s=5.0, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 class LLMServer:
     """One engine (one TP group). Streams `RequestOutput` deltas to the ingress."""
 
@@ -65,6 +71,7 @@ class LLMServer:
         from cluster.engine import AsyncLLMEngine
         from cluster.prometheus import RayMetricsExporter
 
+        bind_replica_grpc_to_node_ip()
         config = EngineConfig.from_dict(engine_args)
         self.engine = AsyncLLMEngine(config, placement_group=ray.util.get_current_placement_group())
         self._exporter = RayMetricsExporter(self.engine.model_name)
@@ -84,7 +91,8 @@ class LLMServer:
 
     async def model_info(self) -> ModelInfo:
         self._ensure_exporter()
-        return ModelInfo(self.engine.model_name, self.engine.max_model_len)
+        return ModelInfo(self.engine.model_name, self.engine.max_model_len,
+                         self.engine.config.max_num_seqs)
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str, cache_salt: str | None = None) -> AsyncIterator[tuple]:
@@ -154,25 +162,29 @@ class HandleEngineClient:
         return await self.handle.broadcast("metrics").results_async()
 
 
-@serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["ingress_max_ongoing_requests"])
+@serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["ingress_max_ongoing_requests"],
+                  graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 @serve.ingress()
 class OpenAIIngress:
     """HTTP in, SSE out; tokenization and the chat template happen here."""
 
     def __init__(self, llm_server: DeploymentHandle, model: str,
-                 served_model_name: str | None = None, api_key: str | None = None) -> None:
+                 served_model_name: str | None = None, api_key: str | None = None,
+                 max_request_body_bytes: int | None = None) -> None:
         from transformers import AutoTokenizer
 
         from workers.tiny_model import resolve_model
 
+        bind_replica_grpc_to_node_ip()
         self.client = HandleEngineClient(llm_server)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
         self.served_model_name = served_model_name
         self.api_key = api_key
+        self.max_request_body_bytes = max_request_body_bytes
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self.client, self.tokenizer, served_model_name=self.served_model_name,
-                          api_key=self.api_key)
+                          api_key=self.api_key, max_body_bytes=self.max_request_body_bytes)
 
 
 def pack_output(out: RequestOutput) -> tuple:
@@ -200,6 +212,11 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
         config = EngineConfig.from_dict(engine_args)
     except ValueError as e:
         raise ValueError(f"{e}; serving keys: {sorted(SERVING_DEFAULTS)}") from None
+    limit = serving["max_request_body_bytes"]
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or limit < 1024):
+        raise ValueError("max_request_body_bytes must be an integer >= 1024 (bytes) or null "
+                         f"(sized from max_model_len); got {limit!r}")
     return config, serving
 
 
@@ -238,5 +255,6 @@ def build_app(args: dict[str, Any]) -> Application:
         max_ongoing_requests=serving["ingress_max_ongoing_requests"],
         backpressure_config=backpressure,
     ).bind(llm, config.model, serving["served_model_name"],
-           serving["api_key"] or os.environ.get(API_KEY_ENV) or None)
+           serving["api_key"] or os.environ.get(API_KEY_ENV) or None,
+           serving["max_request_body_bytes"])
     return ingress

@@ -1,12 +1,13 @@
-"""Parking idle Ray workers: a named pipe per rank that wakes them in microseconds.
+"""Parking idle Ray workers: a named socket per rank that wakes them in microseconds.
 
 A Ray Compiled Graph's actors wait for the next plan by spinning on their input channel
 (`sched_yield` in a loop: most of a core per rank, forever, while the engine has no work).
 When the engine goes idle it sends each rank a `Park` plan instead: the rank then blocks in
-`select()` on its pipe, which costs no CPU, and returns when the engine writes a byte to it
-(when work arrives), then goes back to the channel for the plan that follows.
+`select()` on its own UNIX datagram socket, which costs no CPU, and returns when the engine
+sends it a datagram (when work arrives), then goes back to the channel for the plan that
+follows.
 
-Pipes need the engine and its ranks on one host; a Serve replica's placement group is
+The sockets need the engine and its ranks on one host; a Serve replica's placement group is
 STRICT_PACK with the replica in bundle 0, so they are. Invariants: a rank parks only between
 steps (the engine parks when nothing is in flight); every park is followed by a wake before
 the engine reads anything the graph returns after it.
@@ -17,66 +18,65 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import socket
 import tempfile
 
 
 class Park:
-    """The plan that parks a rank until its pipe is written (the graph returns None for it)."""
+    """The plan that parks a rank until it is woken (the graph returns None for it)."""
 
 
 class WakeReader:
-    """A rank's end: blocks in `wait()` until the engine writes."""
+    """A rank's end: blocks in `wait()` until the engine sends a wake-up."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        # Non-blocking open: a FIFO's read end opens before any writer exists.
-        self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.setblocking(False)
 
     def wait(self) -> None:
-        """Block (no CPU) until at least one byte arrives; consume what is there."""
+        """Block (no CPU) until a wake-up arrives; consume every one queued."""
         while True:
-            ready, _, _ = select.select([self.fd], [], [], 60.0)
-            if ready:
-                try:
-                    data = os.read(self.fd, 64)
-                except BlockingIOError:
-                    continue
-                if data:
-                    return
-                # EOF: no writer has the pipe open (the engine went away): wait for one.
-                select.select([], [], [], 0.05)
+            ready, _, _ = select.select([self.sock], [], [], 60.0)
+            if not ready:
+                continue
+            woken = False
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    self.sock.recv(16)
+                    woken = True
+            if woken:
+                return
 
     def close(self) -> None:
+        self.sock.close()
         with contextlib.suppress(OSError):
-            os.close(self.fd)
+            os.unlink(self.path)
 
 
-class WakePipes:
-    """The engine's end: one FIFO per rank in a private temporary directory."""
+class WakeSockets:
+    """The engine's end: one named datagram socket per rank in a private directory.
+
+    Datagrams, not FIFOs: writing to a FIFO whose reader died raises SIGPIPE, which would kill
+    the engine's process right when it must rebuild a dead rank; a datagram to a dead rank
+    just fails."""
 
     def __init__(self, num_ranks: int) -> None:
-        self.dir = tempfile.mkdtemp(prefix="qwen3-serve-wake-")
-        self.paths = [os.path.join(self.dir, f"rank{r}") for r in range(num_ranks)]
-        for p in self.paths:
-            os.mkfifo(p, 0o600)
-        self.fds: list[int] = []
-
-    def open(self) -> None:
-        """Open the write ends (after every rank opened its read end)."""
-        self.fds = [os.open(p, os.O_WRONLY | os.O_NONBLOCK) for p in self.paths]
+        self.dir = tempfile.mkdtemp(prefix="qwen3-wake-")
+        self.paths = [os.path.join(self.dir, f"r{r}") for r in range(num_ranks)]
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
 
     def wake(self) -> None:
-        for fd in self.fds:
-            with contextlib.suppress(BlockingIOError):  # full: the rank has bytes to read
-                os.write(fd, b"w")
+        for path in self.paths:
+            with contextlib.suppress(OSError):  # full, or the rank is gone: nothing to do
+                self.sock.sendto(b"w", path)
 
     def close(self) -> None:
-        for fd in self.fds:
+        self.sock.close()
+        for path in self.paths:
             with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds = []
-        for p in self.paths:
-            with contextlib.suppress(OSError):
-                os.unlink(p)
+                os.unlink(path)
         with contextlib.suppress(OSError):
             os.rmdir(self.dir)

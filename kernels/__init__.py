@@ -4,11 +4,12 @@ from kernels.ops import (
     Backend,
     compute_cos_sin_cache,
     paged_attention,
+    qk_norm_rope_write_kv,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
     write_kv,
 )
 
-__all__ = ["Backend", "compute_cos_sin_cache", "paged_attention", "rms_norm", "rotary_embedding",
-           "silu_and_mul", "write_kv"]
+__all__ = ["Backend", "compute_cos_sin_cache", "paged_attention", "qk_norm_rope_write_kv",
+           "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv"]

@@ -23,8 +23,8 @@ from kernels.reference import compute_cos_sin_cache
 Backend = Literal["auto", "triton", "flash_attn", "torch"]
 _BACKENDS = ("auto", "triton", "flash_attn", "torch")
 
-__all__ = ["Backend", "compute_cos_sin_cache", "paged_attention", "rms_norm", "rotary_embedding",
-           "silu_and_mul", "write_kv"]
+__all__ = ["Backend", "compute_cos_sin_cache", "paged_attention", "qk_norm_rope_write_kv",
+           "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv"]
 
 
 def _resolve(backend: str, t: Tensor, *, allow_flash: bool = False) -> str:
@@ -61,14 +61,18 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     query_start_loc: Tensor, seq_lens: Tensor, scale: float,
-                    max_query_len: int, max_seq_len: int, backend: Backend = "auto") -> Tensor:
+                    max_query_len: int, max_seq_len: int, backend: Backend = "auto",
+                    key: Tensor | None = None, value: Tensor | None = None) -> Tensor:
     """Causal paged attention over a mixed prefill/decode batch; returns `[T, Hq, D]` in q's dtype.
 
     Query token j of sequence b (q_len_b tokens) sits at position `seq_lens[b] - q_len_b + j`;
     this step's K/V must already be in the cache. Block-table entries past a sequence's
     ceil(seq_len / block_size) blocks are never read. `max_query_len`/`max_seq_len` are upper
-    bounds the caller already knows (no device sync); pure-decode batches
-    (`max_query_len == 1`) with long contexts take the split-K path.
+    bounds the caller already knows (no device sync): pure-decode batches
+    (`max_query_len == 1`) take the decode tiles (split-K for long contexts), others the
+    prefill tiles. `key`/`value` `[T, Hkv, D]`, optional, are this step's rows exactly as
+    written to the cache: the Triton kernel then reads each chunk's own keys from them
+    (contiguous) instead of through the block table; the other backends ignore them.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q must be [T, Hq, D] and k/v caches [num_blocks, block_size, Hkv, D]; "
@@ -86,6 +90,12 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                          f"{tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}")
     if max_query_len < 1 or max_seq_len < max_query_len:
         raise ValueError(f"need 1 <= max_query_len <= max_seq_len; got {max_query_len}, {max_seq_len}")
+    if (key is None) != (value is None):
+        raise ValueError("pass both key and value (this step's K/V rows) or neither")
+    if key is not None and (key.shape != value.shape
+                            or key.shape != (q.shape[0], num_kv_heads, head_dim)):
+        raise ValueError(f"key/value must be [T={q.shape[0]}, {num_kv_heads}, {head_dim}] (this "
+                         f"step's K/V rows); got {tuple(key.shape)} and {tuple(value.shape)}")
     chosen = _resolve(backend, q, allow_flash=True)
     if chosen == "torch":
         return reference.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc,
@@ -96,7 +106,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                                      scale, max_query_len, max_seq_len)
     from kernels.triton_attention import paged_attention as triton_paged_attention
     return triton_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                  scale, max_query_len, max_seq_len)
+                                  scale, max_query_len, max_seq_len, key, value)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
@@ -127,6 +137,42 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Ten
         return reference.rotary_embedding(positions, q, k, cos_sin_cache)
     from kernels.triton_fused import rotary_embedding as triton_rotary_embedding
     return triton_rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_weight: Tensor,
+                          k_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
+                          k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                          backend: Backend = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """Qwen3's attention prologue on the QKV projection's output `[T, (Hq + 2 Hkv) D]`, one launch.
+
+    q and k get their per-head RMSNorm (`q_weight`/`k_weight` `[D]`) and the rotary embedding at
+    `positions`, in place inside `qkv`; K and V are stored into the paged caches at
+    `slot_mapping` (-1 = skip). Returns the views (q `[T, Hq, D]`, k, v `[T, Hkv, D]`) of `qkv`.
+    """
+    if qkv.dim() != 2 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"qkv must be [T, (Hq + 2 Hkv) * D] and k/v caches [num_blocks, "
+                         f"block_size, Hkv, D]; got qkv {tuple(qkv.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    head_dim = k_cache.shape[3]
+    if k_cache.shape[2] != num_kv_heads or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv's width {qkv.shape[1]} must be (Hq={num_q_heads} + 2 * Hkv="
+                         f"{num_kv_heads}) * head_dim={head_dim}, and the cache must hold "
+                         f"{num_kv_heads} KV heads (it holds {k_cache.shape[2]})")
+    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
+        raise ValueError(f"q/k norm weights must be [{head_dim}]; got {tuple(q_weight.shape)}, "
+                         f"{tuple(k_weight.shape)}")
+    if positions.shape != (qkv.shape[0],) or slot_mapping.shape != (qkv.shape[0],):
+        raise ValueError(f"positions and slot_mapping must be [T={qkv.shape[0]}]; got "
+                         f"{tuple(positions.shape)}, {tuple(slot_mapping.shape)}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}]; got "
+                         f"{tuple(cos_sin_cache.shape)}")
+    args = (qkv, num_q_heads, num_kv_heads, q_weight, k_weight, eps, positions, cos_sin_cache,
+            k_cache, v_cache, slot_mapping)
+    if _resolve(backend, qkv) == "torch":
+        return reference.qk_norm_rope_write_kv(*args)
+    from kernels.triton_fused import qk_norm_rope_write_kv as triton_qk_norm_rope_write_kv
+    return triton_qk_norm_rope_write_kv(*args)
 
 
 def silu_and_mul(x: Tensor, backend: Backend = "auto") -> Tensor:

@@ -176,6 +176,33 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Ten
     return q, k
 
 
+def split_qkv(qkv: Tensor, num_q_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Views q `[T, Hq, D]`, k and v `[T, Hkv, D]` of a packed QKV projection `[T, (Hq + 2 Hkv) D]`."""
+    num_tokens = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return (q.view(num_tokens, num_q_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))
+
+
+def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_weight: Tensor,
+                          k_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
+                          k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+                          ) -> tuple[Tensor, Tensor, Tensor]:
+    """Qwen3's attention prologue: per-head RMSNorm of q and k, rotary, K/V stored in the cache.
+
+    q and k are overwritten in place inside `qkv`; returns the views (q, k, v) of `qkv`.
+    """
+    q, k, v = split_qkv(qkv, num_q_heads, num_kv_heads)
+    q_rot, k_rot = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    rotary_embedding(positions, q_rot, k_rot, cos_sin_cache)
+    q.copy_(q_rot)
+    k.copy_(k_rot)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k, v
+
+
 def silu_and_mul(x: Tensor) -> Tensor:
     """`[..., 2I] -> silu(x[..., :I]) * x[..., I:]` (gate then up, as in a merged gate_up projection)."""
     inter = x.shape[-1] // 2

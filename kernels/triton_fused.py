@@ -1,5 +1,8 @@
-"""Small fused Triton kernels: RMSNorm (+ residual add), in-place rotary embedding, SiLU-and-mul.
+"""Small fused Triton kernels: RMSNorm (+ residual add), SiLU-and-mul, and the attention prologue.
 
+The prologue (`qk_norm_rope_write_kv`) takes the QKV projection's output and, in one launch,
+applies Qwen3's per-head q/k RMSNorm and the rotary embedding in place and stores K and V into
+the paged cache; plain rotary embedding is the same kernel with the norm and the store off.
 Each one replaces several elementwise torch launches (and their round trips through memory) by
 one. They round where Hugging Face rounds (after the residual add, before the weight multiply,
 after the SiLU), computing everything else in float32, so bf16 results stay within one rounding
@@ -12,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kernels.reference import split_qkv
 
 
 @triton.jit
@@ -66,25 +71,43 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
 
 
 @triton.jit
-def _rotate_heads(base_ptr, stride_h, num_heads, cos, sin, d, d_ok,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _norm_rope_heads(base_ptr, stride_h, num_heads, weight_ptr, cos, sin, eps,
+                     d, d_ok, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+    """RMSNorm over each head (NORM) then rotary, in place on `num_heads` rows of one token.
+
+    Returns the rotated halves in float32 and their mask, for a caller that stores them again.
+    """
     h = tl.arange(0, BLOCK_H)
     mask = (h[:, None] < num_heads) & d_ok[None, :]
     ptr = base_ptr + h[:, None] * stride_h + d[None, :]
+    dtype = base_ptr.dtype.element_ty
     x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-    dtype = base_ptr.dtype.element_ty
-    tl.store(ptr, (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype), mask=mask)
-    tl.store(ptr + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype), mask=mask)
+    if NORM:
+        # Rounded where Qwen3RMSNorm rounds: the normalised row, then the weight product.
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(weight_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+        x1 = (w1[None, :] * (x1 * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2[None, :] * (x2 * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    o1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype)
+    o2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)
+    tl.store(ptr, o1, mask=mask)
+    tl.store(ptr + HALF, o2, mask=mask)
+    return o1, o2, mask
 
 
 @triton.jit
-def _rotary_kernel(
-    positions_ptr, q_ptr, k_ptr, cos_sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-    num_q_heads, num_kv_heads,
+def _qk_norm_rope_kernel(
+    positions_ptr, q_ptr, k_ptr, v_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
+    k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_cb, stride_cslot, stride_ch, block_size, num_q_heads, num_kv_heads, eps,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    NORM: tl.constexpr, WRITE_KV: tl.constexpr,
 ):
+    """Program (t, 0) rotates token t's query heads; (t, 1) its key heads, then stores K and V
+    into the paged cache at slot_mapping[t] (WRITE_KV; slot -1 = padding, not stored)."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -95,10 +118,66 @@ def _rotary_kernel(
     act = q_ptr.dtype.element_ty
     cos = cos.to(act).to(tl.float32)
     sin = sin.to(act).to(tl.float32)
-    _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, cos, sin, d, d_ok,
-                  HALF, BLOCK_HQ)
-    _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, d, d_ok,
-                  HALF, BLOCK_HK)
+    if tl.program_id(1) == 0:
+        _norm_rope_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, q_weight_ptr,
+                         cos, sin, eps, d, d_ok, HALF, BLOCK_HQ, NORM)
+    else:
+        k1, k2, mask = _norm_rope_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads,
+                                        k_weight_ptr, cos, sin, eps, d, d_ok, HALF, BLOCK_HK, NORM)
+        if WRITE_KV:
+            slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+            if slot >= 0:
+                h = tl.arange(0, BLOCK_HK)
+                dst = ((slot // block_size) * stride_cb + (slot % block_size) * stride_cslot
+                       + h[:, None] * stride_ch + d[None, :])
+                v_src = v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :]
+                v1 = tl.load(v_src, mask=mask)
+                v2 = tl.load(v_src + HALF, mask=mask)
+                cache_dtype = k_cache_ptr.dtype.element_ty
+                tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
+                tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
+                tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=mask)
+                tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=mask)
+
+
+def _launch_qk_norm_rope(positions: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                         q_weight: Tensor | None, k_weight: Tensor | None, eps: float,
+                         cos_sin_cache: Tensor, k_cache: Tensor | None, v_cache: Tensor | None,
+                         slot_mapping: Tensor | None) -> None:
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    norm, write_kv = q_weight is not None, k_cache is not None
+    half = head_dim // 2
+    cos_sin = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    cache = k_cache if write_kv else q  # never touched without WRITE_KV
+    if write_kv and (k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1):
+        raise ValueError("k_cache and v_cache must share strides with a contiguous last dim; "
+                         "allocate them with torch.empty(num_blocks, block_size, Hkv, D)")
+    _qk_norm_rope_kernel[(num_tokens, 2)](
+        positions, q, k, v, q_weight if norm else q, k_weight if norm else k, cos_sin,
+        cache, v_cache if write_kv else q, slot_mapping if write_kv else positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
+        cache.shape[1] if write_kv else 1, num_q_heads, k.shape[1], eps,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        NORM=norm, WRITE_KV=write_kv, num_warps=4,
+    )
+
+
+def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_weight: Tensor,
+                          k_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
+                          k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+                          ) -> tuple[Tensor, Tensor, Tensor]:
+    """Triton twin of `reference.qk_norm_rope_write_kv`: one launch, q and k in place in qkv."""
+    q, k, v = split_qkv(qkv, num_q_heads, num_kv_heads)
+    if q_weight.dtype != q.dtype or k_weight.dtype != q.dtype:
+        raise ValueError(f"q/k norm weights must have the activations' dtype {q.dtype}; got "
+                         f"{q_weight.dtype}, {k_weight.dtype}")
+    _launch_qk_norm_rope(positions, q, k, v, q_weight.contiguous(), k_weight.contiguous(), eps,
+                         cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return q, k, v
 
 
 def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor
@@ -114,19 +193,7 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Ten
         q.copy_(qc)
         k.copy_(kc)
         return q, k
-    num_tokens, num_q_heads, head_dim = q.shape
-    if num_tokens == 0:
-        return q, k
-    half = head_dim // 2
-    cos_sin = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    _rotary_kernel[(num_tokens,)](
-        positions, q, k, cos_sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
-        num_q_heads, k.shape[1],
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-        num_warps=4,
-    )
+    _launch_qk_norm_rope(positions, q, k, k, None, None, 0.0, cos_sin_cache, None, None, None)
     return q, k
 
 

@@ -51,7 +51,9 @@ class CacheEngine:
         ids = pairs[:, column]
         if ids.min() < 0 or ids.max() >= limit:
             raise ValueError(f"{what} block id out of range [0, {limit}): {ids.tolist()}")
-        return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(device)
+        # (a copy: a plan read from a Ray channel holds read-only arrays, which from_numpy
+        # warns about)
+        return torch.tensor(ids, dtype=torch.int64, device=device)
 
     def swap_out(self, pairs: np.ndarray) -> None:
         """Copy GPU blocks `pairs[:, 0]` to CPU blocks `pairs[:, 1]`, every layer, K and V."""

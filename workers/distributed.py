@@ -26,6 +26,30 @@ def get_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _tcp_address(init_method: str) -> tuple[str | None, int]:
+    """(host, port) of a "tcp://HOST:PORT" init method; (None, 0) for any other kind."""
+    if not init_method.startswith("tcp://"):
+        return None, 0
+    host, _, port = init_method[len("tcp://"):].rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"dist_init_method must be 'tcp://HOST:PORT'; got {init_method!r}")
+    return host.strip("[]"), int(port)
+
+
+def _tcp_store(host: str, port: int, world_size: int, is_master: bool) -> dist.TCPStore:
+    """The rendezvous store; rank 0's server listens on `host` alone (its own socket)."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, _INIT_TIMEOUT)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(128)
+    # detach(): the store's server owns the socket from here (Python must not close it).
+    return dist.TCPStore(host, port, world_size, True, _INIT_TIMEOUT,
+                         master_listen_fd=listener.detach())
+
+
 class TensorParallelGroup:
     """Rank, size and the collectives the parallel layers use; a no-op group when size == 1."""
 
@@ -52,11 +76,18 @@ class TensorParallelGroup:
             raise RuntimeError("this process already belongs to a torch.distributed group; "
                                "every tensor-parallel rank must run in its own process")
         backend = "nccl" if device == "cuda" else "gloo"
-        kwargs = {}
+        kwargs: dict = {}
         if device == "cuda":
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group(backend, init_method=init_method, world_size=world_size,
-                                rank=rank, timeout=_INIT_TIMEOUT, **kwargs)
+        host, port = _tcp_address(init_method)
+        if host is not None:
+            # Our own store, so rank 0's server listens on `host` only (torch's tcp:// init
+            # binds it to every interface: the rendezvous would be open to the network).
+            kwargs["store"] = _tcp_store(host, port, world_size, rank == 0)
+        else:
+            kwargs["init_method"] = init_method
+        dist.init_process_group(backend, world_size=world_size, rank=rank,
+                                timeout=_INIT_TIMEOUT, **kwargs)
         return cls(rank, world_size, dist.group.WORLD)
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+import kernels
 from workers.distributed import TensorParallelGroup
 from workers.layers import (
     Attention,
@@ -27,11 +28,18 @@ from workers.layers import (
 from workers.model_config import ModelConfig
 
 
+def ops_backend(backend: str) -> str:
+    """The backend of the small ops for an attention backend (flash-attn has only attention)."""
+    return "auto" if backend == "flash_attn" else backend
+
+
 class Qwen3Attention(nn.Module):
+    """QKV projection, the fused prologue (q/k norm, rotary, KV store), paged attention, o_proj."""
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, rotary_emb: RotaryEmbedding,
                  dtype: torch.dtype, backend: str) -> None:
         super().__init__()
-        ops = "torch" if backend == "torch" else "auto"
+        self.ops = ops = ops_backend(backend)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, tp, dtype)
         self.num_heads = self.qkv_proj.num_heads
@@ -50,12 +58,12 @@ class Qwen3Attention(nn.Module):
     def forward(self, positions: Tensor, hidden_states: Tensor,
                 attn_metadata: AttentionMetadata) -> Tensor:
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # q_norm/k_norm return fresh contiguous tensors, which RoPE then rotates in place.
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        k_cache, v_cache = self.attn.kv_cache()
+        # One launch: q/k norm and rotary in place inside qkv, K/V stored for this and later steps.
+        q, k, v = kernels.qk_norm_rope_write_kv(
+            qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
+            self.q_norm.eps, positions, self.rotary_emb.cos_sin_cache, k_cache, v_cache,
+            attn_metadata.slot_mapping, backend=self.ops)
         o = self.attn(q, k, v, attn_metadata)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
@@ -77,7 +85,7 @@ class Qwen3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, rotary_emb: RotaryEmbedding,
                  dtype: torch.dtype, backend: str) -> None:
         super().__init__()
-        ops = "torch" if backend == "torch" else "auto"
+        ops = ops_backend(backend)
         self.self_attn = Qwen3Attention(cfg, tp, rotary_emb, dtype, backend)
         self.mlp = Qwen3MLP(cfg, tp, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
@@ -99,10 +107,10 @@ class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
                  backend: str, max_position: int) -> None:
         super().__init__()
-        ops = "torch" if backend == "torch" else "auto"
+        ops = ops_backend(backend)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         # One cos/sin table shared by every layer.
-        rotary_emb = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, ops)
+        rotary_emb = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, tp, rotary_emb, dtype, backend)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)

@@ -9,6 +9,7 @@ to the engines the offline tests start.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +22,19 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 from cluster.serve_env import apply_proxy_env  # noqa: E402
 
 apply_proxy_env()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# Serve's fixed ports beside the HTTP front (HAProxy's stats page and exporter, the fallback
+# proxy), on free ones: another session's cluster on this machine may hold the defaults.
+for _key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"):
+    os.environ.setdefault(_key, str(_free_port()))
 
 RAY_NUM_CPUS = 4
 

@@ -386,8 +386,10 @@ def _cpu_seconds(pid: int) -> float:
 
 def test_idle_ray_workers_park_and_burn_no_cpu(ray_cluster: None) -> None:
     """A compiled graph's ranks spin on their input channel between plans; an idle engine
-    parks them on a pipe (cluster/wakeup.py): 10 s idle cost < 0.5 s of CPU per worker (they
+    parks them on a socket (cluster/wakeup.py): 10 s idle cost < 0.5 s of CPU per worker (they
     spin at most of a core each without it), and the next request is served as before."""
+    import signal
+
     import ray
 
     engine = AsyncLLMEngine(EngineConfig(model="qwen3-tiny", tensor_parallel_size=2,
@@ -404,6 +406,14 @@ def test_idle_ray_workers_park_and_burn_no_cpu(ray_cluster: None) -> None:
         again = [o async for o in engine.generate([5, 6, 7, 8], params, "b")]
         tokens = [o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in again]
         assert sum(tokens[0], []) == sum(tokens[1], [])  # the same greedy answer after idle
+        # A rank killed while the workers are parked: the next probe finds it, the engine
+        # rebuilds (waking the dead rank must not hurt the engine), and serves again.
+        await asyncio.sleep(0.5)
+        os.kill(pids[1], signal.SIGKILL)
+        await asyncio.sleep(3)
+        after = [o async for o in engine.generate([5, 6, 7, 8], params, "c")]
+        assert sum([o.outputs[0].token_ids for o in after], []) == sum(tokens[0], [])
+        assert engine.engine.recoveries == 1
         return used, pids
 
     try:

@@ -7,12 +7,29 @@ sequence's length inside its last block are all filled with NaN.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 from torch import Tensor
+
+
+def load_kernels_bench() -> ModuleType:
+    """bench/kernels_bench.py as a module (its launch counter and decode-layer builder)."""
+    name = "kernels_bench"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[2] / "bench" / "kernels_bench.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
 
 # CPU cases run only under Triton's interpreter (conftest sets TRITON_INTERPRET=1 without CUDA).
 INTERPRETER_ONLY = pytest.mark.skipif(
@@ -81,23 +98,93 @@ def make_paged_batch(q_and_seq_lens: list[tuple[int, int]], *, num_q_heads: int,
     )
 
 
-def check_paged_attention(batch: PagedBatch, **triton_kwargs: int) -> None:
+def chunk_kv(batch: PagedBatch) -> tuple[Tensor, Tensor]:
+    """This step's K/V rows `[T, Hkv, D]`, read back from the cache at each query's position.
+
+    They are views into one wider tensor (as K and V are of a fused QKV projection), with the
+    columns between them filled with NaN, so a read past a row's own head shows up.
+    """
+    from kernels import reference
+
+    t = batch.q.shape[0]
+    _, _, num_kv_heads, head_dim = batch.k_cache.shape
+    width = num_kv_heads * head_dim
+    qkv = torch.full((t, 3 * width), float("nan"), dtype=batch.q.dtype, device=batch.q.device)
+    starts = batch.query_start_loc.tolist()
+    for b, seq_len in enumerate(batch.seq_lens.tolist()):
+        q_len = starts[b + 1] - starts[b]
+        for col, cache in ((0, batch.k_cache), (2 * width, batch.v_cache)):
+            rows = reference.gather_kv(cache, batch.block_tables[b], seq_len)[seq_len - q_len:]
+            qkv[starts[b]:starts[b + 1], col:col + width] = rows.reshape(q_len, width)
+    return (qkv[:, :width].view(t, num_kv_heads, head_dim),
+            qkv[:, 2 * width:].view(t, num_kv_heads, head_dim))
+
+
+def check_paged_attention(batch: PagedBatch, *, with_chunk_kv: bool = False,
+                          **triton_kwargs: int | bool) -> None:
+    """The Triton kernel equals the reference; with `with_chunk_kv` it reads each chunk's own
+    keys from `chunk_kv(batch)`, and the cache slots of this step's tokens hold NaN so that a
+    read of them through the block table shows up."""
     from kernels import reference
     from kernels.triton_attention import paged_attention
 
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc,
             batch.seq_lens, batch.scale)
     expected = reference.paged_attention(*args)
-    got = paged_attention(*args, batch.max_query_len, batch.max_seq_len, **triton_kwargs)
+    if with_chunk_kv:
+        key, value = chunk_kv(batch)
+        k_cache, v_cache = _poison_chunk_slots(batch)
+        args = (batch.q, k_cache, v_cache, *args[3:])
+        got = paged_attention(*args, batch.max_query_len, batch.max_seq_len, key, value,
+                              **triton_kwargs)
+    else:
+        got = paged_attention(*args, batch.max_query_len, batch.max_seq_len, **triton_kwargs)
     assert got.dtype == batch.q.dtype and got.shape == batch.q.shape
     assert not got.isnan().any(), "kernel read a slot outside the sequences' blocks"
     tol = TOL[batch.q.dtype]
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
+def _poison_chunk_slots(batch: PagedBatch) -> tuple[Tensor, Tensor]:
+    """Copies of the caches with NaN in the slots of this step's tokens (except the slots that
+    another sequence reads as its cached prefix: `share_first_block` batches have them)."""
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    block_size = k_cache.shape[1]
+    starts = batch.query_start_loc.tolist()
+    seq_lens = batch.seq_lens.tolist()
+
+    def slot(b: int, pos: int) -> tuple[int, int]:
+        return int(batch.block_tables[b, pos // block_size]), pos % block_size
+
+    ranges = [(seq_len - (starts[b + 1] - starts[b]), seq_len) for b, seq_len in enumerate(seq_lens)]
+    prefix = {slot(b, pos) for b, (ctx, _) in enumerate(ranges) for pos in range(ctx)}
+    for b, (ctx, seq_len) in enumerate(ranges):
+        for pos in range(ctx, seq_len):
+            if slot(b, pos) not in prefix:
+                k_cache[slot(b, pos)] = float("nan")
+                v_cache[slot(b, pos)] = float("nan")
+    return k_cache, v_cache
+
+
 # (q_len, seq_len) lists. Block size 4 in the CPU tests, so these end mid-block.
 DECODE = [(1, 1), (1, 6), (1, 17), (1, 40)]
 MIXED = [(5, 5), (3, 11), (1, 22), (6, 30), (1, 3)]
+PREFILL = [(37, 37), (20, 61), (1, 9), (33, 50)]
+
+
+# Block size 4: slots 21, 23 -> block 5; 3, 0 -> block 0; 4 -> block 1; -1 = padding.
+# Blocks 2, 3 and 4 are reached by no slot.
+SLOTS = [21, -1, 3, 4, 23, -1, 0]
+UNREACHED_BLOCKS = [2, 3, 4]
+
+
+def _assert_only_slots_written(cache: Tensor, before: Tensor, slots: list[int]) -> None:
+    """Every cache row outside `slots` (and every row of UNREACHED_BLOCKS) equals `before`."""
+    flat, flat_before = cache.flatten(0, 1), before.flatten(0, 1)
+    keep = torch.ones(flat.shape[0], dtype=torch.bool)
+    keep[[s for s in slots if s >= 0]] = False
+    assert torch.equal(flat[keep], flat_before[keep])
+    assert torch.equal(cache[UNREACHED_BLOCKS], before[UNREACHED_BLOCKS])
 
 
 def check_write_kv(device: str, dtype: torch.dtype) -> None:
@@ -107,20 +194,70 @@ def check_write_kv(device: str, dtype: torch.dtype) -> None:
 
     gen = torch.Generator().manual_seed(1)
     num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 2, 16
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k_before = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_before = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     # K and V as views into one fused projection, the way a QKV matmul produces them.
     kv = torch.randn(7, 2 * num_kv_heads * head_dim, generator=gen).to(dtype)
     key = kv[:, : num_kv_heads * head_dim].view(7, num_kv_heads, head_dim)
     value = kv[:, num_kv_heads * head_dim:].view(7, num_kv_heads, head_dim)
-    slot_mapping = torch.tensor([21, -1, 3, 4, 23, -1, 0], dtype=torch.int64)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slot_mapping = torch.tensor(SLOTS, dtype=torch.int64)
+    k_ref, v_ref = k_before.clone(), v_before.clone()
     reference.write_kv(key, value, k_ref, v_ref, slot_mapping)
-    k_dev, v_dev = k_cache.to(device), v_cache.to(device)
+    # clone(): on CPU `.to("cpu")` would be k_before itself, and the kernel's writes would land
+    # in the tensor the untouched blocks are compared with.
+    k_dev, v_dev = k_before.clone().to(device), v_before.clone().to(device)
     write_kv(key.to(device), value.to(device), k_dev, v_dev, slot_mapping.to(device))
     assert torch.equal(k_dev.cpu(), k_ref) and torch.equal(v_dev.cpu(), v_ref)
     assert torch.equal(k_ref[5, 1], key[0]) and torch.equal(v_ref[0, 0], value[6])
-    assert torch.equal(k_ref[1:5], k_cache[1:5])  # blocks no slot points at
+    _assert_only_slots_written(k_dev.cpu(), k_before, SLOTS)
+    _assert_only_slots_written(v_dev.cpu(), v_before, SLOTS)
+
+
+def check_qk_norm_rope_write_kv(device: str, dtype: torch.dtype, num_q_heads: int,
+                                num_kv_heads: int, head_dim: int) -> None:
+    """The fused attention prologue against its torch twin: q/k normed and rotated in place in
+    a row-strided qkv, V untouched, K/V at their slots, -1 skipped, every other slot untouched."""
+    from kernels import reference
+    from kernels.triton_fused import qk_norm_rope_write_kv
+
+    gen = torch.Generator().manual_seed(12)
+    num_tokens, num_blocks, block_size = len(SLOTS), 6, 4
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    # Rows of a wider buffer: qkv's row stride is not its width.
+    qkv = (2 * torch.randn(num_tokens, width + 8, generator=gen)).to(dtype)[:, :width]
+    q_weight = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype)
+    k_weight = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype)
+    positions = torch.tensor([7, 0, 63, 7, 30, 2, 5])
+    cos_sin = reference.compute_cos_sin_cache(head_dim, 64, 10000.0)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_before = torch.randn(shape, generator=gen).to(dtype)
+    v_before = torch.randn(shape, generator=gen).to(dtype)
+    slot_mapping = torch.tensor(SLOTS, dtype=torch.int64)
+    eps = 1e-6
+
+    qkv_ref, k_ref, v_ref = qkv.clone(), k_before.clone(), v_before.clone()
+    q_exp, k_exp, v_exp = reference.qk_norm_rope_write_kv(
+        qkv_ref, num_q_heads, num_kv_heads, q_weight, k_weight, eps, positions, cos_sin,
+        k_ref, v_ref, slot_mapping)
+    qkv_dev = qkv.clone().to(device)
+    k_dev, v_dev = k_before.clone().to(device), v_before.clone().to(device)
+    q, k, v = qk_norm_rope_write_kv(qkv_dev, num_q_heads, num_kv_heads, q_weight.to(device),
+                                    k_weight.to(device), eps, positions.to(device),
+                                    cos_sin.to(device), k_dev, v_dev, slot_mapping.to(device))
+    tol = TOL[dtype]
+    assert q.data_ptr() == qkv_dev.data_ptr() and q.shape == (num_tokens, num_q_heads, head_dim)
+    torch.testing.assert_close(q.cpu(), q_exp, atol=tol, rtol=tol)
+    torch.testing.assert_close(k.cpu(), k_exp, atol=tol, rtol=tol)
+    assert torch.equal(v.cpu(), v_exp) and torch.equal(v_exp, qkv[:, -num_kv_heads * head_dim:]
+                                                       .view(num_tokens, num_kv_heads, head_dim))
+    written = torch.tensor([s >= 0 for s in SLOTS])
+    slots = slot_mapping[written]
+    # The cache holds exactly this call's (rotated) k and v at each slot.
+    assert torch.equal(k_dev.cpu().flatten(0, 1)[slots], k.cpu()[written])
+    assert torch.equal(v_dev.cpu().flatten(0, 1)[slots], v.cpu()[written])
+    torch.testing.assert_close(k_dev.cpu(), k_ref, atol=tol, rtol=tol)
+    _assert_only_slots_written(k_dev.cpu(), k_before, SLOTS)
+    _assert_only_slots_written(v_dev.cpu(), v_before, SLOTS)
 
 
 def check_rms_norm(device: str, dtype: torch.dtype, shape: tuple[int, ...], residual: bool) -> None:

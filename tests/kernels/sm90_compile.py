@@ -2,8 +2,9 @@
 
 Run with TRITON_INTERPRET unset (the interpreter never builds IR). It shows the kernels pass
 Triton's front end, layout passes, LLVM and ptxas for the configurations ops.py launches: all
-kernels in bf16, attention decode/prefill tiles also in fp16/fp32, GQA 1/2/8, split-K on and
-off, and the `== 1` integer specialisations Triton applies to runtime arguments.
+kernels in bf16, attention decode/prefill tiles (folded and unfolded) also in fp16/fp32, GQA
+1/2/8, split-K on and off, chunk K/V on and off, and the `== 1` integer specialisations Triton
+applies to runtime arguments.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_kernel(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str, ...] = (),
-                   **options: int) -> None:
+                   aligned: bool = True, **options: int):
+    """Compile `fn` for TARGET. `aligned`: pointers and `stride*` arguments carry the
+    divisible-by-16 specialisation a launch on aligned tensors gets (what enables 16-byte
+    vector loads and cp.async pipelining), as real launches of ops.py's tensors do."""
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -27,28 +31,39 @@ def compile_kernel(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str
             signature[name] = "*" + ptrs[name]
         else:
             signature[name] = "fp32" if name in floats else "i32"
-    src = ASTSource(fn=fn, signature=signature,
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if aligned and (name in ptrs or name.startswith("stride"))}
+    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    triton.compile(src, target=TARGET, options=options)
+    return triton.compile(src, target=TARGET, options=options)
 
 
 def main() -> None:
     for dt in ("bf16", "fp16", "fp32"):
         precision = "ieee" if dt == "fp32" else "tf32"
-        # Every attention variant in bf16 (the GPU default); fp16/fp32 get decode and prefill.
-        variants = [(16, 2, 16, 2, {"num_seqs": 1, "block_size": 1}), (64, 2, 1, 3, {})]
+        # (BLOCK_M, GROUP, FOLD, segments, chunk K/V, warps, stages, integer specialisations):
+        # decode, short-chunk (folded) and long-chunk (unfolded, Hopper-sized) prefill tiles in
+        # every dtype; in bf16 (the GPU default) also GQA 1 and 8, split-K and no chunk K/V.
+        variants = [(16, 2, 2, 16, True, 4, 2, {"num_seqs": 1, "block_size": 1, "q_len_lo": 1}),
+                    (64, 2, 2, 1, True, 4, 3, {}), (128, 2, 1, 1, True, 8, 3, {})]
         if dt == "bf16":
-            variants += [(16, 2, 1, 2, {}), (16, 8, 4, 2, {}), (64, 1, 2, 3, {})]
-        for block_m, group, segments, num_stages, extra in variants:
+            variants += [(16, 2, 2, 1, False, 4, 2, {}), (16, 8, 8, 4, False, 4, 2, {}),
+                         (64, 1, 1, 2, False, 4, 3, {}), (128, 8, 1, 1, False, 8, 3, {}),
+                         (128, 2, 1, 1, True, 8, 4, {})]
+        for i, (block_m, group, fold, segments, chunk_kv, warps, stages, extra) in \
+                enumerate(variants):
             part = "fp32" if segments > 1 else dt
-            ptrs = dict(out_ptr=dt, q_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt,
-                        block_tables_ptr="i32", query_start_loc_ptr="i32", seq_lens_ptr="i32",
-                        part_acc_ptr=part, part_max_ptr=part, part_sum_ptr=part)
+            ptrs = dict(out_ptr=dt, q_ptr=dt, key_ptr=dt, value_ptr=dt, k_cache_ptr=dt,
+                        v_cache_ptr=dt, block_tables_ptr="i32", query_start_loc_ptr="i32",
+                        seq_lens_ptr="i32", part_acc_ptr=part, part_max_ptr=part,
+                        part_sum_ptr=part)
             compile_kernel(triton_attention._paged_attention_kernel, ptrs,
-                           dict(GROUP=group, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=block_m,
-                                BLOCK_Q=block_m // group, TILE_N=64, NUM_SEGMENTS=segments,
+                           dict(GROUP=group, FOLD=fold, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                                BLOCK_M=block_m, BLOCK_Q=block_m // fold, TILE_N=64,
+                                NUM_SEGMENTS=segments, HAS_CHUNK_KV=chunk_kv,
                                 DOT_PRECISION=precision, **extra),
-                           floats=("scale_log2",), num_warps=4, num_stages=num_stages)
+                           floats=("scale_log2",), aligned=i > 0, num_warps=warps,
+                           num_stages=stages)
         if dt != "bf16":
             continue
         compile_kernel(triton_attention._merge_segments_kernel,
@@ -64,9 +79,13 @@ def main() -> None:
                            dict(out_ptr=dt, x_ptr=dt, residual_ptr=dt, residual_out_ptr=dt,
                                 weight_ptr=dt),
                            dict(HAS_RESIDUAL=residual, BLOCK=1024), floats=("eps",), num_warps=4)
-        compile_kernel(triton_fused._rotary_kernel,
-                       dict(positions_ptr="i64", q_ptr=dt, k_ptr=dt, cos_sin_ptr="fp32"),
-                       dict(HALF=64, BLOCK_HALF=64, BLOCK_HQ=16, BLOCK_HK=8), num_warps=4)
+        for norm, write in ((True, True), (False, False)):  # the prologue; plain rotary
+            compile_kernel(triton_fused._qk_norm_rope_kernel,
+                           dict(positions_ptr="i64", q_ptr=dt, k_ptr=dt, v_ptr=dt,
+                                q_weight_ptr=dt, k_weight_ptr=dt, cos_sin_ptr="fp32",
+                                k_cache_ptr=dt, v_cache_ptr=dt, slot_mapping_ptr="i64"),
+                           dict(HALF=64, BLOCK_HALF=64, BLOCK_HQ=16, BLOCK_HK=8, NORM=norm,
+                                WRITE_KV=write), floats=("eps",), num_warps=4)
         compile_kernel(triton_fused._silu_and_mul_kernel, dict(out_ptr=dt, x_ptr=dt),
                        dict(BLOCK=1024), num_warps=4)
     print("compiled for sm_90")

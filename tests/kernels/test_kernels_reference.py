@@ -46,6 +46,34 @@ def test_rotary_embedding_is_bit_identical_to_hf_and_in_place() -> None:
     assert torch.equal(q, q_hf[0].transpose(0, 1)) and torch.equal(k, k_hf[0].transpose(0, 1))
 
 
+def test_qk_norm_rope_write_kv_is_bit_identical_to_hf_attention_prologue() -> None:
+    """q_norm, k_norm and rotary as HF's Qwen3Attention runs them, in place in the packed qkv,
+    and K/V stored at their slots."""
+    config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=128, rope_theta=1_000_000.0)
+    gen = torch.Generator().manual_seed(5)
+    q_norm, k_norm = hf.Qwen3RMSNorm(16, eps=1e-6), hf.Qwen3RMSNorm(16, eps=1e-6)
+    q_norm.weight.data = torch.randn(16, generator=gen)
+    k_norm.weight.data = torch.randn(16, generator=gen)
+    qkv = torch.randn(3, (4 + 2 * 2) * 16, generator=gen)
+    positions = torch.tensor([9, 0, 127])
+    cos, sin = hf.Qwen3RotaryEmbedding(config)(qkv, positions[None])
+    q_hf = q_norm(qkv[:, :64].view(3, 4, 16)).transpose(0, 1)[None]
+    k_hf = k_norm(qkv[:, 64:96].view(3, 2, 16)).transpose(0, 1)[None]
+    q_hf, k_hf = hf.apply_rotary_pos_emb(q_hf, k_hf, cos, sin)
+    v_before = qkv[:, 96:].clone()
+    k_cache, v_cache = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
+    q, k, v = kernels.qk_norm_rope_write_kv(
+        qkv, 4, 2, q_norm.weight.data, k_norm.weight.data, 1e-6, positions,
+        kernels.compute_cos_sin_cache(16, 128, 1_000_000.0), k_cache, v_cache,
+        torch.tensor([5, -1, 0]))
+    assert q.data_ptr() == qkv.data_ptr()  # in place
+    assert torch.equal(q, q_hf[0].transpose(0, 1)) and torch.equal(k, k_hf[0].transpose(0, 1))
+    assert torch.equal(v, v_before.view(3, 2, 16))
+    assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[0, 0], v[2])
+    assert torch.equal(k_cache.flatten(0, 1)[[1, 2, 3, 4, 6, 7]], torch.zeros(6, 2, 16))
+
+
 def test_cos_sin_cache_layout() -> None:
     cache = kernels.compute_cos_sin_cache(8, 3, 10000.0)
     assert cache.shape == (3, 8) and cache.dtype == torch.float32
@@ -130,15 +158,23 @@ def test_write_kv_reference_skips_padding_slots() -> None:
     assert v_cache.flatten().tolist() == [-5.0, -6.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0]
 
 
-def test_split_k_choice() -> None:
+def test_split_k_choice_follows_the_h100_measurements() -> None:
     from kernels.triton_attention import choose_num_segments
 
-    # Qwen3-0.6B decode (8 KV heads) on a 132-SM H100.
+    # Qwen3-0.6B decode (8 KV heads) on a 132-SM H100: the fastest factor measured in a CUDA
+    # graph (shared/gpu/h100-2026-11-22/attn_sweep.json, kernels.json).
+    assert choose_num_segments(1, 8, 1, 1024, 64, 132) == 16  # 6.5 us; the old choice, 4: 11.2
+    assert choose_num_segments(1, 8, 1, 2048, 64, 132) == 16
+    assert choose_num_segments(1, 8, 1, 512, 64, 132) == 8
     assert choose_num_segments(1, 8, 1, 32768, 64, 132) == 16
-    assert choose_num_segments(32, 8, 1, 4096, 64, 132) == 2
+    assert choose_num_segments(1, 8, 1, 128, 64, 132) == 1
+    assert choose_num_segments(32, 8, 1, 1024, 64, 132) == 2
+    assert choose_num_segments(32, 8, 1, 128, 64, 132) == 1
+    assert choose_num_segments(128, 8, 1, 1024, 64, 132) == 1
     assert choose_num_segments(256, 8, 1, 32768, 64, 132) == 1
-    assert choose_num_segments(1, 8, 1, 200, 64, 132) == 1  # too short to be worth splitting
-    assert choose_num_segments(1, 8, 16, 32768, 64, 132) == 1  # prefill never splits
+    # Never more segments than key tiles; prefill never splits.
+    assert choose_num_segments(1, 8, 1, 300, 64, 132) == 4  # 5 tiles: 8 rounded down to 4
+    assert choose_num_segments(1, 8, 16, 32768, 64, 132) == 1
 
 
 def test_unknown_backend_is_rejected_with_the_choices() -> None:

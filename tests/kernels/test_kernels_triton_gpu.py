@@ -1,4 +1,5 @@
-"""CUDA-only Triton cases: Qwen3-0.6B's shapes, 32k decodes, wide rows, auto dispatch.
+"""CUDA-only Triton cases: Qwen3-0.6B's shapes, long chunks with the Hopper-sized prefill tiles,
+32k decodes, wide rows, auto dispatch, a decode layer captured in a CUDA graph.
 
 The cases shared with the interpreter run on CUDA from test_kernels_triton.py."""
 
@@ -9,7 +10,9 @@ import torch
 from kernel_cases import (
     MIXED,
     check_paged_attention,
+    check_qk_norm_rope_write_kv,
     check_rms_norm,
+    load_kernels_bench,
     make_paged_batch,
 )
 
@@ -27,6 +30,39 @@ def test_qwen3_0_6b_shapes_with_default_tiles(dtype: torch.dtype, num_segments: 
     batch = make_paged_batch(lens, num_q_heads=16, num_kv_heads=8, head_dim=128, block_size=16,
                              dtype=dtype, device="cuda", share_first_block=True, seed=9)
     check_paged_attention(batch, num_segments=num_segments)
+
+
+@pytest.mark.parametrize("chunk_kv", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_long_chunks_with_default_tiles(dtype: torch.dtype, chunk_kv: bool) -> None:
+    # Chunks >= 128 tokens take the unfolded 128-row tiles: no prefix, a prefix, a decode.
+    lens = [(2048, 2048), (1500, 4000), (1, 3000), (300, 300)]
+    batch = make_paged_batch(lens, num_q_heads=16, num_kv_heads=8, head_dim=128, block_size=16,
+                             dtype=dtype, device="cuda", share_first_block=True, seed=13)
+    check_paged_attention(batch, with_chunk_kv=chunk_kv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_write_kv_at_qwen3_0_6b_shapes(dtype: torch.dtype) -> None:
+    check_qk_norm_rope_write_kv("cuda", dtype, 16, 8, 128)
+
+
+def test_decode_layer_replays_in_a_cuda_graph_as_it_runs_eagerly() -> None:
+    """Captured with max_seq_len 4096 (split-K): no host reads, no data-dependent shapes."""
+    bench = load_kernels_bench()
+    cfg = bench.model_config()
+    _, step = bench.build_decode_layer(cfg, 32, 1000, torch.bfloat16, torch.device("cuda"),
+                                       "auto", 4096)
+    with torch.inference_mode():
+        eager = step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        graph.replay()
+        torch.cuda.synchronize()
+    for got, expected in zip(captured, eager):
+        assert torch.equal(got, expected)
 
 
 def test_long_decode_batch_auto_split_matches() -> None:

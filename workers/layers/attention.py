@@ -34,7 +34,11 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Writes this step's K/V into the cache, then attends q over the sequence's cached K/V."""
+    """Attends this step's queries over the paged cache of one layer.
+
+    This step's K/V must already be in the cache (`kernels.qk_norm_rope_write_kv` stores them);
+    `k`/`v` are the same rows, from which the kernel reads each chunk's own keys contiguously.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  backend: str = "auto") -> None:
@@ -44,17 +48,20 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
-        self.ops_backend = "torch" if backend == "torch" else "auto"
         # Bound to views of the stacked cache by CacheEngine; empty until then.
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_metadata: AttentionMetadata) -> Tensor:
+    def kv_cache(self) -> tuple[Tensor, Tensor]:
+        """This layer's (k_cache, v_cache) `[num_blocks, block_size, Hkv, D]`."""
         if self.k_cache.dim() != 4:
             raise RuntimeError("the KV cache is not allocated; call Worker.init_cache first")
+        return self.k_cache, self.v_cache
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_metadata: AttentionMetadata) -> Tensor:
+        k_cache, v_cache = self.kv_cache()
         md = attn_metadata
-        kernels.write_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping,
-                         backend=self.ops_backend)
-        return kernels.paged_attention(q, self.k_cache, self.v_cache, md.block_tables,
+        return kernels.paged_attention(q, k_cache, v_cache, md.block_tables,
                                        md.query_start_loc, md.seq_lens, self.scale,
-                                       md.max_query_len, md.max_seq_len, backend=self.backend)
+                                       md.max_query_len, md.max_seq_len, backend=self.backend,
+                                       key=k, value=v)

@@ -1,4 +1,4 @@
-"""RMSNorm, rotary embedding and SiLU-and-mul: thin modules over the `kernels` ops."""
+"""RMSNorm, the rotary table and SiLU-and-mul: thin modules over the `kernels` ops."""
 
 from __future__ import annotations
 
@@ -25,17 +25,16 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """NeoX-style RoPE from a float32 cos/sin table over every position the model may see."""
+    """NeoX-style RoPE's float32 cos/sin table over every position the model may see.
 
-    def __init__(self, head_dim: int, max_position: int, base: float, backend: str = "auto") -> None:
+    The rotation itself runs inside `kernels.qk_norm_rope_write_kv` (Qwen3's attention prologue).
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float) -> None:
         super().__init__()
-        self.backend = backend
         self.register_buffer("cos_sin_cache",
                              kernels.compute_cos_sin_cache(head_dim, max_position, base),
                              persistent=False)
-
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        return kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, backend=self.backend)
 
 
 class SiluAndMul(nn.Module):
