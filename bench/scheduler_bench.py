@@ -162,8 +162,9 @@ def bench_admit(num_seqs: int, prompt_len: int, seed: int, tokenizer, factory=No
 
 
 def compare(other_root: str, contexts: list[int], rounds: int, steps: int, num_seqs: int,
-            pipelined: bool) -> list[dict]:
-    """Decode rows of this tree and of `other_root`, alternating which goes first."""
+            pipelined: bool, tokenizer=None, factory=None, defer_text: bool = False) -> list[dict]:
+    """Decode rows of this tree and of `other_root`, alternating which goes first (both with
+    this tree's tokenizer and detokenizer factory, when given)."""
     from against import load_bench
 
     runs = {"this": sys.modules[__name__], "other": load_bench(other_root, "scheduler_bench.py")}
@@ -171,7 +172,8 @@ def compare(other_root: str, contexts: list[int], rounds: int, steps: int, num_s
     for r in range(rounds):
         for c in contexts:
             for name in (("this", "other") if r % 2 == 0 else ("other", "this")):
-                row = runs[name].bench_decode(num_seqs, c, steps, r, None, pipelined=pipelined)
+                row = runs[name].bench_decode(num_seqs, c, steps, r, tokenizer, factory,
+                                              defer_text=defer_text, pipelined=pipelined)
                 rows.append({"tree": name, "round": r, **row})
     return rows
 
@@ -199,11 +201,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="with --against: rounds per tree")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args()
+    tok = _qwen_tokenizer() if args.tokenizer else None
+    factory = None
+    if tok is not None and args.detokenizer == "rust":
+        from cluster.fast_detokenizer import detokenizer_factory
+
+        factory = detokenizer_factory(tok)
     if args.against:
         contexts = [int(c) for c in args.contexts.split(",")]
         rows = compare(args.against, contexts, args.rounds, args.steps, args.num_seqs,
-                       args.pipelined)
-        print(f"decode rows, {args.num_seqs} seqs, {args.steps} steps, "
+                       args.pipelined, tok, factory, args.defer_text)
+        text = (f"qwen3 tokenizer ({args.detokenizer}"
+                f"{', deferred text' if args.defer_text else ''})" if tok else "no tokenizer")
+        print(f"decode rows, {args.num_seqs} seqs, {args.steps} steps, {text}, "
               f"{'pipelined' if args.pipelined else 'synchronous'}, this tree vs "
               f"{args.against}, {args.rounds} interleaved rounds, medians of the rounds (us); "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
@@ -220,12 +230,6 @@ def main() -> None:
                 json.dump({"rows": rows, "against": args.against}, f, indent=1)
         return
     freeze = not args.no_gc_freeze
-    tok = _qwen_tokenizer() if args.tokenizer else None
-    factory = None
-    if tok is not None and args.detokenizer == "rust":
-        from cluster.fast_detokenizer import detokenizer_factory
-
-        factory = detokenizer_factory(tok)
     rows = [bench_decode(args.num_seqs, int(c), args.steps, args.seed, tok, factory, freeze,
                          args.defer_text, args.pipelined) for c in args.contexts.split(",")]
     rows.append(bench_admit(args.num_seqs, args.admit_prompt, args.seed, tok, factory, freeze))

@@ -75,7 +75,7 @@ def _assert_all_blocks_free(llm: LLM) -> None:
 
 def _force_decode_lane(llm: LLM) -> None:
     """Let the scheduler's decode lane run at these tests' few requests (by default it needs
-    scheduler.scheduler.LANE_MIN_RUNNING of them)."""
+    scheduler.decode_lane.LANE_MIN_RUNNING of them)."""
     llm.engine.scheduler.lane.min_running = 1
 
 
