@@ -145,8 +145,8 @@ class OutputProcessor:
             if status is None and req.n == 1 and (
                     state is None or (defer_text and state.deferrable)):
                 # The delta of a running sequence is its token (text, if any, deferred): the
-                # bulk of every step, built field by field because the dataclasses' __init__
-                # calls cost a tenth of a 256-sequence step.
+                # bulk of every step, built field by field because the dataclasses' generated
+                # __init__ calls are a visible share of a large step (docs/benchmarks.md).
                 comp = _new(CompletionOutput)
                 comp.index = seq.index
                 comp.token_ids = [token]
