@@ -6,15 +6,16 @@ size 16, token ids uniform in [100, 150000). A finished request is freed and rep
 next one until --requests have been admitted.
 
 Reports:
-  decode step   us per step of allocate_slots(seq, tokens, 1) (the call the scheduler makes,
-                its decode lane included) for every running request
+  decode step   us per step of allocate_slots(seq, tokens, 1) for every running request (the
+                call the scheduler makes for a sequence outside its decode lane)
   admission     us per new request: lookup_prefix + allocate_slots of its whole prompt, given the
                 prompt's block hashes, which the scheduler computes once when the request
                 arrives (add_request; in the async engine that overlaps the forward pass);
                 the arrival hashing is reported on its own line
   context sweep us per decode step for 256 requests at a short (113-128 tokens) and a long
                 (8192-8207 tokens) context, staggered so that every step fills and opens blocks
-                like a real batch does; the cost must not grow with the context
+                like a real batch does; the cost must not grow with the context. Also as one
+                allocate_decode_slots call for all 256 (what the scheduler's decode lane makes)
   8k prompt     us to look up and allocate an 8192-token prompt: cold (no hit) / warm (hit),
                 and apart from that, to hash it on arrival
 
@@ -84,7 +85,7 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
         hash_us.append((perf() - t0) * 1e6)
         c0, t0 = cpu(), perf()
         prefix = m.lookup_prefix(toks, None, hashes)
-        alloc = m.allocate_slots(next_req, toks, len(toks) - len(prefix) * BLOCK_SIZE, prefix, admit=True,
+        alloc = m.allocate_new(next_req, toks, len(toks) - len(prefix) * BLOCK_SIZE, prefix, admit=True,
                                  block_hashes=hashes)
         admit_us.append((perf() - t0) * 1e6)
         admit_cpu.append((cpu() - c0) * 1e6)
@@ -128,9 +129,10 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
     }
 
 
-def context_sweep(context: int, steps: int, seed: int) -> tuple[float, float]:
+def context_sweep(context: int, steps: int, seed: int, bulk: bool = False) -> tuple[float, float]:
     """Median (wall, cpu) us per decode step for 256 requests; request i already holds
-    context + i % block_size tokens, so each step fills 1/16 of the blocks and opens 1/16."""
+    context + i % block_size tokens, so each step fills 1/16 of the blocks and opens 1/16.
+    With bulk, the step is one allocate_decode_slots call for all of them (the decode lane)."""
     rng = random.Random(seed)
     m = KVCacheManager(num_gpu_blocks=CONCURRENCY * ((context + steps) // BLOCK_SIZE + 3), num_cpu_blocks=0,
                        block_size=BLOCK_SIZE)
@@ -145,10 +147,14 @@ def context_sweep(context: int, steps: int, seed: int) -> tuple[float, float]:
         for t in toks.values():
             t.append(rng.randrange(100, 150000))
         items = list(toks.items())
+        sids, lists = list(toks), list(toks.values())
         c0, t0 = cpu(), perf()
-        allocate = m.allocate_slots
-        for sid, t in items:
-            allocate(sid, t, 1)
+        if bulk:
+            assert m.allocate_decode_slots(sids, lists, 0, {}) == CONCURRENCY
+        else:
+            allocate = m.allocate_slots
+            for sid, t in items:
+                allocate(sid, t, 1)
         times.append((perf() - t0) * 1e6)
         cpus.append((cpu() - c0) * 1e6)
     m.check_invariants()
@@ -170,7 +176,7 @@ def prompt_8k(seed: int, repeats: int) -> dict[str, float]:
             res["hash"].append((perf() - t0) * 1e6)
             c0, t0 = cpu(), perf()
             prefix = m.lookup_prefix(prompt, None, hashes)
-            m.allocate_slots(sid, prompt, len(prompt) - len(prefix) * BLOCK_SIZE, prefix, block_hashes=hashes)
+            m.allocate_new(sid, prompt, len(prompt) - len(prefix) * BLOCK_SIZE, prefix, block_hashes=hashes)
             key = "warm" if sid else "cold"
             res[key].append((perf() - t0) * 1e6)
             res[key + "_cpu"].append((cpu() - c0) * 1e6)
@@ -204,6 +210,9 @@ def measure(bench, requests: int, repeats: int, seed: int) -> dict:
         res[f"sweep_{name}_context"] = [ctx, ctx + BLOCK_SIZE - 1]
         res[f"sweep_{name}_us"] = statistics.median(w for w, _ in sweeps)
         res[f"sweep_{name}_cpu_us"] = statistics.median(c for _, c in sweeps)
+        sweeps = [bench.context_sweep(ctx, 64, seed, bulk=True) for _ in range(repeats)]
+        res[f"sweep_{name}_bulk_us"] = statistics.median(w for w, _ in sweeps)
+        res[f"sweep_{name}_bulk_cpu_us"] = statistics.median(c for _, c in sweeps)
     res.update(bench.prompt_8k(seed, repeats))
     return res
 
@@ -220,6 +229,10 @@ def rows_of(res: dict) -> list[tuple[str, str, str | None, int | None]]:
          f"{short}_us", f"{short}_cpu_us", 200),
         (f"decode step, 256 x {LONG_CONTEXT}-{LONG_CONTEXT + BLOCK_SIZE - 1} ctx",
          f"{long_}_us", f"{long_}_cpu_us", 200),
+        (f"  the same, {SHORT_CONTEXT}-{SHORT_CONTEXT + BLOCK_SIZE - 1} ctx, one batch call",
+         f"{short}_bulk_us", f"{short}_bulk_cpu_us", None),
+        (f"  the same, {LONG_CONTEXT}-{LONG_CONTEXT + BLOCK_SIZE - 1} ctx, one batch call",
+         f"{long_}_bulk_us", f"{long_}_bulk_cpu_us", None),
         ("arrival hashing, replay prompt (median)", "arrival_hash_us_median", None, None),
         ("8k prompt lookup+allocate, cold", "prompt8k_cold_us", "prompt8k_cold_cpu_us", 300),
         ("8k prompt lookup+allocate, full hit", "prompt8k_warm_us", "prompt8k_warm_cpu_us", 300),

@@ -96,9 +96,10 @@ class OutputProcessor:
         # token id -> convert_ids_to_tokens result, per skip_special_tokens, shared by every
         # IncrementalDetokenizer of this tokenizer
         self._token_cache: dict[bool, dict[int, list[str]]] = {True: {}, False: {}}
-        # text owed by process(defer_text=True), in token order: each delta (of one token,
-        # which says whether a stop token stopped it or it finished) and its text state
-        self._text_todo: list[tuple[CompletionOutput, _SeqText]] = []
+        # text owed by process(defer_text=True), in token order: each delta (of one token of
+        # sequence `index`, which says whether a stop token stopped it or it finished) and
+        # its request's state
+        self._text_todo: list[tuple[CompletionOutput, _RequestState]] = []
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -153,7 +154,7 @@ class OutputProcessor:
                 comp.text = ""
                 comp.finish_reason = comp.stop_reason = comp.logprobs = None
                 if state is not None:
-                    todo((comp, state.seqs.get(seq.index) or self._seq_text(state, seq)))
+                    todo((comp, state))
                 out = _new(RequestOutput)
                 out.request_id = req.request_id
                 out.prompt_token_ids = req.prompt_token_ids
@@ -190,9 +191,10 @@ class OutputProcessor:
                 self._states.pop(req.request_id, None)
         return outputs
 
-    def _seq_text(self, state: _RequestState, seq: Seq) -> _SeqText | None:
-        text = state.seqs.get(seq.index)
-        if text is None and self.tokenizer is not None and seq.index not in state.seqs:
+    def _seq_text(self, state: _RequestState, index: int) -> _SeqText | None:
+        """The text state of the request's sequence `index` (None without a tokenizer)."""
+        text = state.seqs.get(index)
+        if text is None and self.tokenizer is not None and index not in state.seqs:
             sp = state.params
             skip = sp.skip_special_tokens
             if self.detokenizer_factory is not None:
@@ -202,7 +204,7 @@ class OutputProcessor:
                                                self._token_cache[skip])
             stop = StopStringBuffer(sp.stop, sp.include_stop_str_in_output) if sp.stop else None
             text = _SeqText(detok, stop, sp.include_stop_str_in_output)
-        state.seqs[seq.index] = text
+        state.seqs[index] = text
         return text
 
     def _token_output(self, state: _RequestState, req: Request, seq: Seq, token: int,
@@ -212,7 +214,7 @@ class OutputProcessor:
         sp = state.params
         stop_reason = seq.stop_reason if status is not None else None
         stopped = status is _STOPPED  # by a stop token (the scheduler's decision)
-        text_state = self._seq_text(state, seq)
+        text_state = self._seq_text(state, seq.index)
         text: str | None = ""
         if text_state is None:
             pass
@@ -243,7 +245,7 @@ class OutputProcessor:
                                     stop_reason, [] if logprobs is None and sp.logprobs is not None
                                     else logprobs)
         if text is None:
-            self._text_todo.append((comp, text_state))
+            self._text_todo.append((comp, state))
         return comp
 
     def _early_output(self, req: Request, seq: Seq) -> RequestOutput:
@@ -252,7 +254,7 @@ class OutputProcessor:
         text = ""
         want_lp = req.sampling_params.logprobs is not None
         if state is not None:
-            text_state = self._seq_text(state, seq)
+            text_state = self._seq_text(state, seq.index)
             if text_state is not None:
                 if self._text_todo:
                     self.finish_text()  # this sequence's earlier tokens come first
@@ -267,11 +269,12 @@ class OutputProcessor:
     def finish_text(self) -> None:
         """Fill in the text process(defer_text=True) left out, in token order."""
         todo = self._text_todo
-        for comp, text_state in todo:
+        seq_text = self._seq_text
+        for comp, state in todo:
             # a deferred sequence has no stop strings: "stop" means a stop token
             reason = comp.finish_reason
-            comp.text = text_state.token_text(comp.token_ids[0], reason == "stop",
-                                              reason is not None)
+            comp.text = seq_text(state, comp.index).token_text(
+                comp.token_ids[0], reason == "stop", reason is not None)
         todo.clear()
 
 

@@ -7,7 +7,7 @@ One sequence's slots, after allocate_slots(seq, token_ids, k, num_pending=p) (bl
                                                                      by a step in flight)
     slots:    [ cached      | computed    | computed new  new ]  [ new  pend  -    -  ]
                '--------------------- num_slots ---------------------------'  tail_room
-    cached:   blocks a prefix hit shared on the first call (no KV computed for them)
+    cached:   the blocks of a prefix hit, shared by allocate_new (no KV computed for them)
     computed: slots reserved by earlier calls (their KV is written, or being written)
     new:      the k slots this call reserves; the step being planned writes their KV
     pending:  a new slot whose token is still in flight: the block it fills is hashed
@@ -117,8 +117,9 @@ class KVCacheManager:
     def num_blocks_needed(
         self, seq_id: int, num_new_tokens: int, prefix_block_ids: Sequence[int] = ()
     ) -> int:
-        """Free GPU blocks allocate_slots(seq_id, ..., num_new_tokens, prefix_block_ids) takes:
-        new blocks + copy-on-write blocks + prefix blocks that sit in the free queue."""
+        """Free GPU blocks allocate_new(seq_id, ..., num_new_tokens, prefix_block_ids) or, for a
+        seq with blocks, allocate_slots(seq_id, ..., num_new_tokens) takes: new blocks +
+        copy-on-write blocks + prefix blocks that sit in the free queue."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         bs = self.block_size
@@ -128,14 +129,17 @@ class KVCacheManager:
             revive = sum(1 for b in prefix_block_ids if blocks[b].ref_cnt == 0)
             num_slots = len(prefix_block_ids) * bs + num_new_tokens
             return -(-num_slots // bs) - len(prefix_block_ids) + revive
-        self._check_growable(seq_id, seq, prefix_block_ids)
+        if seq.swapped:
+            raise ValueError(f"seq {seq_id} is swapped out; swap_in before allocating slots")
+        if prefix_block_ids:
+            raise ValueError(f"seq {seq_id} already has blocks; a prefix is only for a new seq")
         num_slots = seq.num_slots
         needed = -(-(num_slots + num_new_tokens) // bs) - len(seq.block_ids)
         if num_new_tokens and num_slots % bs and self.gpu_pool.blocks[seq.block_ids[-1]].ref_cnt > 1:
             needed += 1
         return needed
 
-    def allocate_slots(
+    def allocate_new(
         self,
         seq_id: int,
         token_ids: Sequence[int],
@@ -144,94 +148,96 @@ class KVCacheManager:
         extra_key: bytes | None = None,
         admit: bool = False,
         block_hashes: Sequence[BlockHash] = (),
-        num_pending: int = 0,
     ) -> Allocation | None:
+        """A new sequence's first slots (see the diagram above): the blocks of its prefix hit,
+        covering len(prefix_block_ids) * block_size tokens (they must come from lookup_prefix
+        of the same tokens and extra_key, with no allocation between), then slots for
+        num_new_tokens more. block_hashes (as for lookup_prefix: the chained hashes of some
+        leading full blocks, usually the prompt's) spare hashing those blocks, now and when
+        later chunks fill them. Returns None and changes nothing when too few GPU blocks are
+        free, or, with admit=True, when fewer than the watermark would remain free.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"seq {seq_id} already has blocks; allocate_new is only for a new "
+                             "seq (grow it with allocate_slots)")
+        return self._allocate_new(seq_id, token_ids, num_new_tokens, prefix_block_ids, extra_key,
+                                  admit, block_hashes)
+
+    def allocate_slots(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
+                       num_pending: int = 0) -> Allocation | None:
         """Reserve KV slots for the seq's next num_new_tokens tokens: the one way a sequence
-        gets slots, for its first chunk, later chunks and every decode (see the diagram above;
-        a batch of one-token decodes may take them in one allocate_decode_slots call).
+        grows, by a prefill chunk or a decode (see the diagram above; a batch of decodes may
+        take its slots in one allocate_decode_slots call). An unknown seq is created, as
+        allocate_new without a prefix.
 
         token_ids is the seq's whole known token list, followed by num_pending tokens still
         being sampled (async scheduling computes a token in the step after the one that
         samples it, before the scheduler knows it): blocks those fill are hashed later.
         Afterwards the seq has slots for token_ids[:num_slots(seq_id)] (and the pending
-        tokens): num_slots grows by num_new_tokens, plus, on the first call,
-        len(prefix_block_ids) * block_size tokens covered by the prefix blocks (which must come
-        from lookup_prefix of the same tokens and extra_key, with no allocation between). On the
-        first call, block_hashes (as for lookup_prefix: the chained hashes of some leading full
-        blocks, usually the prompt's) spare hashing those blocks, now and when later chunks fill
-        them. Returns None and changes nothing when too few GPU blocks are free; with
-        admit=True it also refuses when fewer than the watermark would remain free.
+        tokens). Returns None and changes nothing when too few GPU blocks are free.
         """
         seq = self._seqs.get(seq_id)
+        # The common decode: one slot, the last block the seq's own, with room or full (a new
+        # block opens). Decided from small ints on the seq alone: touching the table or the
+        # block (cache misses) or computing on token counts > 256 (heap ints) would grow with
+        # the context.
+        if num_new_tokens == 1 and seq is not None and not (seq.shared_tail or seq.swapped):
+            num_slots = seq.num_slots
+            if num_slots < len(token_ids) + num_pending:
+                room = seq.tail_room
+                if room:
+                    seq.num_slots = num_slots + 1
+                    seq.tail_room = room - 1
+                    # (a block filled by a pending token is hashed when the next one opens)
+                    if room == 1 and self.enable_prefix_caching and num_slots < len(token_ids):
+                        self.prefix.cache_full_blocks(seq, token_ids)  # the last block filled
+                    return NOTHING_NEW
+                pool = self.gpu_pool
+                if pool.free_block_queue.num_free_blocks and self.block_size > 1:
+                    if self.enable_prefix_caching and len(seq.block_hashes) < len(seq.block_ids):
+                        self.prefix.cache_full_blocks(seq, token_ids)  # filled ahead of its token
+                    block_id = pool.get_new_block().block_id
+                    seq.block_ids.append(block_id)
+                    seq.num_slots = num_slots + 1
+                    seq.tail_room = self.block_size - 1
+                    return Allocation([block_id], [])
         if seq is None:
-            return self._allocate_new(seq_id, token_ids, num_new_tokens, prefix_block_ids, extra_key,
-                                      admit, block_hashes)
-        if (num_new_tokens == 1 and not (prefix_block_ids or admit)
-                and seq.num_slots < len(token_ids) + num_pending):
-            new_blocks: dict[int, list[int]] = {}
-            if self.allocate_decode_slots((seq_id,), (token_ids,), num_pending, new_blocks):
-                new_ids = new_blocks.get(seq_id)
-                return NOTHING_NEW if new_ids is None else Allocation(new_ids, [])
-        return self._grow(seq_id, seq, token_ids, num_new_tokens, prefix_block_ids, admit,
-                          num_pending)
+            return self._allocate_new(seq_id, token_ids, num_new_tokens, (), None, False, ())
+        return self._grow(seq_id, seq, token_ids, num_new_tokens, num_pending)
 
     def allocate_decode_slots(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
                               num_pending: int, new_blocks: dict[int, list[int]]) -> int:
         """allocate_slots(seq_id, token_ids, 1, num_pending=num_pending) for each sequence in
-        order, in one call (a decode batch), for as long as each is the common decode: a seq
-        with GPU blocks whose last block it owns alone, with room in it or a free block to
-        open. Stops at the first sequence that is not, untouched, and returns how many were
-        done; each new block's id goes into new_blocks[seq_id]. Everything else (copy-on-
-        write, a full pool, errors) is allocate_slots', which takes its own one-token decodes
-        through here: this is the only copy of the decode fast path. The caller guarantees
-        what allocate_slots would check: each slot is for a known token or a pending one
-        (num_slots < len(token_ids) + num_pending).
-
-        Decided from small ints on the seq alone: touching the table or the block (cache
-        misses) or computing on token counts > 256 (heap ints) would grow with the context.
-        """
-        bs = self.block_size
-        if bs == 1:
-            return 0  # (every slot opens a block that it fills: the general path)
+        order (a decode batch), stopping untouched at the first sequence that is not on the
+        GPU with its last block its own, or that allocate_slots refuses; returns how many were
+        done, the id of each new block in new_blocks[seq_id]. A slot in a last block with room
+        to spare only moves two counters, and is taken here without the call; every slot with
+        a decision (a block that fills or opens) is allocate_slots'. The caller guarantees what
+        allocate_slots would check for the slots taken here: each is for a known token or a
+        pending one (num_slots < len(token_ids) + num_pending)."""
         seqs_get = self._seqs.get
-        caching = self.enable_prefix_caching
-        pool = self.gpu_pool
-        free_queue = pool.free_block_queue
-        cache_full_blocks = self.prefix.cache_full_blocks
+        allocate = self.allocate_slots
         for i, (seq_id, token_ids) in enumerate(zip(seq_ids, token_lists)):
             seq = seqs_get(seq_id)
             if seq is None or seq.shared_tail or seq.swapped:
                 return i
-            num_slots = seq.num_slots
             room = seq.tail_room
-            if room:
-                seq.num_slots = num_slots + 1
+            if room > 1:
+                seq.num_slots += 1
                 seq.tail_room = room - 1
-                # (a block filled by a pending token is hashed when the next one opens)
-                if room == 1 and caching and num_slots < len(token_ids):
-                    cache_full_blocks(seq, token_ids)  # the last block just filled
                 continue
-            if not free_queue.num_free_blocks:
+            alloc = allocate(seq_id, token_ids, 1, num_pending)
+            if alloc is None:
                 return i
-            if caching and len(seq.block_hashes) < len(seq.block_ids):
-                cache_full_blocks(seq, token_ids)  # the last block, filled ahead of its token
-            block_id = pool.get_new_block().block_id
-            seq.block_ids.append(block_id)
-            seq.num_slots = num_slots + 1
-            seq.tail_room = bs - 1
-            new_blocks[seq_id] = [block_id]
+            if alloc is not NOTHING_NEW:
+                new_blocks[seq_id] = alloc.new_block_ids
         return len(seq_ids)
 
-    def _check_growable(self, seq_id: int, seq: SeqBlocks, prefix_block_ids: Sequence[int]) -> None:
+    def _grow(self, seq_id: int, seq: SeqBlocks, token_ids: Sequence[int], num_new_tokens: int,
+              num_pending: int) -> Allocation | None:
+        """allocate_slots for a seq that has blocks: every case, the common decode included."""
         if seq.swapped:
             raise ValueError(f"seq {seq_id} is swapped out; swap_in before allocating slots")
-        if prefix_block_ids:
-            raise ValueError(f"seq {seq_id} already has blocks; prefix_block_ids is only for a new seq")
-
-    def _grow(self, seq_id: int, seq: SeqBlocks, token_ids: Sequence[int], num_new_tokens: int,
-              prefix_block_ids: Sequence[int], admit: bool, num_pending: int) -> Allocation | None:
-        """allocate_slots for a seq that has blocks: every case, the common decode included."""
-        self._check_growable(seq_id, seq, prefix_block_ids)
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         num_slots = seq.num_slots
@@ -249,9 +255,7 @@ class KVCacheManager:
         # from tail_room (small ints): ceil(total / bs) - len(table) and num_slots % bs != 0
         num_new_blocks = -((room - num_new_tokens) // bs)
         cow = num_new_tokens > 0 and room > 0 and seq.shared_tail and pool.blocks[table[-1]].ref_cnt > 1
-        needed = num_new_blocks + cow
-        free = pool.free_block_queue.num_free_blocks
-        if needed > free or (admit and free - needed < self.watermark_blocks):
+        if num_new_blocks + cow > pool.free_block_queue.num_free_blocks:
             return None
         copies: list[tuple[int, int]] = []
         if cow:

@@ -7,12 +7,12 @@ PENDING_TOKEN: the workers have it, the scheduler does not yet.
 
 This module owns the plans in flight and every rule that follows from a token being in
 flight; the rest of the scheduler asks here instead of testing for one itself:
-  - `num_pending` / `decode_input`: a sequence whose KV covers every token it knows has its
+  - `num_pending` / `input_token`: a sequence whose KV covers every token it knows has its
     next token in flight; its decode computes PENDING_TOKEN, and its slot is reserved ahead
     (KVCacheManager.allocate_slots' `num_pending`), the block that slot fills being hashed once
     the token lands (kvcache/prefix.py);
-  - `ends_by_length` / `length_edge`: a sequence whose pending token would end it by length is
-    not scheduled ahead (the decode lane applies the same rule to its arrays);
+  - `decode_pending` / `length_edge`: a sequence whose pending token would end it by length
+    is not scheduled ahead (the decode lane applies the same rule to its arrays);
   - `waits_for_token`: a sequence that cannot grow while its token is in flight decides
     nothing (no finish for capacity) until that token has landed;
   - a token sampled for a sequence that finished meanwhile (a stop token in the plan before,
@@ -82,29 +82,24 @@ def num_pending(seq: Seq) -> int:
     return 1 if computed and computed == len(seq.token_ids) else 0
 
 
-def ends_by_length(seq: Seq) -> bool:
-    """Whether the token in flight ends the sequence by length (no decode ahead of it)."""
-    return seq.num_computed + 1 >= seq.max_len
+def decode_pending(seq: Seq) -> int | None:
+    """num_pending of the sequence's next one-token decode (0: its input is its last known
+    token; 1: the token in flight), or None when it has no decode to schedule now (a
+    prefill chunk left, a token in flight that ends it by length, or its tokens already
+    being computed by the plans in flight)."""
+    start = seq.num_computed
+    num_known = len(seq.token_ids)
+    if num_known - start == 1 and start:
+        return 0
+    if num_known == start and start + 1 < seq.max_len:
+        return 1
+    return None
 
 
 def length_edge(pos: np.ndarray, max_len: np.ndarray) -> np.ndarray:
-    """ends_by_length over arrays of num_computed and max_len (the decode lane's)."""
+    """Over arrays of num_computed and max_len (the decode lane's): whether the token in
+    flight ends the sequence by length, so that decode_pending would say None."""
     return pos + 1 >= max_len
-
-
-def decode_input(seq: Seq) -> int | None:
-    """The input token of the sequence's next one-token decode: its last known token, or
-    PENDING_TOKEN when that token is in flight; None when it has no decode to schedule now
-    (a prefill chunk left, a pending token that ends it by length, or its tokens already
-    being computed by the plans in flight)."""
-    start = seq.num_computed
-    tokens = seq.token_ids
-    num_known = len(tokens)
-    if num_known - start == 1 and start:
-        return tokens[start]
-    if num_known == start and start + 1 < seq.max_len:
-        return PENDING_TOKEN
-    return None
 
 
 def input_token(seq: Seq, pos: int) -> int:

@@ -245,13 +245,11 @@ class Scheduler:
     def _decode_one_by_one(self, reqs: list[Request], step: StepBuilder,
                            prefill_reqs: list[Request]) -> None:
         """Stage 1 for these running requests, in order, one sequence at a time (appending
-        to prefill_reqs those with prefill chunks left). A sequence the workers hold that
-        gets its slot without preemption or copy-on-write is the common case: it is added
-        here, and joins the decode lane; every other case is _schedule_seq's."""
-        allocate = self.kv.allocate_slots
-        appended = step.appended
-        add_decode = step.add_decode
-        step_id = step.step_id
+        to prefill_reqs those with prefill chunks left). A sequence that cannot get its slot
+        is _schedule_seq's (preemption); one that the workers hold and that got its slot
+        without copy-on-write joins the decode lane."""
+        kv = self.kv
+        allocate = kv.allocate_slots
         join = self.lane.join if self.lane.joining else None
         for req in reqs:
             if step.budget == 0 or step.seq_slots == 0:
@@ -269,33 +267,21 @@ class Scheduler:
             for seq in req.seqs:
                 if seq.status is not _RUNNING:
                     continue
-                token = ahead.decode_input(seq)
-                start = seq.num_computed
-                if token is None:
+                pending = ahead.decode_pending(seq)
+                if pending is None:
                     # a prefill chunk left, or its tokens are being computed already
-                    has_prefill = has_prefill or start < len(seq.token_ids)
+                    has_prefill = has_prefill or seq.num_computed < len(seq.token_ids)
                     continue
                 if step.budget == 0 or step.seq_slots == 0:
                     break
-                sid = seq.seq_id
-                alloc = allocate(sid, seq.token_ids, 1, (), None, False, (), ahead.num_pending(seq))
-                if alloc is None or alloc.copies or not seq.on_worker:
-                    if alloc is None:
-                        scheduled = self._schedule_seq(req, seq, step, may_preempt=True)
-                    else:
-                        step.add(req, seq, alloc, start, 1, self.kv.block_table(sid))
-                        scheduled = 1
-                    if scheduled < 0:
+                alloc = allocate(seq.seq_id, seq.token_ids, 1, pending)
+                if alloc is None:
+                    if self._schedule_seq(req, seq, step, may_preempt=True) < 0:
                         break  # the request itself was preempted
                     continue
-                seq.num_computed = start + 1
-                req.scheduled_step = step_id
-                if alloc.new_block_ids:
-                    appended[sid] = alloc.new_block_ids
-                add_decode(sid, start, token)
-                step.budget -= 1
-                step.seq_slots -= 1
-                if join is not None and req.n == 1:
+                plain = seq.on_worker and not alloc.copies
+                step.add(req, seq, alloc, seq.num_computed, 1, kv)
+                if plain and join is not None and req.n == 1:
                     join(req, seq)
             if has_prefill:
                 prefill_reqs.append(req)
@@ -334,8 +320,11 @@ class Scheduler:
             chunk = min(to_compute, step.budget)
             if chunk <= 0 or (chunk < to_compute and not self.config.enable_chunked_prefill):
                 return 0
-            alloc = kv.allocate_slots(seq.seq_id, seq.token_ids, chunk, prefix, req.extra_key,
-                                      admit, req.block_hashes, pending)
+            if kv.has_seq(seq.seq_id):
+                alloc = kv.allocate_slots(seq.seq_id, seq.token_ids, chunk, pending)
+            else:
+                alloc = kv.allocate_new(seq.seq_id, seq.token_ids, chunk, prefix, req.extra_key,
+                                        admit, req.block_hashes)
             if alloc is not None:
                 break
             if not may_preempt:
@@ -352,7 +341,7 @@ class Scheduler:
             return 0
         if prefix and not req.admitted:
             req.num_cached_tokens = computed
-        step.add(req, seq, alloc, computed, chunk, kv.block_table(seq.seq_id))
+        step.add(req, seq, alloc, computed, chunk, kv)
         return chunk
 
     def _schedule_fork(self, req: Request, step: StepBuilder, may_preempt: bool) -> None:
@@ -391,7 +380,7 @@ class Scheduler:
                                    f"{kv.num_free_gpu_blocks} free")
             allocs[seq.seq_id] = alloc
         for seq in req.seqs:
-            step.add(req, seq, allocs[seq.seq_id], start, 1, kv.block_table(seq.seq_id))
+            step.add(req, seq, allocs[seq.seq_id], start, 1, kv)
 
     def _finish_for_capacity(self, req: Request, seq: Seq) -> None:
         """The only running request cannot grow: the cache is its length limit."""

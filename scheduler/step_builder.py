@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcache import Allocation
+from kvcache import Allocation, KVCacheManager
 from scheduler.ahead import input_token
 from scheduler.plan import NewSeq, StepPlan, empty_pairs
 from scheduler.request import Request, Seq
@@ -42,20 +42,20 @@ class StepBuilder:
         self.copies: list[tuple[int, int]] = []
 
     def add(self, req: Request, seq: Seq, alloc: Allocation, start: int, chunk: int,
-            block_table: list[int]) -> None:
-        """Add a scheduled chunk of `chunk` tokens from position `start` (its slots reserved
-        by `alloc`; block_table is the seq's table after it): batch entry, table diff,
+            kv: KVCacheManager) -> None:
+        """Add a scheduled chunk of `chunk` tokens from position `start`, its slots reserved
+        by `alloc` (a decode when it is the sequence's next token): batch entry, table diff,
         copy-on-write pairs, the budget. Advances seq.num_computed."""
         sid = seq.seq_id
         seq.num_computed = end = start + chunk
         req.scheduled_step = self.step_id
         if not seq.on_worker:
             self.new_seqs.append(NewSeq(sid, req.request_id, seq.index, seq.prompt_len,
-                                        seq.token_ids[:start], list(block_table),
+                                        seq.token_ids[:start], list(kv.block_table(sid)),
                                         req.sampling_params))
             seq.on_worker = True
         elif alloc.copies:
-            self.replaced[sid] = list(block_table)
+            self.replaced[sid] = list(kv.block_table(sid))
         elif alloc.new_block_ids:
             self.appended[sid] = alloc.new_block_ids
         if alloc.copies:
@@ -64,19 +64,15 @@ class StepBuilder:
         self.seq_slots -= 1
         tokens = seq.token_ids
         if chunk == 1 and end >= len(tokens):  # end > len: its token is in flight
-            self.add_decode(sid, start, input_token(seq, start))
+            self.dec_ids.append(sid)
+            self.dec_pos.append(start)
+            self.dec_tokens.append(input_token(seq, start))
         else:
             self.pre_ids.append(sid)
             self.pre_lens.append(chunk)
             self.pre_pos.append(start)
             self.pre_sample.append(end == len(tokens))
             self.pre_tokens.extend(tokens[start:end])
-
-    def add_decode(self, seq_id: int, pos: int, token: int) -> None:
-        """A one-token decode row (token may be PENDING_TOKEN); budget charged by the caller."""
-        self.dec_ids.append(seq_id)
-        self.dec_pos.append(pos)
-        self.dec_tokens.append(token)
 
     def to_plan(self) -> StepPlan:
         nd = len(self.dec_ids)

@@ -92,7 +92,7 @@ def test_prefix_blocks_evicted_between_lookup_and_allocate_are_refused():
     assert prefix == [2, 3]
     assert m.allocate_slots(2, B[:9], 1) == Allocation([3], [])  # evicts block 3
     with pytest.raises(ValueError, match=r"prefix block 3 \(position 1\) no longer holds"):
-        m.allocate_slots(3, A[:9], 1, prefix)
+        m.allocate_new(3, A[:9], 1, prefix)
     m.check_invariants()
 
 
@@ -102,7 +102,7 @@ def test_allocate_accepts_a_shortened_prefix_and_other_sequence_types():
     m.free(1)
     prefix = m.lookup_prefix(tuple(A) + (7,))
     assert prefix == [0, 1, 2]
-    assert m.allocate_slots(2, tuple(A) + (7,), 9, tuple(prefix[:1])) == Allocation([3, 4, 5], [])
+    assert m.allocate_new(2, tuple(A) + (7,), 9, tuple(prefix[:1])) == Allocation([3, 4, 5], [])
     assert m.block_table(2) == [0, 3, 4, 5] and m.num_slots(2) == 13
     s = m.stats()
     assert (s.prefix_queries, s.prefix_hits) == (25, 4)
@@ -116,8 +116,8 @@ def test_prefix_from_other_tokens_is_refused():
     prefix = m.lookup_prefix(A + [7])
     other = A[:4] + B[:8] + [7]
     with pytest.raises(ValueError, match=r"prefix block 1 \(position 1\) no longer holds"):
-        m.allocate_slots(2, other, 1, prefix)
-    assert m.allocate_slots(2, other, 9, prefix[:1]) == Allocation([3, 4, 5], [])
+        m.allocate_new(2, other, 1, prefix)
+    assert m.allocate_new(2, other, 9, prefix[:1]) == Allocation([3, 4, 5], [])
     assert [m.gpu_pool.blocks[b].block_hash for b in (0, 3, 4)] == chain(other, 4)
     m.check_invariants()
 
@@ -133,10 +133,10 @@ def test_given_block_hashes_give_the_same_lookup_and_tables():
         m = mgr(gpu=12)
         prompt = A + B[:5]
         given = prompt_block_hashes(prompt, 4) if with_hashes else None
-        m.allocate_slots(1, A, 12, block_hashes=given[:3] if given else ())
+        m.allocate_new(1, A, 12, block_hashes=given[:3] if given else ())
         m.free(1)
         prefix = m.lookup_prefix(prompt, None, given)
-        alloc = m.allocate_slots(2, prompt, len(prompt) - 4 * len(prefix), prefix,
+        alloc = m.allocate_new(2, prompt, len(prompt) - 4 * len(prefix), prefix,
                                  block_hashes=given or ())
         m.check_invariants()
         return prefix, alloc, m.block_table(2), [m.gpu_pool.blocks[b].block_hash for b in m.block_table(2)]
@@ -152,7 +152,7 @@ def test_given_hashes_are_trusted_for_every_chunk_they_cover():
     # proven here with made-up names, which only a caller breaking the contract would pass.
     names = [H, X, Y]
     m = mgr()
-    assert m.allocate_slots(1, A, 2, block_hashes=names) == Allocation([0], [])
+    assert m.allocate_new(1, A, 2, block_hashes=names) == Allocation([0], [])
     assert m.allocate_slots(1, A, 5) == Allocation([1], [])  # fills block 0 only
     assert m.allocate_slots(1, A, 5) == Allocation([2], [])  # fills blocks 1 and 2
     assert [m.gpu_pool.blocks[b].block_hash for b in (0, 1, 2)] == names
@@ -176,7 +176,7 @@ def test_allocate_takes_the_lookups_blocks_unchecked_only_while_nothing_was_evic
 
     with monkeypatch.context() as mp:
         mp.setattr(m.prefix, "check", no_check)
-        assert m.allocate_slots(2, prompt, 5, prefix[:2], block_hashes=given) == Allocation([3, 4], [])
+        assert m.allocate_new(2, prompt, 5, prefix[:2], block_hashes=given) == Allocation([3, 4], [])
     assert m.block_table(2) == [0, 1, 3, 4] and m.gpu_pool.blocks[2].ref_cnt == 0
     m.check_invariants()
     # The same hashes object, but an eviction since the lookup: the blocks are checked again.
@@ -187,7 +187,7 @@ def test_allocate_takes_the_lookups_blocks_unchecked_only_while_nothing_was_evic
     assert prefix == [0, 1, 2]
     assert m.allocate_slots(3, B[:8], 8) == Allocation([3, 2], [])  # evicts block 2's hash
     with pytest.raises(ValueError, match=r"prefix block 2 \(position 2\) no longer holds"):
-        m.allocate_slots(5, prompt, 1, prefix, block_hashes=given)
+        m.allocate_new(5, prompt, 1, prefix, block_hashes=given)
     m.check_invariants()
 
 
@@ -198,7 +198,7 @@ def test_allocate_checks_a_prefix_looked_up_under_other_hashes():
     prefix = m.lookup_prefix(A + [7], None, prompt_block_hashes(A + [7], 4))
     other = A[:4] + B[:8] + [7]
     with pytest.raises(ValueError, match=r"prefix block 1 \(position 1\) no longer holds"):
-        m.allocate_slots(2, other, 1, prefix, block_hashes=prompt_block_hashes(other, 4))
+        m.allocate_new(2, other, 1, prefix, block_hashes=prompt_block_hashes(other, 4))
     m.check_invariants()
 
 
@@ -224,7 +224,7 @@ def test_random_long_prompts_match_the_block_by_block_chain():
         for extra in (None, b"salt"):
             prefix = m.lookup_prefix(prompt, extra)
             assert prefix == []
-            assert m.allocate_slots(2 * sid + (extra is not None), prompt, n, prefix, extra) is not None
+            assert m.allocate_new(2 * sid + (extra is not None), prompt, n, prefix, extra) is not None
             blocks = m.block_table(2 * sid + (extra is not None))
             assert [m.gpu_pool.blocks[b].block_hash for b in blocks[: n // bs]] == chain(prompt, bs, extra)
             again = m.lookup_prefix(prompt + [5], extra)
@@ -258,7 +258,7 @@ def _general(m: KVCacheManager, sid: int, tokens: list[int], num_pending: int = 
     seq = m._seqs.get(sid)
     if seq is None:
         return m.allocate_slots(sid, tokens, 1)
-    return m._grow(sid, seq, tokens, 1, (), False, num_pending)
+    return m._grow(sid, seq, tokens, 1, num_pending)
 
 
 @pytest.mark.parametrize("seed", range(4))
