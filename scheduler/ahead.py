@@ -7,10 +7,10 @@ PENDING_TOKEN: the workers have it, the scheduler does not yet.
 
 This module owns the plans in flight and every rule that follows from a token being in
 flight; the rest of the scheduler asks here instead of testing for one itself:
-  - `num_pending` / `input_token`: a sequence whose KV covers every token it knows has its
-    next token in flight; its decode computes PENDING_TOKEN, and its slot is reserved ahead
-    (KVCacheManager.allocate_slots' `num_pending`), the block that slot fills being hashed once
-    the token lands (kvcache/prefix.py);
+  - `num_pending`: a sequence whose KV covers every token it knows has its next token in
+    flight; its decode's input is PENDING_TOKEN (as StepBuilder.add and the decode lane write
+    it), and its slot is reserved ahead (KVCacheManager.allocate_slots' `num_pending`), the
+    block that slot fills being hashed once the token lands (kvcache/prefix.py);
   - `decode_pending` / `length_edge`: a sequence whose pending token would end it by length
     is not scheduled ahead (the decode lane applies the same rule to its arrays);
   - `waits_for_token`: a sequence that cannot grow while its token is in flight decides
@@ -30,7 +30,6 @@ from collections import deque
 
 import numpy as np
 
-from scheduler.plan import PENDING_TOKEN
 from scheduler.request import Seq
 
 # The step being executed and the one scheduled ahead of its result.
@@ -100,12 +99,6 @@ def length_edge(pos: np.ndarray, max_len: np.ndarray) -> np.ndarray:
     """Over arrays of num_computed and max_len (the decode lane's): whether the token in
     flight ends the sequence by length, so that decode_pending would say None."""
     return pos + 1 >= max_len
-
-
-def input_token(seq: Seq, pos: int) -> int:
-    """The token at position pos as a plan carries it: PENDING_TOKEN when it is in flight."""
-    tokens = seq.token_ids
-    return tokens[pos] if pos < len(tokens) else PENDING_TOKEN
 
 
 def waits_for_token(seq: Seq) -> bool:

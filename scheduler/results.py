@@ -93,15 +93,17 @@ class ResultApplier:
         finished, rows = out.finished, out.rows
         seqs_get = self.queues.seqs.get
         finish_seq = self.queues.finish_seq
-        for row in range(start, len(seq_ids)):
-            token = token_ids[row]
-            if fast[row]:
-                req = lane_rows.reqs[row]
-                seq = lane_rows.seqs[row]
+        lane_reqs = lane_rows.reqs if lane_rows is not None else ()
+        lane_seqs = lane_rows.seqs if lane_rows is not None else ()
+        for row, sid, token, plain in zip(range(start, len(seq_ids)), seq_ids[start:],
+                                          token_ids[start:], fast[start:]):
+            if plain:
+                req = lane_reqs[row]
+                seq = lane_seqs[row]
                 seq.token_ids.append(token)
                 status = None
             else:
-                entry = seqs_get(seq_ids[row])
+                entry = seqs_get(sid)
                 if entry is None:
                     continue  # aborted, or finished by the token of the step before (async)
                 req, seq = entry

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvcache import Allocation, KVCacheManager
-from scheduler.ahead import input_token
-from scheduler.plan import NewSeq, StepPlan, empty_pairs
+from scheduler.plan import PENDING_TOKEN, NewSeq, StepPlan, empty_pairs
 from scheduler.request import Request, Seq
 
 
@@ -49,24 +48,28 @@ class StepBuilder:
         sid = seq.seq_id
         seq.num_computed = end = start + chunk
         req.scheduled_step = self.step_id
-        if not seq.on_worker:
+        self.budget -= chunk
+        self.seq_slots -= 1
+        copies = alloc.copies
+        if seq.on_worker and not copies:
+            if alloc.new_block_ids:
+                self.appended[sid] = alloc.new_block_ids
+        elif not seq.on_worker:
             self.new_seqs.append(NewSeq(sid, req.request_id, seq.index, seq.prompt_len,
                                         seq.token_ids[:start], list(kv.block_table(sid)),
                                         req.sampling_params))
             seq.on_worker = True
-        elif alloc.copies:
+        else:
             self.replaced[sid] = list(kv.block_table(sid))
-        elif alloc.new_block_ids:
-            self.appended[sid] = alloc.new_block_ids
-        if alloc.copies:
-            self.copies.extend(alloc.copies)
-        self.budget -= chunk
-        self.seq_slots -= 1
+        if copies:
+            self.copies.extend(copies)
         tokens = seq.token_ids
-        if chunk == 1 and end >= len(tokens):  # end > len: its token is in flight
+        num_known = len(tokens)
+        if chunk == 1 and end >= num_known:  # a decode (end > num_known: its token in flight)
             self.dec_ids.append(sid)
             self.dec_pos.append(start)
-            self.dec_tokens.append(input_token(seq, start))
+            # the token in flight is PENDING_TOKEN to the workers (scheduler/ahead.py)
+            self.dec_tokens.append(tokens[start] if start < num_known else PENDING_TOKEN)
         else:
             self.pre_ids.append(sid)
             self.pre_lens.append(chunk)
