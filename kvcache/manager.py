@@ -185,22 +185,13 @@ class KVCacheManager:
             num_slots = seq.num_slots
             if num_slots < len(token_ids) + num_pending:
                 room = seq.tail_room
-                if room:
+                if room > 1:
                     seq.num_slots = num_slots + 1
                     seq.tail_room = room - 1
-                    # (a block filled by a pending token is hashed when the next one opens)
-                    if room == 1 and self.enable_prefix_caching and num_slots < len(token_ids):
-                        self.prefix.cache_full_blocks(seq, token_ids)  # the last block filled
                     return NOTHING_NEW
-                pool = self.gpu_pool
-                if pool.free_block_queue.num_free_blocks and self.block_size > 1:
-                    if self.enable_prefix_caching and len(seq.block_hashes) < len(seq.block_ids):
-                        self.prefix.cache_full_blocks(seq, token_ids)  # filled ahead of its token
-                    block_id = pool.get_new_block().block_id
-                    seq.block_ids.append(block_id)
-                    seq.num_slots = num_slots + 1
-                    seq.tail_room = self.block_size - 1
-                    return Allocation([block_id], [])
+                alloc = self._edge_slot(seq, token_ids)
+                if alloc is not None:
+                    return alloc
         if seq is None:
             return self._allocate_new(seq_id, token_ids, num_new_tokens, (), None, False, ())
         return self._grow(seq_id, seq, token_ids, num_new_tokens, num_pending)
@@ -210,13 +201,11 @@ class KVCacheManager:
         """allocate_slots(seq_id, token_ids, 1, num_pending=num_pending) for each sequence in
         order (a decode batch), stopping untouched at the first sequence that is not on the
         GPU with its last block its own, or that allocate_slots refuses; returns how many were
-        done, the id of each new block in new_blocks[seq_id]. A slot in a last block with room
-        to spare only moves two counters, and is taken here without the call; every slot with
-        a decision (a block that fills or opens) is allocate_slots'. The caller guarantees what
-        allocate_slots would check for the slots taken here: each is for a known token or a
-        pending one (num_slots < len(token_ids) + num_pending)."""
+        done, the id of each new block in new_blocks[seq_id]. The caller guarantees what
+        allocate_slots would check: each slot is for a known token or a pending one
+        (num_slots < len(token_ids) + num_pending)."""
         seqs_get = self._seqs.get
-        allocate = self.allocate_slots
+        edge_slot = self._edge_slot
         for i, (seq_id, token_ids) in enumerate(zip(seq_ids, token_lists)):
             seq = seqs_get(seq_id)
             if seq is None or seq.shared_tail or seq.swapped:
@@ -226,12 +215,36 @@ class KVCacheManager:
                 seq.num_slots += 1
                 seq.tail_room = room - 1
                 continue
-            alloc = allocate(seq_id, token_ids, 1, num_pending)
+            alloc = edge_slot(seq, token_ids)
             if alloc is None:
                 return i
             if alloc is not NOTHING_NEW:
                 new_blocks[seq_id] = alloc.new_block_ids
         return len(seq_ids)
+
+    def _edge_slot(self, seq: SeqBlocks, token_ids: Sequence[int]) -> Allocation | None:
+        """The common decode (allocate_slots and allocate_decode_slots) at a block's edge,
+        for a seq on the GPU whose last block is its own: the last slot of that block, which
+        is then hashed if its tokens are known (a block filled by a pending token is hashed
+        when the next one opens), or the first slot of a new block. None, changing nothing,
+        when no block is free (or blocks hold one token: the general path)."""
+        num_slots = seq.num_slots
+        if seq.tail_room:
+            seq.num_slots = num_slots + 1
+            seq.tail_room = 0
+            if self.enable_prefix_caching and num_slots < len(token_ids):
+                self.prefix.cache_full_blocks(seq, token_ids)  # the last block just filled
+            return NOTHING_NEW
+        pool = self.gpu_pool
+        if not pool.free_block_queue.num_free_blocks or self.block_size == 1:
+            return None
+        if self.enable_prefix_caching and len(seq.block_hashes) < len(seq.block_ids):
+            self.prefix.cache_full_blocks(seq, token_ids)  # the last block, filled ahead
+        block_id = pool.get_new_block().block_id
+        seq.block_ids.append(block_id)
+        seq.num_slots = num_slots + 1
+        seq.tail_room = self.block_size - 1
+        return Allocation([block_id], [])
 
     def _grow(self, seq_id: int, seq: SeqBlocks, token_ids: Sequence[int], num_new_tokens: int,
               num_pending: int) -> Allocation | None:
