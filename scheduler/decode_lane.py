@@ -123,10 +123,9 @@ class DecodeLane:
             self.clear()
         else:
             self.pos += 1
-        for seq in seqs:
-            seq.num_computed += 1
         step_id = step.step_id
-        for req in reqs:
+        for req, seq in zip(reqs, seqs):
+            seq.num_computed += 1
             req.scheduled_step = step_id
         step.budget -= done
         step.seq_slots -= done
