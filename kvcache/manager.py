@@ -139,16 +139,10 @@ class KVCacheManager:
             needed += 1
         return needed
 
-    def allocate_new(
-        self,
-        seq_id: int,
-        token_ids: Sequence[int],
-        num_new_tokens: int,
-        prefix_block_ids: Sequence[int] = (),
-        extra_key: bytes | None = None,
-        admit: bool = False,
-        block_hashes: Sequence[BlockHash] = (),
-    ) -> Allocation | None:
+    def allocate_new(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
+                     prefix_block_ids: Sequence[int] = (), extra_key: bytes | None = None,
+                     admit: bool = False, block_hashes: Sequence[BlockHash] = ()
+                     ) -> Allocation | None:
         """A new sequence's first slots (see the diagram above): the blocks of its prefix hit,
         covering len(prefix_block_ids) * block_size tokens (they must come from lookup_prefix
         of the same tokens and extra_key, with no allocation between), then slots for
@@ -168,14 +162,10 @@ class KVCacheManager:
         """Reserve KV slots for the seq's next num_new_tokens tokens: the one way a sequence
         grows, by a prefill chunk or a decode (see the diagram above; a batch of decodes may
         take its slots in one allocate_decode_slots call). An unknown seq is created, as
-        allocate_new without a prefix.
-
-        token_ids is the seq's whole known token list, followed by num_pending tokens still
-        being sampled (async scheduling computes a token in the step after the one that
-        samples it, before the scheduler knows it): blocks those fill are hashed later.
-        Afterwards the seq has slots for token_ids[:num_slots(seq_id)] (and the pending
-        tokens). Returns None and changes nothing when too few GPU blocks are free.
-        """
+        allocate_new without a prefix. token_ids is the seq's whole known token list,
+        followed by num_pending tokens still being sampled (async scheduling): blocks those
+        fill are hashed later. Returns None and changes nothing when too few GPU blocks are
+        free."""
         seq = self._seqs.get(seq_id)
         # The common decode: one slot, the last block the seq's own, with room or full (a new
         # block opens). Decided from small ints on the seq alone: touching the table or the
@@ -427,14 +417,6 @@ class KVCacheManager:
         return swap.move(group, self.cpu_pool, self.gpu_pool, True, "swap_in", "free GPU blocks")
 
     # ---- stats / invariants ---------------------------------------------------------------
-
-    @property
-    def prefix_queries(self) -> int:
-        return self.prefix.queries
-
-    @property
-    def prefix_hits(self) -> int:
-        return self.prefix.hits
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(
