@@ -6,8 +6,8 @@ size 16, token ids uniform in [100, 150000). A finished request is freed and rep
 next one until --requests have been admitted.
 
 Reports:
-  decode step   us per step of append_slot(seq, tokens) (= allocate_slots(seq, tokens, 1), the
-                call the scheduler makes) for every running request
+  decode step   us per step of allocate_slots(seq, tokens, 1) for every running request (the
+                call the scheduler makes for a sequence outside its decode lane)
   admission     us per new request: lookup_prefix + allocate_slots of its whole prompt, given the
                 prompt's block hashes, which the scheduler computes once when the request
                 arrives (add_request; in the async engine that overlaps the forward pass);
@@ -15,7 +15,7 @@ Reports:
   context sweep us per decode step for 256 requests at a short (113-128 tokens) and a long
                 (8192-8207 tokens) context, staggered so that every step fills and opens blocks
                 like a real batch does; the cost must not grow with the context. Also as one
-                append_slots call for all 256 (what the scheduler's decode lane makes)
+                allocate_decode_slots call for all 256 (what the scheduler's decode lane makes)
   8k prompt     us to look up and allocate an 8192-token prompt: cold (no hit) / warm (hit),
                 and apart from that, to hash it on arrival
 
@@ -24,6 +24,9 @@ this thread's CPU time (time.thread_time), which other processes on a shared mac
 less (they still slow it through caches and shared cores: report the load average, printed).
 
 Usage: python bench/kvcache_bench.py [--requests 768] [--repeats 5] [--json PATH]
+       python bench/kvcache_bench.py --against /path/to/other/checkout [--repeats 5]
+           # this tree and another, alternating run by run in one process (the VM's speed
+           # drifts by up to 2x within minutes: only runs taken side by side compare)
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 
 import xxhash
 
-from kvcache import KVCacheManager, prompt_block_hashes
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvcache import KVCacheManager, prompt_block_hashes  # noqa: E402
 
 BLOCK_SIZE = 16
 CONCURRENCY = 256
@@ -79,7 +85,7 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
         hash_us.append((perf() - t0) * 1e6)
         c0, t0 = cpu(), perf()
         prefix = m.lookup_prefix(toks, None, hashes)
-        alloc = m.allocate_slots(next_req, toks, len(toks) - len(prefix) * BLOCK_SIZE, prefix, admit=True,
+        alloc = m.allocate_new(next_req, toks, len(toks) - len(prefix) * BLOCK_SIZE, prefix, admit=True,
                                  block_hashes=hashes)
         admit_us.append((perf() - t0) * 1e6)
         admit_cpu.append((cpu() - c0) * 1e6)
@@ -95,9 +101,9 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
             st[0].append(st[2][st[1] % 1024])
         items = list(running.items())
         c0, t0 = cpu(), perf()
-        append_slot = m.append_slot
+        allocate = m.allocate_slots
         for sid, st in items:
-            append_slot(sid, st[0])
+            allocate(sid, st[0], 1)
         step_us.append((perf() - t0) * 1e6)
         step_cpu.append((cpu() - c0) * 1e6)
         for sid, st in items:
@@ -126,7 +132,7 @@ def replay(num_requests: int, seed: int) -> dict[str, float]:
 def context_sweep(context: int, steps: int, seed: int, bulk: bool = False) -> tuple[float, float]:
     """Median (wall, cpu) us per decode step for 256 requests; request i already holds
     context + i % block_size tokens, so each step fills 1/16 of the blocks and opens 1/16.
-    With bulk, the step is one append_slots call for all of them (the scheduler's decode lane)."""
+    With bulk, the step is one allocate_decode_slots call for all of them (the decode lane)."""
     rng = random.Random(seed)
     m = KVCacheManager(num_gpu_blocks=CONCURRENCY * ((context + steps) // BLOCK_SIZE + 3), num_cpu_blocks=0,
                        block_size=BLOCK_SIZE)
@@ -144,11 +150,11 @@ def context_sweep(context: int, steps: int, seed: int, bulk: bool = False) -> tu
         sids, lists = list(toks), list(toks.values())
         c0, t0 = cpu(), perf()
         if bulk:
-            assert m.append_slots(sids, lists, 0, {}) == CONCURRENCY
+            assert m.allocate_decode_slots(sids, lists, 0, {}) == CONCURRENCY
         else:
-            append_slot = m.append_slot
+            allocate = m.allocate_slots
             for sid, t in items:
-                append_slot(sid, t)
+                allocate(sid, t, 1)
         times.append((perf() - t0) * 1e6)
         cpus.append((cpu() - c0) * 1e6)
     m.check_invariants()
@@ -170,7 +176,7 @@ def prompt_8k(seed: int, repeats: int) -> dict[str, float]:
             res["hash"].append((perf() - t0) * 1e6)
             c0, t0 = cpu(), perf()
             prefix = m.lookup_prefix(prompt, None, hashes)
-            m.allocate_slots(sid, prompt, len(prompt) - len(prefix) * BLOCK_SIZE, prefix, block_hashes=hashes)
+            m.allocate_new(sid, prompt, len(prompt) - len(prefix) * BLOCK_SIZE, prefix, block_hashes=hashes)
             key = "warm" if sid else "cold"
             res[key].append((perf() - t0) * 1e6)
             res[key + "_cpu"].append((cpu() - c0) * 1e6)
@@ -195,52 +201,86 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def measure(bench, requests: int, repeats: int, seed: int) -> dict:
+    """Every figure of one tree's benchmark module `bench` (this one, or another checkout's)."""
+    runs = [bench.replay(requests, seed) for _ in range(repeats)]
+    res = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    for name, ctx in (("short", SHORT_CONTEXT), ("long", LONG_CONTEXT)):
+        sweeps = [bench.context_sweep(ctx, 64, seed) for _ in range(repeats)]
+        res[f"sweep_{name}_context"] = [ctx, ctx + BLOCK_SIZE - 1]
+        res[f"sweep_{name}_us"] = statistics.median(w for w, _ in sweeps)
+        res[f"sweep_{name}_cpu_us"] = statistics.median(c for _, c in sweeps)
+        sweeps = [bench.context_sweep(ctx, 64, seed, bulk=True) for _ in range(repeats)]
+        res[f"sweep_{name}_bulk_us"] = statistics.median(w for w, _ in sweeps)
+        res[f"sweep_{name}_bulk_cpu_us"] = statistics.median(c for _, c in sweeps)
+    res.update(bench.prompt_8k(seed, repeats))
+    return res
+
+
+def rows_of(res: dict) -> list[tuple[str, str, str | None, int | None]]:
+    """(metric, wall key, cpu key, target) for the table."""
+    short, long_ = "sweep_short", "sweep_long"
+    return [
+        ("decode step, 256 running (median)", "decode_step_us_median", "decode_step_cpu_us_median", 200),
+        ("decode step, 256 running (p99)", "decode_step_us_p99", None, None),
+        ("admission lookup+allocate (median)", "admission_us_median", "admission_cpu_us_median", None),
+        ("admission lookup+allocate (p99)", "admission_us_p99", None, None),
+        (f"decode step, 256 x {SHORT_CONTEXT}-{SHORT_CONTEXT + BLOCK_SIZE - 1} ctx",
+         f"{short}_us", f"{short}_cpu_us", 200),
+        (f"decode step, 256 x {LONG_CONTEXT}-{LONG_CONTEXT + BLOCK_SIZE - 1} ctx",
+         f"{long_}_us", f"{long_}_cpu_us", 200),
+        (f"  the same, {SHORT_CONTEXT}-{SHORT_CONTEXT + BLOCK_SIZE - 1} ctx, one batch call",
+         f"{short}_bulk_us", f"{short}_bulk_cpu_us", None),
+        (f"  the same, {LONG_CONTEXT}-{LONG_CONTEXT + BLOCK_SIZE - 1} ctx, one batch call",
+         f"{long_}_bulk_us", f"{long_}_bulk_cpu_us", None),
+        ("arrival hashing, replay prompt (median)", "arrival_hash_us_median", None, None),
+        ("8k prompt lookup+allocate, cold", "prompt8k_cold_us", "prompt8k_cold_cpu_us", 300),
+        ("8k prompt lookup+allocate, full hit", "prompt8k_warm_us", "prompt8k_warm_cpu_us", 300),
+        ("8k prompt hashing on arrival", "prompt8k_hash_us", None, None),
+    ]
+
+
+def compare(other_root: str, args: argparse.Namespace) -> None:
+    """This tree and `other_root`, alternating which goes first, args.repeats rounds of one
+    run each; medians of the rounds."""
+    from against import load_bench
+
+    trees = {"this": sys.modules[__name__], "other": load_bench(other_root, "kvcache_bench.py")}
+    got: dict[str, list[dict]] = {"this": [], "other": []}
+    for r in range(args.repeats):
+        for name in (("this", "other") if r % 2 == 0 else ("other", "this")):
+            got[name].append(measure(trees[name], args.requests, 1, args.seed + r))
+    print(f"this tree vs {other_root}, {args.repeats} interleaved rounds, medians (us); "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {_cpu_model()}")
+    print(f"{'metric':42s} {'other':>10s} {'this':>10s}   this per round")
+    for metric, key, _, _ in rows_of({}):
+        med = {n: statistics.median(r[key] for r in runs) for n, runs in got.items()}
+        print(f"{metric:42s} {med['other']:10.1f} {med['this']:10.1f}   "
+              f"{[round(r[key]) for r in got['this']]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"against": other_root, **got}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=768)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--against", metavar="ROOT",
+                    help="compare with the checkout at ROOT, run by run, in this process")
     args = ap.parse_args()
+    if args.against:
+        compare(args.against, args)
+        return
 
     load_before = os.getloadavg()
-    runs = [replay(args.requests, args.seed) for _ in range(args.repeats)]
-    res = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    for name, ctx in (("short", SHORT_CONTEXT), ("long", LONG_CONTEXT)):
-        sweeps = [context_sweep(ctx, 64, args.seed) for _ in range(args.repeats)]
-        res[f"sweep_{name}_context"] = [ctx, ctx + BLOCK_SIZE - 1]
-        res[f"sweep_{name}_us"] = statistics.median(w for w, _ in sweeps)
-        res[f"sweep_{name}_cpu_us"] = statistics.median(c for _, c in sweeps)
-        sweeps = [context_sweep(ctx, 64, args.seed, bulk=True) for _ in range(args.repeats)]
-        res[f"sweep_{name}_bulk_us"] = statistics.median(w for w, _ in sweeps)
-        res[f"sweep_{name}_bulk_cpu_us"] = statistics.median(c for _, c in sweeps)
-    res.update(prompt_8k(args.seed, args.repeats))
-
-    short, long_ = "sweep_short", "sweep_long"
-    rows = [
-        ("decode step, 256 running (median)", res["decode_step_us_median"], res["decode_step_cpu_us_median"], 200),
-        ("decode step, 256 running (p99)", res["decode_step_us_p99"], None, None),
-        ("admission lookup+allocate (median)", res["admission_us_median"], res["admission_cpu_us_median"], None),
-        ("admission lookup+allocate (p99)", res["admission_us_p99"], None, None),
-        (f"decode step, 256 x {SHORT_CONTEXT}-{SHORT_CONTEXT + BLOCK_SIZE - 1} ctx",
-         res[f"{short}_us"], res[f"{short}_cpu_us"], 200),
-        (f"decode step, 256 x {LONG_CONTEXT}-{LONG_CONTEXT + BLOCK_SIZE - 1} ctx",
-         res[f"{long_}_us"], res[f"{long_}_cpu_us"], 200),
-        (f"  the same, {SHORT_CONTEXT}-{SHORT_CONTEXT + BLOCK_SIZE - 1} ctx, append_slots",
-         res[f"{short}_bulk_us"], res[f"{short}_bulk_cpu_us"], None),
-        (f"  the same, {LONG_CONTEXT}-{LONG_CONTEXT + BLOCK_SIZE - 1} ctx, append_slots",
-         res[f"{long_}_bulk_us"], res[f"{long_}_bulk_cpu_us"], None),
-        ("arrival hashing, replay prompt (median)", res["arrival_hash_us_median"], None, None),
-        ("8k prompt lookup+allocate, cold", res["prompt8k_cold_us"], res["prompt8k_cold_cpu_us"], 300),
-        ("8k prompt lookup+allocate, full hit", res["prompt8k_warm_us"], res["prompt8k_warm_cpu_us"], 300),
-        ("8k prompt hashing on arrival", res["prompt8k_hash_us"], None, None),
-        ("8k prompt hashing + lookup+allocate, cold", res["prompt8k_hash_us"] + res["prompt8k_cold_us"],
-         None, None),
-    ]
+    res = measure(sys.modules[__name__], args.requests, args.repeats, args.seed)
     print(f"{'metric':42s} {'us':>10s} {'cpu us':>10s} {'target':>8s}")
-    for name, val, cpu_val, target in rows:
-        cpu_col = f"{cpu_val:10.1f}" if cpu_val is not None else f"{'':10s}"
-        print(f"{name:42s} {val:10.1f} {cpu_col} {('<= ' + str(target)) if target else '':>8s}")
+    for name, key, cpu_key, target in rows_of(res):
+        cpu_col = f"{res[cpu_key]:10.1f}" if cpu_key is not None else f"{'':10s}"
+        print(f"{name:42s} {res[key]:10.1f} {cpu_col} {('<= ' + str(target)) if target else '':>8s}")
     print(f"decode steps per replay: {res['decode_steps']:.0f}; prefix hit rate: {res['prefix_hit_rate']:.3f}")
     load_after = os.getloadavg()
     print(f"load average (1/5/15 min) before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "

@@ -1,4 +1,4 @@
-"""Scheduler overhead per step: schedule() + apply_result(), no model.
+"""Scheduler overhead per step: schedule() + apply_result() + the output processor, no model.
 
 Rows:
   decode   N running sequences at a given context length; one decode step each (block
@@ -38,6 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cluster.engine import freeze_startup_heap  # noqa: E402
+from cluster.output_processor import OutputProcessor  # noqa: E402
 from kvcache import KVCacheManager  # noqa: E402
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, StepPlan, StepResult  # noqa: E402
 
@@ -58,14 +59,32 @@ def _result(plan: StepPlan, rng: np.random.Generator) -> StepResult:
     return StepResult(plan.step_id, ids, rng.integers(100, 150000, ids.shape[0]))
 
 
-def _make(num_seqs: int, max_len: int, tokenizer, factory, freeze_gc: bool) -> Scheduler:
-    blocks = num_seqs * (-(-max_len // BLOCK_SIZE) + 1)
-    kv = KVCacheManager(blocks, 0, BLOCK_SIZE)
-    cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=8192, max_model_len=max_len)
-    sched = Scheduler(cfg, kv, tokenizer=tokenizer, detokenizer_factory=factory)
-    if freeze_gc:
-        freeze_startup_heap()  # what LLMEngine does once its scheduler and KV cache exist
-    return sched
+class _Engine:
+    """The scheduler and the output processor as LLMEngine drives them: `apply` is
+    finish_step's work (apply_result, then the output deltas)."""
+
+    def __init__(self, num_seqs: int, max_len: int, tokenizer, factory, freeze_gc: bool) -> None:
+        blocks = num_seqs * (-(-max_len // BLOCK_SIZE) + 1)
+        kv = KVCacheManager(blocks, 0, BLOCK_SIZE)
+        cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=8192,
+                              max_model_len=max_len)
+        self.sched = Scheduler(cfg, kv)
+        self.outputs = OutputProcessor(self.sched, tokenizer, factory)
+        if freeze_gc:
+            freeze_startup_heap()  # what LLMEngine does once its scheduler and KV cache exist
+
+    def add_request(self, request_id: str, prompt: list[int], sp: SamplingParams) -> None:
+        self.sched.add_request(request_id, prompt, sp)
+        self.outputs.add_request(request_id, prompt, sp)
+
+    def schedule(self) -> StepPlan:
+        return self.sched.schedule()
+
+    def apply(self, plan: StepPlan, result: StepResult, defer_text: bool = False) -> list:
+        return self.outputs.process(self.sched.apply_result(plan, result), defer_text)
+
+    def finish_text(self) -> None:
+        self.outputs.finish_text()
 
 
 def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer,
@@ -78,13 +97,13 @@ def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer,
     rng = np.random.default_rng(seed)
     # Early sequences decode while later ones prefill: leave room for both phases.
     prefill_steps = num_seqs * context // 8192 + 2
-    sched = _make(num_seqs, context + prefill_steps + steps + 8, tokenizer, factory, freeze_gc)
+    sched = _Engine(num_seqs, context + prefill_steps + steps + 8, tokenizer, factory, freeze_gc)
     sp = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.6)
     for i in range(num_seqs):
         sched.add_request(f"r{i}", rng.integers(100, 150000, context - 1).tolist(), sp)
     while True:  # prefill until every sequence decodes
         plan = sched.schedule()
-        sched.apply_result(plan, _result(plan, rng))
+        sched.apply(plan, _result(plan, rng))
         if plan.num_tokens == num_seqs and plan.do_sample.all():
             break
     t_sched, t_apply, t_text = [], [], []
@@ -97,7 +116,7 @@ def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer,
         ahead.append((plan, _result(plan, rng)))
         applied, result = ahead.pop(0)
         t2 = time.perf_counter()
-        sched.apply_result(applied, result, defer_text=defer_text)
+        sched.apply(applied, result, defer_text=defer_text)
         t3 = time.perf_counter()
         sched.finish_text()
         t_text.append(time.perf_counter() - t3)
@@ -117,7 +136,7 @@ def bench_decode(num_seqs: int, context: int, steps: int, seed: int, tokenizer,
 def bench_admit(num_seqs: int, prompt_len: int, seed: int, tokenizer, factory=None,
                 freeze_gc: bool = True) -> dict:
     rng = np.random.default_rng(seed)
-    sched = _make(num_seqs, prompt_len + 16, tokenizer, factory, freeze_gc)
+    sched = _Engine(num_seqs, prompt_len + 16, tokenizer, factory, freeze_gc)
     sp = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.6)
     prompts = [rng.integers(100, 150000, prompt_len).tolist() for _ in range(num_seqs)]
     t0 = time.perf_counter()
@@ -131,7 +150,7 @@ def bench_admit(num_seqs: int, prompt_len: int, seed: int, tokenizer, factory=No
         t1 = time.perf_counter()
         result = _result(plan, rng)
         t2 = time.perf_counter()
-        outputs = sched.apply_result(plan, result)
+        outputs = sched.apply(plan, result)
         times.append(t1 - t0 + time.perf_counter() - t2)
         started.update(o.request_id for o in outputs)
         n_steps += 1
@@ -142,38 +161,19 @@ def bench_admit(num_seqs: int, prompt_len: int, seed: int, tokenizer, factory=No
             "step_us_min": round(min(times) * 1e6, 1)}
 
 
-def _load_tree(root: str):
-    """This benchmark module as another checkout at `root` has it, with that checkout's
-    scheduler, kvcache and cluster packages (the modules of this tree stay loaded too)."""
-    pkgs = ("scheduler", "kvcache", "cluster", "workers", "kernels")
-    saved = {k: m for k, m in sys.modules.items() if k.split(".")[0] in pkgs}
-    for k in saved:
-        del sys.modules[k]
-    spec = importlib.util.spec_from_file_location("scheduler_bench_other",
-                                                  os.path.join(root, "bench", "scheduler_bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, root)
-    try:
-        spec.loader.exec_module(module)
-        if not sys.modules["scheduler"].__file__.startswith(os.path.abspath(root)):
-            raise SystemExit(f"--against {root}: its scheduler package did not load")
-    finally:
-        sys.path.remove(root)
-        for k in [k for k in sys.modules if k.split(".")[0] in pkgs]:
-            del sys.modules[k]
-        sys.modules.update(saved)
-    return module
-
-
 def compare(other_root: str, contexts: list[int], rounds: int, steps: int, num_seqs: int,
-            pipelined: bool) -> list[dict]:
-    """Decode rows of this tree and of `other_root`, alternating which goes first."""
-    runs = {"this": sys.modules[__name__], "other": _load_tree(other_root)}
+            pipelined: bool, tokenizer=None, factory=None, defer_text: bool = False) -> list[dict]:
+    """Decode rows of this tree and of `other_root`, alternating which goes first (both with
+    this tree's tokenizer and detokenizer factory, when given)."""
+    from against import load_bench
+
+    runs = {"this": sys.modules[__name__], "other": load_bench(other_root, "scheduler_bench.py")}
     rows = []
     for r in range(rounds):
         for c in contexts:
             for name in (("this", "other") if r % 2 == 0 else ("other", "this")):
-                row = runs[name].bench_decode(num_seqs, c, steps, r, None, pipelined=pipelined)
+                row = runs[name].bench_decode(num_seqs, c, steps, r, tokenizer, factory,
+                                              defer_text=defer_text, pipelined=pipelined)
                 rows.append({"tree": name, "round": r, **row})
     return rows
 
@@ -201,11 +201,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="with --against: rounds per tree")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args()
+    tok = _qwen_tokenizer() if args.tokenizer else None
+    factory = None
+    if tok is not None and args.detokenizer == "rust":
+        from cluster.fast_detokenizer import detokenizer_factory
+
+        factory = detokenizer_factory(tok)
     if args.against:
         contexts = [int(c) for c in args.contexts.split(",")]
         rows = compare(args.against, contexts, args.rounds, args.steps, args.num_seqs,
-                       args.pipelined)
-        print(f"decode rows, {args.num_seqs} seqs, {args.steps} steps, "
+                       args.pipelined, tok, factory, args.defer_text)
+        text = (f"qwen3 tokenizer ({args.detokenizer}"
+                f"{', deferred text' if args.defer_text else ''})" if tok else "no tokenizer")
+        print(f"decode rows, {args.num_seqs} seqs, {args.steps} steps, {text}, "
               f"{'pipelined' if args.pipelined else 'synchronous'}, this tree vs "
               f"{args.against}, {args.rounds} interleaved rounds, medians of the rounds (us); "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
@@ -222,12 +230,6 @@ def main() -> None:
                 json.dump({"rows": rows, "against": args.against}, f, indent=1)
         return
     freeze = not args.no_gc_freeze
-    tok = _qwen_tokenizer() if args.tokenizer else None
-    factory = None
-    if tok is not None and args.detokenizer == "rust":
-        from cluster.fast_detokenizer import detokenizer_factory
-
-        factory = detokenizer_factory(tok)
     rows = [bench_decode(args.num_seqs, int(c), args.steps, args.seed, tok, factory, freeze,
                          args.defer_text, args.pipelined) for c in args.contexts.split(",")]
     rows.append(bench_admit(args.num_seqs, args.admit_prompt, args.seed, tok, factory, freeze))

@@ -1,4 +1,4 @@
-"""The engine: scheduler + KV cache manager + tokenizer + executor, stepped in a loop.
+"""The engine: scheduler + KV cache manager + output processor + executor, stepped in a loop.
 
 `LLMEngine` is the synchronous core (add_request / abort / step), used by the offline `LLM`.
 `AsyncLLMEngine` runs the same core as a background asyncio task, so a Serve replica can
@@ -32,6 +32,7 @@ from cluster.executor import (
 )
 from cluster.fast_detokenizer import detokenizer_factory
 from cluster.metrics import LatencyMetrics, RequestTimes
+from cluster.output_processor import OutputProcessor
 from cluster.structured_output import StructuredOutputManager
 from kvcache import KVCacheManager
 from scheduler import (
@@ -157,8 +158,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
                             max_model_len=self.max_model_len, preemption_mode=preemption),
-            kv, tokenizer=self.tokenizer, eos_token_ids=self.model_config.eos_token_ids,
-            detokenizer_factory=detokenizer_factory(self.tokenizer))
+            kv, eos_token_ids=self.model_config.eos_token_ids, vocab_size=len(self.tokenizer))
+        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer,
+                                                detokenizer_factory(self.tokenizer))
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                   self.model_config.eos_token_ids)
         self.latency = LatencyMetrics()
@@ -192,8 +194,7 @@ class LLMEngine:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
                              f"{n + params.max_tokens} exceeds max_model_len "
                              f"({self.max_model_len}); shorten the prompt or lower max_tokens")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
+        self.output_processor.validate(params)
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # cached for add_request
 
@@ -205,10 +206,11 @@ class LLMEngine:
             self.structured.add_request(request_id, params.structured_outputs)
         self.scheduler.add_request(request_id, list(prompt_token_ids), params,
                                    cache_salt=cache_salt)
+        self.output_processor.add_request(request_id, prompt_token_ids, params)
         self._times[request_id] = RequestTimes(arrival=time.perf_counter())
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        out = self.scheduler.abort(request_id)
+        out = self.output_processor.abort(request_id)
         self.structured.release(request_id)
         times = self._times.pop(request_id, None)
         if out is not None and times is not None:
@@ -281,8 +283,12 @@ class LLMEngine:
 
     def finish_step(self, plan: StepPlan, result: StepResult | None, start: float,
                     defer_text: bool = False) -> list[RequestOutput]:
-        """Apply a step's result (see Scheduler.apply_result) and record its timing."""
-        outputs = self.scheduler.apply_result(plan, result, defer_text)
+        """Apply a step's result (Scheduler.apply_result: tokens and finish decisions), make
+        its output deltas (OutputProcessor.process: text, stop strings, logprobs; with
+        defer_text, the text of sequences without stop strings waits for finish_text) and
+        record its timing."""
+        outputs = self.output_processor.process(self.scheduler.apply_result(plan, result),
+                                                defer_text)
         if self.structured.active:
             self.structured.on_result(plan, result, outputs)
         if self._inflight:  # (even with no constrained request left: one may be in flight)
@@ -415,9 +421,9 @@ class AsyncLLMEngine:
 
     async def _run(self) -> None:
         """The step loop (LLMEngine.step's, awaiting instead of blocking). A step's outputs go
-        out while the next step runs: apply_result takes every decision at once (stop
-        tokens, lengths, freed blocks) but leaves the text of sequences without stop strings
-        out; the next plan is scheduled and submitted (with async scheduling, the one after
+        out while the next step runs: finish_step takes every decision at once (stop
+        tokens, stop strings, lengths, freed blocks) but leaves the text of sequences without
+        stop strings out; the next plan is scheduled and submitted (with async scheduling, the one after
         it too), and only then is that text detokenized and the deltas delivered, overlapping
         the forward pass (on other processes with Ray, on the GPU with CUDA)."""
         assert self._wake is not None
@@ -482,8 +488,8 @@ class AsyncLLMEngine:
                        time.perf_counter() - start, len(self.engine.scheduler.requests))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Fill in the text apply_result deferred and hand each delta to its request's queue."""
-        self.engine.scheduler.finish_text()
+        """Fill in the text finish_step deferred and hand each delta to its request's queue."""
+        self.engine.output_processor.finish_text()
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:

@@ -1,11 +1,11 @@
-"""Incremental detokenization in Rust: the scheduler's detokenizer for Hugging Face fast tokenizers.
+"""Incremental detokenization in Rust: the engine's detokenizer for Hugging Face fast tokenizers.
 
-`scheduler.detokenizer.IncrementalDetokenizer` spells tokens through the tokenizer's Python
-API (two `convert_tokens_to_string` calls per token, ~9 us, and ~28 us for a token id not seen
-before). `tokenizers.decoders.DecodeStream` does the same prefix/read-offset algorithm in Rust
-(~3 us for any id), which is what a 256-sequence decode step needs. It lives here, not in
-scheduler/, because the scheduler imports no tokenizer library: the engine hands the
-scheduler `detokenizer_factory(tokenizer)`.
+`cluster.detokenizer.IncrementalDetokenizer` spells tokens through the tokenizer's Python
+API (two `convert_tokens_to_string` calls per token, and a `convert_ids_to_tokens` call for a
+token id not seen before). `tokenizers.decoders.DecodeStream` does the same prefix/read-offset
+algorithm in Rust, several times faster for any id (docs/benchmarks.md, Scheduler), which is
+what a 256-sequence decode step needs. The engine hands the output processor
+`detokenizer_factory(tokenizer)`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from scheduler.detokenizer import INITIAL_OFFSET
+from cluster.detokenizer import INITIAL_OFFSET
 
 
 class StreamDetokenizer:

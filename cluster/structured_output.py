@@ -298,7 +298,7 @@ class StructuredOutputManager:
         return mask
 
     def on_result(self, plan: StepPlan, result: StepResult | None, outputs: Iterable[Any]) -> None:
-        """After `Scheduler.apply_result(plan, result)` returned `outputs`: the constrained
+        """After the output processor turned `plan` and `result` into `outputs`: the constrained
         rows' tokens advance their matchers, then finished samples and requests let go."""
         start = time.perf_counter()
         self._on_result(plan, result, outputs)

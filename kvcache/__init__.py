@@ -5,7 +5,8 @@ Pure Python (stdlib, xxhash, numpy); no torch, no model.
 
 from kvcache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from kvcache.hashing import hash_block_tokens, prompt_block_hashes
-from kvcache.manager import Allocation, KVCacheManager, KVCacheStats
+from kvcache.manager import KVCacheManager
+from kvcache.tables import Allocation, KVCacheStats
 
 __all__ = [
     "Allocation",

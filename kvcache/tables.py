@@ -1,4 +1,4 @@
-"""What KVCacheManager keeps per sequence and returns per allocation."""
+"""What KVCacheManager keeps per sequence and returns (per allocation, and its stats)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,16 @@ class SeqBlocks:
     # The caller's precomputed hashes of leading full blocks (the request's prompt hashes,
     # read-only): blocks that fill later, in further prefill chunks, take theirs from here.
     known_hashes: Sequence[BlockHash] = ()
+
+
+@dataclass(slots=True)
+class KVCacheStats:
+    num_gpu_blocks: int
+    num_free_gpu_blocks: int
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    gpu_usage: float  # fraction of GPU blocks referenced by some sequence
+    cpu_usage: float
+    prefix_queries: int  # tokens queried (cumulative)
+    prefix_hits: int  # tokens hit (cumulative)
+    evictions: int  # cached blocks evicted (cumulative)

@@ -5,16 +5,14 @@ Pure Python on top of kvcache/ (no torch). Workers import only `scheduler.plan` 
 """
 
 from scheduler.config import SchedulerConfig
-from scheduler.detokenizer import IncrementalDetokenizer, StopStringBuffer
-from scheduler.outputs import CompletionOutput, RequestOutput, SchedulerStats
+from scheduler.outputs import CompletionOutput, RequestOutput, SchedulerStats, StepOutcome
 from scheduler.plan import NewSeq, StepPlan, StepResult
-from scheduler.request import Request, RequestStatus, Sequence, SequenceStatus
+from scheduler.request import Request, RequestStatus, Seq, SequenceStatus
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler
 
 __all__ = [
     "CompletionOutput",
-    "IncrementalDetokenizer",
     "NewSeq",
     "Request",
     "RequestOutput",
@@ -23,10 +21,10 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",
-    "Sequence",
+    "Seq",
     "SequenceStatus",
+    "StepOutcome",
     "StepPlan",
     "StepResult",
-    "StopStringBuffer",
     "StructuredOutputsParams",
 ]

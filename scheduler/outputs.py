@@ -1,8 +1,37 @@
-"""What the scheduler hands the engine: per-request output deltas and metrics."""
+"""What the scheduler hands the engine (StepOutcome: token ids and finish decisions, and
+SchedulerStats), and the engine's own output deltas (RequestOutput, CompletionOutput), which
+the output processor builds (cluster/output_processor.py; they live here until the engine
+gets its own package, because the HTTP front imports them from here)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.plan import StepResult
+    from scheduler.request import Request, Seq, SequenceStatus
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What apply_result decided for one step, in token ids and finish decisions only.
+
+    One row per token appended, in the StepResult's order (tokens for sequences that finished
+    or were aborted meanwhile are left out), as parallel lists: the request, the sequence,
+    the token id, the status the token finished its sequence with (None while it runs; the
+    stop token id is then in `seq.stop_reason`), and its row in `result` (for logprobs).
+    `finished_early` are sequences that finished without a token since the step before (the
+    KV cache could not hold them: "length"); they come before the rows.
+    """
+
+    reqs: list[Request]
+    seqs: list[Seq]
+    token_ids: list[int]
+    finished: list[SequenceStatus | None]
+    rows: list[int]
+    result: StepResult | None
+    finished_early: list[tuple[Request, Seq]]
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""Requests, their sequences, and the one state machine both follow.
+"""Requests, their sequences, the one state machine both follow, and the check that a new
+request could ever be scheduled (`check_prompt`).
 
     WAITING ──admit──▶ RUNNING ──stop/length──▶ FINISHED_STOPPED / FINISHED_LENGTH
        │                │  ▲
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import enum
 
+from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 
 
@@ -64,7 +66,7 @@ def _check_transition(what: str, old: SequenceStatus, new: SequenceStatus) -> No
         raise RuntimeError(f"{what}: illegal transition {old.name} -> {new.name}")
 
 
-class Sequence:
+class Seq:
     """One of a request's n samples: its tokens and how far its KV has been computed.
 
     Invariants: token_ids[:prompt_len] is the prompt; while the sequence holds GPU blocks,
@@ -76,7 +78,7 @@ class Sequence:
     """
 
     __slots__ = ("seq_id", "index", "token_ids", "prompt_len", "num_computed", "status",
-                 "on_worker", "detokenizer", "stop_buffer", "stop_reason", "max_len")
+                 "on_worker", "stop_reason", "max_len")
 
     def __init__(self, seq_id: int, index: int, token_ids: list[int], prompt_len: int,
                  status: SequenceStatus) -> None:
@@ -87,8 +89,7 @@ class Sequence:
         self.num_computed = 0
         self.status = status
         self.on_worker = False
-        self.detokenizer = None  # a detokenizer (step/flush) when the scheduler has a tokenizer
-        self.stop_buffer = None  # StopStringBuffer when text is produced
+        # the stop token id or stop string that finished it (None: EOS, length, abort)
         self.stop_reason: str | int | None = None
         # len(token_ids) at which it finishes with "length": prompt_len + the request's
         # max_output (set by the Scheduler once the Request exists)
@@ -103,7 +104,7 @@ class Sequence:
         return self.token_ids[self.prompt_len:]
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, index={self.index}, len={len(self.token_ids)}, "
+        return (f"Seq(id={self.seq_id}, index={self.index}, len={len(self.token_ids)}, "
                 f"computed={self.num_computed}, {self.status.name})")
 
 
@@ -116,12 +117,11 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "n", "arrival_time",
                  "extra_key", "seqs", "status", "forked", "num_cached_tokens", "scheduled_step",
-                 "admitted", "stop_token_ids", "max_output", "plain", "deferrable", "block_hashes",
-                 "in_lane")
+                 "admitted", "stop_token_ids", "max_output", "block_hashes", "in_lane")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float,
-                 extra_key: bytes | None, parent: Sequence, eos_token_ids: frozenset[int],
+                 extra_key: bytes | None, parent: Seq, eos_token_ids: frozenset[int],
                  max_model_len: int) -> None:
         sp = sampling_params
         self.request_id = request_id
@@ -133,7 +133,7 @@ class Request:
         # The prompt's chained full-block hashes (kvcache.hashing.prompt_block_hashes), set on
         # arrival when prefix caching is on, so no scheduling step ever hashes the prompt.
         self.block_hashes: list[bytes] = []
-        self.seqs: list[Sequence] = [parent]
+        self.seqs: list[Seq] = [parent]
         self.status = SequenceStatus.WAITING
         self.forked = sp.n == 1
         self.num_cached_tokens = 0
@@ -146,19 +146,16 @@ class Request:
         # A sequence stops at max_tokens outputs or at max_model_len tokens in all.
         limit = max_model_len - len(prompt_token_ids)
         self.max_output = limit if sp.max_tokens is None else min(sp.max_tokens, limit)
-        self.plain = False  # no text, no logprobs: the output fast path applies (Scheduler)
-        # text, but no stop strings and no logprobs: with deferred text, the fast path too
-        self.deferrable = False
         self.in_lane = False  # a member of the Scheduler's DecodeLane
 
     @property
     def is_finished(self) -> bool:
         return self.status in _FINISHED
 
-    def live_seqs(self) -> list[Sequence]:
+    def live_seqs(self) -> list[Seq]:
         return [s for s in self.seqs if s.status not in _FINISHED]
 
-    def target_len(self, seq: Sequence) -> int:
+    def target_len(self, seq: Seq) -> int:
         """Tokens the sequence must have computed before it can sample.
 
         An unforked parent stops one short of its prompt: its last prompt token is computed
@@ -175,7 +172,7 @@ class Request:
                 _check_transition(f"seq {seq.seq_id}", seq.status, new)
                 seq.status = new
 
-    def finish_seq(self, seq: Sequence, new: SequenceStatus) -> bool:
+    def finish_seq(self, seq: Seq, new: SequenceStatus) -> bool:
         """Finish one sequence; the request finishes (with `new`) when it was the last live one.
 
         Returns whether the request finished.
@@ -192,3 +189,38 @@ class Request:
 
     def __repr__(self) -> str:
         return f"Request({self.request_id!r}, {self.status.name}, seqs={self.seqs})"
+
+
+def check_prompt(request_id: str, prompt: list[int], sp: SamplingParams,
+                 config: SchedulerConfig, num_gpu_blocks: int, block_size: int,
+                 vocab_size: int | None) -> None:
+    """Raise ValueError, naming the fix, for a request that could never be scheduled."""
+    if not prompt:
+        raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; "
+                         "a request needs at least one prompt token")
+    if min(prompt) < 0 or (vocab_size is not None and max(prompt) >= vocab_size):
+        raise ValueError(f"request {request_id!r}: prompt token ids must be in "
+                         f"[0, {vocab_size if vocab_size is not None else 'vocab size'}); got "
+                         f"min {min(prompt)}, max {max(prompt)}")
+    max_len = config.max_model_len
+    if len(prompt) >= max_len:
+        raise ValueError(f"request {request_id!r}: prompt has {len(prompt)} tokens; "
+                         f"max_model_len is {max_len} (the prompt must be shorter to leave "
+                         "room for output)")
+    if sp.n > config.max_num_seqs:
+        raise ValueError(f"request {request_id!r}: n={sp.n} exceeds max_num_seqs="
+                         f"{config.max_num_seqs}")
+    need = min_blocks(len(prompt), sp.n, block_size)
+    if need > num_gpu_blocks:
+        raise ValueError(
+            f"request {request_id!r}: a prompt of {len(prompt)} tokens with n={sp.n} needs "
+            f"{need} KV blocks of {block_size} tokens, but the GPU cache has only "
+            f"{num_gpu_blocks}; shorten the prompt, lower n, or give the cache more memory")
+
+
+def min_blocks(num_prompt: int, n: int, block_size: int) -> int:
+    """Blocks a request needs to sample its first tokens: the prompt but its last token,
+    then that token once per sequence (in the shared last block, copied per child, or in
+    a new block each when the shared part ends on a block boundary)."""
+    shared = num_prompt - 1
+    return -(-shared // block_size) + (n if shared % block_size == 0 else n - 1)

@@ -1,10 +1,12 @@
-"""The StepPlan under construction."""
+"""The StepPlan under construction: what one schedule() call has decided so far."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from scheduler.plan import NewSeq, StepPlan, empty_pairs
+from kvcache import Allocation, KVCacheManager
+from scheduler.plan import PENDING_TOKEN, NewSeq, StepPlan, empty_pairs
+from scheduler.request import Request, Seq
 
 
 class StepBuilder:
@@ -37,6 +39,43 @@ class StepBuilder:
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
         self.copies: list[tuple[int, int]] = []
+
+    def add(self, req: Request, seq: Seq, alloc: Allocation, start: int, chunk: int,
+            kv: KVCacheManager) -> None:
+        """Add a scheduled chunk of `chunk` tokens from position `start`, its slots reserved
+        by `alloc` (a decode when it is the sequence's next token): batch entry, table diff,
+        copy-on-write pairs, the budget. Advances seq.num_computed."""
+        sid = seq.seq_id
+        seq.num_computed = end = start + chunk
+        req.scheduled_step = self.step_id
+        self.budget -= chunk
+        self.seq_slots -= 1
+        copies = alloc.copies
+        if seq.on_worker and not copies:
+            if alloc.new_block_ids:
+                self.appended[sid] = alloc.new_block_ids
+        elif not seq.on_worker:
+            self.new_seqs.append(NewSeq(sid, req.request_id, seq.index, seq.prompt_len,
+                                        seq.token_ids[:start], list(kv.block_table(sid)),
+                                        req.sampling_params))
+            seq.on_worker = True
+        else:
+            self.replaced[sid] = list(kv.block_table(sid))
+        if copies:
+            self.copies.extend(copies)
+        tokens = seq.token_ids
+        num_known = len(tokens)
+        if chunk == 1 and end >= num_known:  # a decode (end > num_known: its token in flight)
+            self.dec_ids.append(sid)
+            self.dec_pos.append(start)
+            # the token in flight is PENDING_TOKEN to the workers (scheduler/ahead.py)
+            self.dec_tokens.append(tokens[start] if start < num_known else PENDING_TOKEN)
+        else:
+            self.pre_ids.append(sid)
+            self.pre_lens.append(chunk)
+            self.pre_pos.append(start)
+            self.pre_sample.append(end == len(tokens))
+            self.pre_tokens.extend(tokens[start:end])
 
     def to_plan(self) -> StepPlan:
         nd = len(self.dec_ids)

@@ -1,5 +1,5 @@
 """StreamDetokenizer (tokenizers' DecodeStream) gives exactly IncrementalDetokenizer's deltas on
-the real Qwen3 tokenizer, and a scheduler using it streams the same outputs."""
+the real Qwen3 tokenizer, and an output processor using it streams the same outputs."""
 
 from __future__ import annotations
 
@@ -8,15 +8,11 @@ import random
 import numpy as np
 import pytest
 
+from cluster.detokenizer import IncrementalDetokenizer
 from cluster.fast_detokenizer import StreamDetokenizer, detokenizer_factory
+from cluster.output_processor import OutputProcessor
 from kvcache import KVCacheManager
-from scheduler import (
-    IncrementalDetokenizer,
-    SamplingParams,
-    Scheduler,
-    SchedulerConfig,
-    StepResult,
-)
+from scheduler import SamplingParams, Scheduler, SchedulerConfig, StepResult
 
 TEXT = "你好，世界！🦜 naïve café 👩\u200d👩\u200d👧 𝄞龘 done."
 
@@ -81,12 +77,15 @@ def _run(qwen, factory) -> list[tuple]:
     """Three requests (one with a stop string) decoded by a scripted model."""
     ids = qwen.encode(TEXT)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-                      KVCacheManager(64, 0, 4), tokenizer=qwen, detokenizer_factory=factory)
+                      KVCacheManager(64, 0, 4))
+    proc = OutputProcessor(sched, qwen, factory)
     prompt = qwen.encode("Tell me:")
-    sched.add_request("a", prompt, SamplingParams(max_tokens=len(ids), ignore_eos=True))
-    sched.add_request("b", prompt, SamplingParams(max_tokens=len(ids), stop=["café"]))
-    sched.add_request("c", prompt, SamplingParams(max_tokens=5, ignore_eos=True,
-                                                  skip_special_tokens=False))
+    for rid, sp in (("a", SamplingParams(max_tokens=len(ids), ignore_eos=True)),
+                    ("b", SamplingParams(max_tokens=len(ids), stop=["café"])),
+                    ("c", SamplingParams(max_tokens=5, ignore_eos=True,
+                                         skip_special_tokens=False))):
+        sched.add_request(rid, prompt, sp)
+        proc.add_request(rid, prompt, sp)
     got, pos = [], {}
     while sched.has_unfinished():
         plan = sched.schedule()
@@ -96,7 +95,7 @@ def _run(qwen, factory) -> list[tuple]:
             pos[sid] = pos.get(sid, -1) + 1
             tokens.append(ids[pos[sid]])
         result = StepResult(plan.step_id, sampled, np.array(tokens, dtype=np.int64))
-        for out in sched.apply_result(plan, result):
+        for out in proc.process(sched.apply_result(plan, result)):
             for c in out.outputs:
                 got.append((out.request_id, tuple(c.token_ids), c.text, c.finish_reason))
     return got

@@ -75,8 +75,8 @@ def _assert_all_blocks_free(llm: LLM) -> None:
 
 def _force_decode_lane(llm: LLM) -> None:
     """Let the scheduler's decode lane run at these tests' few requests (by default it needs
-    scheduler.scheduler.LANE_MIN_RUNNING of them)."""
-    llm.engine.scheduler._lane_min_running = 1
+    scheduler.decode_lane.LANE_MIN_RUNNING of them)."""
+    llm.engine.scheduler.lane.min_running = 1
 
 
 @pytest.mark.parametrize("lane", [False, True])
@@ -88,7 +88,7 @@ def test_greedy_matches_transformers_in_process(oracle: list[list[int]],
         if lane:
             _force_decode_lane(llm)
         assert _token_ids(llm) == oracle
-        assert (llm.engine.scheduler._lane_steps > 0) == lane
+        assert (llm.engine.scheduler.lane.steps > 0) == lane
         _assert_all_blocks_free(llm)
         # The shared 56-token prefix is three full blocks, computed once and hit twice.
         assert llm.engine.scheduler.kv.stats().prefix_hits >= 2 * 48
@@ -130,7 +130,7 @@ def test_async_scheduling_gives_the_synchronous_outputs_for_every_sampling_optio
             if lane:
                 _force_decode_lane(llm)
             outs = llm.generate(prompts, params, use_tqdm=False)
-            assert (llm.engine.scheduler._lane_steps > 0) == lane
+            assert (llm.engine.scheduler.lane.steps > 0) == lane
             runs.append([[(c.token_ids, c.text, c.finish_reason, c.logprobs)
                           for c in o.outputs] for o in outs])
             stats = llm.engine.scheduler.stats()
@@ -251,7 +251,7 @@ def test_async_engine_streams_match_the_oracle_and_an_abort_frees_its_blocks(
                                          max_num_batched_tokens=64,
                                          async_scheduling=async_scheduling))
     if lane:
-        engine.engine.scheduler._lane_min_running = 1  # (see _force_decode_lane)
+        engine.engine.scheduler.lane.min_running = 1  # (see _force_decode_lane)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
     async def collect(prompt: list[int], rid: str) -> list[int]:
@@ -273,7 +273,7 @@ def test_async_engine_streams_match_the_oracle_and_an_abort_frees_its_blocks(
         got = asyncio.run(asyncio.wait_for(run(), timeout=120))
         assert got[0] == 3 and got[1:] == oracle
         sched = engine.engine.scheduler
-        assert (sched._lane_steps > 0) == lane
+        assert (sched.lane.steps > 0) == lane
         assert not sched.has_unfinished() and not engine.engine.has_unfinished()
         kv = sched.kv.stats()
         assert kv.num_free_gpu_blocks == kv.num_gpu_blocks

@@ -1,5 +1,6 @@
 """The shortcuts taken for speed (batched hashing and map updates, hashes computed once on
-arrival, the decode fast path) give exactly the results of the step-by-step definitions."""
+arrival, allocate_slots' decode fast path) give exactly the results of the step-by-step
+definitions."""
 
 import random
 
@@ -91,7 +92,7 @@ def test_prefix_blocks_evicted_between_lookup_and_allocate_are_refused():
     assert prefix == [2, 3]
     assert m.allocate_slots(2, B[:9], 1) == Allocation([3], [])  # evicts block 3
     with pytest.raises(ValueError, match=r"prefix block 3 \(position 1\) no longer holds"):
-        m.allocate_slots(3, A[:9], 1, prefix)
+        m.allocate_new(3, A[:9], 1, prefix)
     m.check_invariants()
 
 
@@ -101,7 +102,7 @@ def test_allocate_accepts_a_shortened_prefix_and_other_sequence_types():
     m.free(1)
     prefix = m.lookup_prefix(tuple(A) + (7,))
     assert prefix == [0, 1, 2]
-    assert m.allocate_slots(2, tuple(A) + (7,), 9, tuple(prefix[:1])) == Allocation([3, 4, 5], [])
+    assert m.allocate_new(2, tuple(A) + (7,), 9, tuple(prefix[:1])) == Allocation([3, 4, 5], [])
     assert m.block_table(2) == [0, 3, 4, 5] and m.num_slots(2) == 13
     s = m.stats()
     assert (s.prefix_queries, s.prefix_hits) == (25, 4)
@@ -115,8 +116,8 @@ def test_prefix_from_other_tokens_is_refused():
     prefix = m.lookup_prefix(A + [7])
     other = A[:4] + B[:8] + [7]
     with pytest.raises(ValueError, match=r"prefix block 1 \(position 1\) no longer holds"):
-        m.allocate_slots(2, other, 1, prefix)
-    assert m.allocate_slots(2, other, 9, prefix[:1]) == Allocation([3, 4, 5], [])
+        m.allocate_new(2, other, 1, prefix)
+    assert m.allocate_new(2, other, 9, prefix[:1]) == Allocation([3, 4, 5], [])
     assert [m.gpu_pool.blocks[b].block_hash for b in (0, 3, 4)] == chain(other, 4)
     m.check_invariants()
 
@@ -132,10 +133,10 @@ def test_given_block_hashes_give_the_same_lookup_and_tables():
         m = mgr(gpu=12)
         prompt = A + B[:5]
         given = prompt_block_hashes(prompt, 4) if with_hashes else None
-        m.allocate_slots(1, A, 12, block_hashes=given[:3] if given else ())
+        m.allocate_new(1, A, 12, block_hashes=given[:3] if given else ())
         m.free(1)
         prefix = m.lookup_prefix(prompt, None, given)
-        alloc = m.allocate_slots(2, prompt, len(prompt) - 4 * len(prefix), prefix,
+        alloc = m.allocate_new(2, prompt, len(prompt) - 4 * len(prefix), prefix,
                                  block_hashes=given or ())
         m.check_invariants()
         return prefix, alloc, m.block_table(2), [m.gpu_pool.blocks[b].block_hash for b in m.block_table(2)]
@@ -151,7 +152,7 @@ def test_given_hashes_are_trusted_for_every_chunk_they_cover():
     # proven here with made-up names, which only a caller breaking the contract would pass.
     names = [H, X, Y]
     m = mgr()
-    assert m.allocate_slots(1, A, 2, block_hashes=names) == Allocation([0], [])
+    assert m.allocate_new(1, A, 2, block_hashes=names) == Allocation([0], [])
     assert m.allocate_slots(1, A, 5) == Allocation([1], [])  # fills block 0 only
     assert m.allocate_slots(1, A, 5) == Allocation([2], [])  # fills blocks 1 and 2
     assert [m.gpu_pool.blocks[b].block_hash for b in (0, 1, 2)] == names
@@ -174,8 +175,8 @@ def test_allocate_takes_the_lookups_blocks_unchecked_only_while_nothing_was_evic
         raise AssertionError("the prefix was checked block by block")
 
     with monkeypatch.context() as mp:
-        mp.setattr(m, "_check_prefix", no_check)
-        assert m.allocate_slots(2, prompt, 5, prefix[:2], block_hashes=given) == Allocation([3, 4], [])
+        mp.setattr(m.prefix, "check", no_check)
+        assert m.allocate_new(2, prompt, 5, prefix[:2], block_hashes=given) == Allocation([3, 4], [])
     assert m.block_table(2) == [0, 1, 3, 4] and m.gpu_pool.blocks[2].ref_cnt == 0
     m.check_invariants()
     # The same hashes object, but an eviction since the lookup: the blocks are checked again.
@@ -186,7 +187,7 @@ def test_allocate_takes_the_lookups_blocks_unchecked_only_while_nothing_was_evic
     assert prefix == [0, 1, 2]
     assert m.allocate_slots(3, B[:8], 8) == Allocation([3, 2], [])  # evicts block 2's hash
     with pytest.raises(ValueError, match=r"prefix block 2 \(position 2\) no longer holds"):
-        m.allocate_slots(5, prompt, 1, prefix, block_hashes=given)
+        m.allocate_new(5, prompt, 1, prefix, block_hashes=given)
     m.check_invariants()
 
 
@@ -197,7 +198,7 @@ def test_allocate_checks_a_prefix_looked_up_under_other_hashes():
     prefix = m.lookup_prefix(A + [7], None, prompt_block_hashes(A + [7], 4))
     other = A[:4] + B[:8] + [7]
     with pytest.raises(ValueError, match=r"prefix block 1 \(position 1\) no longer holds"):
-        m.allocate_slots(2, other, 1, prefix, block_hashes=prompt_block_hashes(other, 4))
+        m.allocate_new(2, other, 1, prefix, block_hashes=prompt_block_hashes(other, 4))
     m.check_invariants()
 
 
@@ -223,7 +224,7 @@ def test_random_long_prompts_match_the_block_by_block_chain():
         for extra in (None, b"salt"):
             prefix = m.lookup_prefix(prompt, extra)
             assert prefix == []
-            assert m.allocate_slots(2 * sid + (extra is not None), prompt, n, prefix, extra) is not None
+            assert m.allocate_new(2 * sid + (extra is not None), prompt, n, prefix, extra) is not None
             blocks = m.block_table(2 * sid + (extra is not None))
             assert [m.gpu_pool.blocks[b].block_hash for b in blocks[: n // bs]] == chain(prompt, bs, extra)
             again = m.lookup_prefix(prompt + [5], extra)
@@ -252,10 +253,18 @@ def _state(m: KVCacheManager, sids: list[int]) -> list:
         [(b.ref_cnt, b.block_hash) for b in blocks], m.num_free_gpu_blocks, m.stats()]
 
 
+def _general(m: KVCacheManager, sid: int, tokens: list[int], num_pending: int = 0):
+    """allocate_slots(sid, tokens, 1) by the general path only (no decode fast path)."""
+    seq = m._seqs.get(sid)
+    if seq is None:
+        return m.allocate_slots(sid, tokens, 1)
+    return m._grow(sid, seq, tokens, 1, num_pending)
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_append_slot_matches_allocate_slots_one_token(seed: int):
-    """Random decode steps, forks (copy-on-write), frees, swaps and refusals: append_slot and
-    allocate_slots(seq, tokens, 1) give equal results and leave equal managers."""
+def test_decode_fast_path_matches_the_general_path(seed: int):
+    """Random decode steps, forks (copy-on-write), frees, swaps and refusals: allocate_slots'
+    one-token fast path and its general path give equal results and leave equal managers."""
     rng = random.Random(seed)
     slow, fast = mgr(gpu=24, cpu=16), mgr(gpu=24, cpu=16)
     toks: dict[int, list[int]] = {}
@@ -297,33 +306,34 @@ def test_append_slot_matches_allocate_slots_one_token(seed: int):
             if slow.is_swapped(sid):
                 for m in (slow, fast):
                     with pytest.raises(ValueError, match="swapped out"):
-                        m.append_slot(sid, t) if m is fast else m.allocate_slots(sid, t, 1)
+                        m.allocate_slots(sid, t, 1) if m is fast else _general(m, sid, t)
                 continue
-            assert fast.append_slot(sid, t) == slow.allocate_slots(sid, t, 1)
+            assert fast.allocate_slots(sid, t, 1) == _general(slow, sid, t)
         assert _state(slow, sorted(toks)) == _state(fast, sorted(toks))
     fast.check_invariants()
 
 
-def test_append_slot_errors_and_new_seq_are_allocate_slots():
+def test_one_slot_errors_and_new_seq():
     m = mgr()
-    assert m.append_slot(1, A[:3]) == Allocation([0], [])  # unknown seq: a new one, 1 slot
+    assert m.allocate_slots(1, A[:3], 1) == Allocation([0], [])  # unknown seq: a new one, 1 slot
     assert m.num_slots(1) == 1
-    assert m.append_slot(1, A[:3]) == Allocation([], [])
-    assert m.append_slot(1, A[:3]) == Allocation([], [])
+    assert m.allocate_slots(1, A[:3], 1) == Allocation([], [])
+    assert m.allocate_slots(1, A[:3], 1) == Allocation([], [])
     with pytest.raises(ValueError, match="exceeds the 3 known token ids"):
-        m.append_slot(1, A[:3])
+        m.allocate_slots(1, A[:3], 1)
     assert m.num_slots(1) == 3
-    assert m.append_slot(1, A[:4]) == Allocation([], [])  # fills block 0: hashed and cached
+    assert m.allocate_slots(1, A[:4], 1) == Allocation([], [])  # fills block 0: hashed and cached
     assert m.gpu_pool.blocks[0].block_hash == chain(A[:4], 4)[0]
     m.check_invariants()
 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("pending", [0, 1])
-def test_append_slots_is_append_slot_for_each_sequence(seed: int, pending: int):
-    """A decode batch in one append_slots call leaves the manager as append_slot called for
-    each sequence in order: same tables, hashes, free queue and new block ids, over many
-    steps across block boundaries (with pending tokens, each block is hashed a step late)."""
+def test_allocate_decode_slots_is_allocate_slots_for_each_sequence(seed: int, pending: int):
+    """A decode batch in one allocate_decode_slots call leaves the manager as the general path
+    of allocate_slots(seq, tokens, 1) called for each sequence in order: same tables, hashes,
+    free queue and new block ids, over many steps across block boundaries (with pending
+    tokens, each block is hashed a step late)."""
     rng = random.Random(seed)
     one, bulk = mgr(gpu=64, cpu=0), mgr(gpu=64, cpu=0)
     toks = {sid: [rng.randrange(0, 5) for _ in range(rng.randint(1, 9))] for sid in range(6)}
@@ -334,11 +344,11 @@ def test_append_slots_is_append_slot_for_each_sequence(seed: int, pending: int):
     for _ in range(12):
         expected = {}
         for sid in sids:
-            alloc = one.append_slot(sid, toks[sid], pending)
+            alloc = _general(one, sid, toks[sid], pending)
             if alloc.new_block_ids:
                 expected[sid] = alloc.new_block_ids
         opened: dict[int, list[int]] = {}
-        assert bulk.append_slots(sids, [toks[s] for s in sids], pending, opened) == len(sids)
+        assert bulk.allocate_decode_slots(sids, [toks[s] for s in sids], pending, opened) == len(sids)
         assert opened == expected
         assert _state(one, sids) == _state(bulk, sids)
         for t in toks.values():
@@ -348,23 +358,32 @@ def test_append_slots_is_append_slot_for_each_sequence(seed: int, pending: int):
         assert all(len(bulk._seqs[s].block_hashes) == bulk.num_slots(s) // 4 for s in sids)
 
 
-def test_append_slots_stops_untouched_at_a_shared_tail_an_unknown_seq_or_a_full_pool():
+def test_allocate_decode_slots_stops_untouched_at_a_shared_tail_an_unknown_seq_or_a_full_pool():
     m = mgr(gpu=5, cpu=0)
     m.allocate_slots(1, A[:4], 4)  # block 0 full
     m.allocate_slots(2, B[:3], 2)  # block 1, room 2
     m.fork(2, 3)  # 3 shares block 1
     before = _state(m, [1, 2, 3])
     opened: dict[int, list[int]] = {}
-    assert m.append_slots([2, 1], [B[:3], A[:5]], 0, opened) == 0  # 2's tail is shared
-    assert m.append_slots([1, 9], [A[:5], A[:2]], 0, opened) == 1  # seq 9 is unknown
+    assert m.allocate_decode_slots([2, 1], [B[:3], A[:5]], 0, opened) == 0  # 2's tail is shared
+    assert m.allocate_decode_slots([1, 9], [A[:5], A[:2]], 0, opened) == 1  # seq 9 is unknown
     assert opened == {1: [2]} and m.num_slots(1) == 5
     assert _state(m, [2, 3])[:2] == before[1:3]  # their tables and slots
     m.allocate_slots(4, B, 8)  # takes the last two free blocks
     assert m.num_free_gpu_blocks == 0
     t1 = A[:5] + [0, 0, 0, 0]
     for _ in range(3):
-        assert m.append_slots([1], [t1], 0, opened) == 1  # room in block 2: no block needed
-    assert m.append_slots([1], [t1], 0, {}) == 0  # block 2 is full and none is free
+        assert m.allocate_decode_slots([1], [t1], 0, opened) == 1  # room in block 2
+    assert m.allocate_decode_slots([1], [t1], 0, {}) == 0  # block 2 is full and none is free
     assert m.num_slots(1) == 8
-    assert m.append_slot(1, t1) is None  # the general path refuses too, changing nothing
+    assert m.allocate_slots(1, t1, 1) is None  # the general path refuses too, changing nothing
+    m.check_invariants()
+
+
+def test_decode_slot_at_a_shared_tail_copies():
+    m = mgr(gpu=5, cpu=0)
+    m.allocate_slots(2, B[:3], 2)  # block 0, room 2
+    m.fork(2, 3)  # 3 shares block 0
+    assert m.allocate_slots(2, B[:3], 1) == Allocation([], [(0, 1)])  # 2's tail is shared
+    assert m.block_table(2) == [1] and m.block_table(3) == [0]
     m.check_invariants()

@@ -29,7 +29,7 @@ def test_num_blocks_needed_counts_new_cow_and_revived_prefix_blocks():
     prefix = m.lookup_prefix(A + [5])
     assert prefix == [0, 1, 2]
     assert m.num_blocks_needed(2, 1, prefix) == 4  # 1 new + 3 revived from the free queue
-    assert m.allocate_slots(3, A[:6], 2, m.lookup_prefix(A[:6])) == Allocation([3], [])
+    assert m.allocate_new(3, A[:6], 2, m.lookup_prefix(A[:6])) == Allocation([3], [])
     assert m.block_table(3) == [0, 3] and m.num_slots(3) == 6
     assert m.num_blocks_needed(3, 2) == 0
     assert m.num_blocks_needed(3, 3) == 1
@@ -49,7 +49,7 @@ def test_prefix_hit_revives_freed_blocks_and_counts_stats():
     assert prefix == [0, 1, 2]
     assert m.stats() == before  # lookup has no side effects
     assert (before.prefix_queries, before.prefix_hits) == (12, 0)
-    alloc = m.allocate_slots(2, prompt, 2, prefix)
+    alloc = m.allocate_new(2, prompt, 2, prefix)
     assert alloc == Allocation([3], [])
     assert m.block_table(2) == [0, 1, 2, 3] and m.num_slots(2) == 14
     s = m.stats()
@@ -67,12 +67,12 @@ def test_lookup_never_covers_the_last_token():
     assert m.lookup_prefix(A[:4]) == []
     assert m.lookup_prefix([]) == []
     with pytest.raises(ValueError, match="cover the last token"):
-        m.allocate_slots(2, A, 0, [0, 1, 2])
+        m.allocate_new(2, A, 0, [0, 1, 2])
 
 
 def test_lookup_stops_at_first_miss_and_respects_extra_key():
     m = mgr()
-    m.allocate_slots(1, A, 12, extra_key=b"salt")
+    m.allocate_new(1, A, 12, extra_key=b"salt")
     assert m.lookup_prefix(A + [1]) == []
     assert m.lookup_prefix(A + [1], extra_key=b"salt") == [0, 1, 2]
     assert m.lookup_prefix(A[:4] + B[4:] + [1], extra_key=b"salt") == [0]
@@ -85,7 +85,7 @@ def test_disabled_prefix_caching_hashes_nothing():
     assert m.lookup_prefix(A + [1]) == []
     assert m.gpu_pool.cached_block_hash_to_block == {}
     with pytest.raises(ValueError, match="prefix caching is disabled"):
-        m.allocate_slots(2, A, 1, [0])
+        m.allocate_new(2, A, 1, [0])
     m.check_invariants()
 
 
@@ -149,8 +149,8 @@ def test_refuses_without_changing_anything_when_blocks_run_out():
 def test_admission_keeps_the_watermark_free():
     m = mgr(gpu=100, watermark=0.05)  # 5 blocks held back
     tokens = list(range(400))
-    assert m.allocate_slots(1, tokens[:384], 384, admit=True) is None  # 96 blocks, 4 left
-    assert m.allocate_slots(1, tokens[:380], 380, admit=True) == Allocation(list(range(95)), [])
+    assert m.allocate_new(1, tokens[:384], 384, admit=True) is None  # 96 blocks, 4 left
+    assert m.allocate_new(1, tokens[:380], 380, admit=True) == Allocation(list(range(95)), [])
     assert m.allocate_slots(1, tokens[:400], 20) is not None  # running seqs may use the watermark
     assert m.num_free_gpu_blocks == 0
 
@@ -260,7 +260,7 @@ def test_stale_prefix_is_rejected():
     m.allocate_slots(2, B, 12)  # evicts both
     m.free(2)
     with pytest.raises(ValueError, match="no longer holds this prompt's KV"):
-        m.allocate_slots(3, A[:9], 1, prefix)
+        m.allocate_new(3, A[:9], 1, prefix)
 
 
 def test_bad_input_is_a_value_error():

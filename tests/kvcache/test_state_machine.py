@@ -62,7 +62,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         n = min(chunk, len(prompt) - len(prefix) * BS)
         need = self.m.num_blocks_needed(sid, n, prefix)
         free = self.m.num_free_gpu_blocks
-        alloc = self.m.allocate_slots(sid, prompt, n, prefix, extra_key=salt, admit=admit)
+        alloc = self.m.allocate_new(sid, prompt, n, prefix, extra_key=salt, admit=admit)
         limit = self.m.watermark_blocks if admit else 0
         assert (alloc is None) == (need > free - limit)
         if alloc is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cluster.output_processor import OutputProcessor
 from kvcache import KVCacheManager
 from scheduler import (
     RequestOutput,
@@ -234,20 +235,53 @@ def collect(outputs: list[RequestOutput], into: dict[tuple[str, int], Collected]
             finished.add(out.request_id)
 
 
+class Core:
+    """A Scheduler and its OutputProcessor, driven as LLMEngine drives them, under the names
+    the tests use: add_request goes to both, apply_result is the scheduler's outcome made into
+    RequestOutputs, abort and finish_text are the processor's. Anything else is the
+    scheduler's (`core.lane`, `core.queues`, `core.stats()`...)."""
+
+    def __init__(self, sched: Scheduler, tokenizer: object = None,
+                 detokenizer_factory: object = None) -> None:
+        self.sched = sched
+        self.outputs = OutputProcessor(sched, tokenizer, detokenizer_factory)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sp: SamplingParams,
+                    **kw: object) -> None:
+        self.outputs.validate(sp)
+        self.sched.add_request(request_id, prompt_token_ids, sp, **kw)
+        self.outputs.add_request(request_id, prompt_token_ids, sp)
+
+    def apply_result(self, plan: StepPlan, result: StepResult | None,
+                     defer_text: bool = False) -> list[RequestOutput]:
+        return self.outputs.process(self.sched.apply_result(plan, result), defer_text)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        return self.outputs.abort(request_id)
+
+    def finish_text(self) -> None:
+        self.outputs.finish_text()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.sched, name)
+
+
 def make(num_gpu_blocks: int = 16, num_cpu_blocks: int = 0, block_size: int = 4,
          tokenizer: object = None, watermark: float = 0.0, enable_prefix_caching: bool = True,
          lane_min_running: int = 1, **config: object
-         ) -> tuple[Scheduler, KVCacheManager, FakeWorker]:
-    """A scheduler, its KV cache and a fake worker. lane_min_running=1 lets the decode lane
-    run at these tests' small sizes (the engine's default is LANE_MIN_RUNNING)."""
+         ) -> tuple[Core, KVCacheManager, FakeWorker]:
+    """A scheduler with its output processor, its KV cache and a fake worker.
+    lane_min_running=1 lets the decode lane run at these tests' small sizes (the engine's
+    default is LANE_MIN_RUNNING)."""
     kv = KVCacheManager(num_gpu_blocks, num_cpu_blocks, block_size,
                         enable_prefix_caching=enable_prefix_caching, watermark=watermark)
-    sched = Scheduler(SchedulerConfig(**config), kv, tokenizer=tokenizer, eos_token_ids=[EOS])
-    sched._lane_min_running = lane_min_running
-    return sched, kv, FakeWorker(num_gpu_blocks, num_cpu_blocks, block_size)
+    sched = Scheduler(SchedulerConfig(**config), kv, eos_token_ids=[EOS],
+                      vocab_size=len(tokenizer) if tokenizer is not None else None)
+    sched.lane.min_running = lane_min_running
+    return Core(sched, tokenizer), kv, FakeWorker(num_gpu_blocks, num_cpu_blocks, block_size)
 
 
-def check_consistency(sched: Scheduler, kv: KVCacheManager, worker: FakeWorker) -> None:
+def check_consistency(sched: Core, kv: KVCacheManager, worker: FakeWorker) -> None:
     """Scheduler, KV manager and worker agree on every live sequence."""
     kv.check_invariants()
     sched.check_lane()
@@ -264,12 +298,12 @@ def check_consistency(sched: Scheduler, kv: KVCacheManager, worker: FakeWorker) 
                 known = min(seq.num_computed, len(seq.token_ids))
                 assert st.history[:known] == seq.token_ids[:known]
             else:
-                assert seq.seq_id not in worker.seqs or seq.seq_id in sched._pending_drops
+                assert seq.seq_id not in worker.seqs or seq.seq_id in sched.queues.drops
             if kv.has_seq(seq.seq_id):
                 assert kv.num_slots(seq.seq_id) == seq.num_computed
 
 
-def step(sched: Scheduler, worker: FakeWorker) -> tuple[StepPlan, list[RequestOutput]]:
+def step(sched: Core, worker: FakeWorker) -> tuple[StepPlan, list[RequestOutput]]:
     plan = sched.schedule()
     result = worker.execute(plan)
     return plan, sched.apply_result(plan, result)
@@ -279,7 +313,7 @@ class Pipeline:
     """Async scheduling as the engine drives it: step N+1 is scheduled (and, the fake worker
     being synchronous, executed) before step N's result is applied."""
 
-    def __init__(self, sched: Scheduler, worker: FakeWorker) -> None:
+    def __init__(self, sched: Core, worker: FakeWorker) -> None:
         self.sched = sched
         self.worker = worker
         self.inflight: list[tuple[StepPlan, StepResult]] = []
@@ -302,7 +336,7 @@ class Pipeline:
         return self.sched.has_unfinished() or bool(self.inflight)
 
 
-def run_to_completion(sched: Scheduler, kv: KVCacheManager, worker: FakeWorker,
+def run_to_completion(sched: Core, kv: KVCacheManager, worker: FakeWorker,
                       max_steps: int = 10_000,
                       pipelined: bool = False) -> dict[tuple[str, int], Collected]:
     got: dict[tuple[str, int], Collected] = {}

@@ -24,24 +24,24 @@ def test_lane_rows_come_first_then_outside_decodes_then_prefill_chunks():
     sched.add_request("a", [5, 6, 7], sp)
     sched.add_request("b", [8, 9, 10, 11], sp)
     plan, _ = step(sched, worker)  # both prefill and sample
-    assert plan.seq_ids.tolist() == [0, 1] and len(sched._lane) == 0
+    assert plan.seq_ids.tolist() == [0, 1] and len(sched.lane) == 0
     plan, _ = step(sched, worker)  # decoded one by one: both join the lane
-    assert plan.seq_ids.tolist() == [0, 1] and sched._lane.seq_ids == [0, 1]
-    assert sched._lane_steps == 0
+    assert plan.seq_ids.tolist() == [0, 1] and sched.lane.seq_ids == [0, 1]
+    assert sched.lane.steps == 0
     sched.add_request("c", [12, 13, 14, 15, 16], sp)
     plan, _ = step(sched, worker)  # the lane, then c's prefill
-    assert sched._lane_steps == 1
+    assert sched.lane.steps == 1
     assert plan.seq_ids.tolist() == [0, 1, 2] and plan.query_lens.tolist() == [1, 1, 5]
     # a: 3 prompt + 2 outputs known, b: 4 + 2; slot 4 opens a's second block
     assert plan.start_pos.tolist() == [4, 5, 0]
-    assert plan.input_ids.tolist()[:2] == [sched._seqs[0][1].token_ids[4],
-                                          sched._seqs[1][1].token_ids[5]]
+    assert plan.input_ids.tolist()[:2] == [sched.queues.seqs[0][1].token_ids[4],
+                                          sched.queues.seqs[1][1].token_ids[5]]
     assert list(plan.appended_blocks) == [0]
     plan, _ = step(sched, worker)  # c decodes one by one after the lane, and joins it
     assert plan.seq_ids.tolist() == [0, 1, 2] and plan.start_pos.tolist() == [5, 6, 5]
-    assert sched._lane.seq_ids == [0, 1, 2] and sched._lane_steps == 2
+    assert sched.lane.seq_ids == [0, 1, 2] and sched.lane.steps == 2
     plan, _ = step(sched, worker)
-    assert plan.start_pos.tolist() == [6, 7, 6] and sched._lane_steps == 3
+    assert plan.start_pos.tolist() == [6, 7, 6] and sched.lane.steps == 3
     check_consistency(sched, kv, worker)
 
 
@@ -56,11 +56,11 @@ def test_lane_opens_blocks_and_hashes_the_ones_that_fill():
         plan, _ = step(sched, worker)
         tables.append((plan.start_pos.tolist(), plan.appended_blocks))
         check_consistency(sched, kv, worker)
-    assert sched._lane_steps == 6
+    assert sched.lane.steps == 6
     # slot 8 opens block 2 (ids 0 and 1 hold the first 8 slots)
     assert [t[0] for t in tables] == [[6], [7], [8], [9], [10], [11]]
     assert [t[1] for t in tables] == [{}, {}, {0: [2]}, {}, {}, {}]
-    seq = sched._seqs[0][1]
+    seq = sched.queues.seqs[0][1]
     assert kv.num_slots(0) == seq.num_computed == 12
     # all three blocks are full, and each was hashed when its last slot was given out
     # (its token known: a synchronous step): a prompt of those 12 tokens hits them all
@@ -76,16 +76,16 @@ def test_lane_outputs_are_the_plain_deltas_and_stops_take_the_general_path():
     for tokens in ({0: 10, 1: 20}, {0: 11, 1: 21}, {0: 12, 1: 22}, {0: 42, 1: 23}):
         plan = sched.schedule()
         got.append(sched.apply_result(plan, _answer(plan, tokens)))
-    assert sched._lane_steps == 2  # the third and fourth steps
+    assert sched.lane.steps == 2  # the third and fourth steps
     assert got[2] == [RequestOutput("a", [5, 6, 7], [CompletionOutput(0, [12], "")], False),
                       RequestOutput("b", [5, 6], [CompletionOutput(0, [22], "")], False)]
     # a's stop token id and b's length finish both come out of the general path
     assert got[3] == [
         RequestOutput("a", [5, 6, 7], [CompletionOutput(0, [42], "", "stop", 42)], True),
         RequestOutput("b", [5, 6], [CompletionOutput(0, [23], "", "length", None)], True)]
-    assert not sched.requests and len(sched._lane.seq_ids) == 2  # evicted, dropped at settle
+    assert not sched.requests and len(sched.lane.seq_ids) == 2  # evicted, dropped at settle
     plan = sched.schedule()
-    assert plan.is_empty and sorted(plan.dropped_seq_ids) == [0, 1] and len(sched._lane) == 0
+    assert plan.is_empty and sorted(plan.dropped_seq_ids) == [0, 1] and len(sched.lane) == 0
 
 
 def test_member_aborted_with_tokens_in_flight_is_dropped_from_both_plans():
@@ -97,13 +97,13 @@ def test_member_aborted_with_tokens_in_flight_is_dropped_from_both_plans():
     pipe = Pipeline(sched, worker)
     for _ in range(4):
         pipe.step()
-    assert sched._lane_steps >= 1 and len(pipe.inflight) == 1
+    assert sched.lane.steps >= 1 and len(pipe.inflight) == 1
     out = sched.abort("a")  # its token of the plan in flight must be ignored
     assert out.finished and out.outputs[0].finish_reason == "abort"
     outs = pipe.step()
     assert [o.request_id for o in outs] == ["b"]
     check_consistency(sched, kv, worker)
-    assert sched._lane.seq_ids == [1]
+    assert sched.lane.seq_ids == [1]
 
 
 def test_pending_token_that_ends_a_member_by_length_is_not_computed_ahead():
@@ -119,7 +119,7 @@ def test_pending_token_that_ends_a_member_by_length_is_not_computed_ahead():
         check_consistency(sched, kv, worker)
     assert [r for r, _, _ in seen].count("a") == 4 and [r for r, _, _ in seen].count("b") == 9
     assert [f for r, _, f in seen if f] == ["length", "length"]
-    assert worker.num_pending_filled > 0 and sched._lane_steps > 0
+    assert worker.num_pending_filled > 0 and sched.lane.steps > 0
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
@@ -154,7 +154,7 @@ def test_lane_on_and_off_give_the_same_plans_and_outputs(pipelined: bool):
             outputs += [(o.request_id, o.outputs[0].token_ids, o.outputs[0].finish_reason)
                         for o in outs]
             check_consistency(sched, kv, worker)
-        runs.append((sorted(outputs), plans, sched._lane_steps))
+        runs.append((sorted(outputs), plans, sched.lane.steps))
     assert runs[0][2] > 10 and runs[1][2] == 0
     assert runs[0][1] == runs[1][1]
     assert runs[0][0] == runs[1][0]
@@ -169,21 +169,21 @@ def test_lane_forms_with_enough_requests_running_and_empties_below():
         step(sched, worker)
     sched.add_request("c", [11, 12, 13], SamplingParams(max_tokens=12, ignore_eos=True))
     step(sched, worker)  # two running when it decodes: one by one; then c is admitted
-    assert len(sched._lane) == 0 and sched._lane_steps == 0
+    assert len(sched.lane) == 0 and sched.lane.steps == 0
     step(sched, worker)  # three running: all three decode one by one and join
-    assert sched._lane.seq_ids == [0, 1, 2] and sched._lane_steps == 0
+    assert sched.lane.seq_ids == [0, 1, 2] and sched.lane.steps == 0
     plan, outs = step(sched, worker)  # the lane's step; a samples its last token
-    assert sched._lane_steps == 1 and plan.seq_ids.tolist() == [0, 1, 2]
+    assert sched.lane.steps == 1 and plan.seq_ids.tolist() == [0, 1, 2]
     assert [o.finished for o in outs] == [True, False, False]
     step(sched, worker)  # two running again: the lane empties
-    assert len(sched._lane) == 0 and sched._lane_steps == 1
-    assert not any(r.in_lane for r in sched.running)
+    assert len(sched.lane) == 0 and sched.lane.steps == 1
+    assert not any(r.in_lane for r in sched.queues.running)
     sched.add_request("d", [14, 15], SamplingParams(max_tokens=8, ignore_eos=True))
     step(sched, worker)  # two running: one by one; d is admitted
     step(sched, worker)  # three: they join
-    assert sched._lane_steps == 1 and sched._lane.seq_ids == [1, 2, 3]
+    assert sched.lane.steps == 1 and sched.lane.seq_ids == [1, 2, 3]
     step(sched, worker)
-    assert sched._lane_steps == 2
+    assert sched.lane.steps == 2
     check_consistency(sched, kv, worker)
 
 
@@ -203,7 +203,7 @@ def test_lane_rows_with_a_stop_token_take_the_general_path(num_stop_ids: int):
                    {0: stops[-1], 1: stops[0]}):
         plan = sched.schedule()
         got.append(sched.apply_result(plan, _answer(plan, tokens)))
-    assert sched._lane_steps == 2
+    assert sched.lane.steps == 2
     assert got[2][1].outputs == [CompletionOutput(0, [stops[-1]], "")]  # min_tokens: kept
     assert got[3] == [
         RequestOutput("a", [5, 6, 7], [CompletionOutput(0, [stops[-1]], "", "stop",

@@ -8,7 +8,7 @@ from scheduler_harness import ByteTokenizer, make, reference_tokens, run_to_comp
 
 from kvcache import KVCacheManager
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, SequenceStatus
-from scheduler.request import Request, Sequence
+from scheduler.request import Request, Seq
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -78,7 +78,7 @@ def test_duplicate_request_id_is_rejected() -> None:
 
 
 def test_state_machine_rejects_illegal_transitions() -> None:
-    seq = Sequence(0, 0, [5], 1, SequenceStatus.WAITING)
+    seq = Seq(0, 0, [5], 1, SequenceStatus.WAITING)
     req = Request("r", [5], SamplingParams(), 0.0, None, seq, frozenset(), 64)
     with pytest.raises(RuntimeError, match="WAITING -> SWAPPED"):
         req.move(SequenceStatus.SWAPPED)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 from scheduler_harness import (
+    Collected,
+    FakeWorker,
     Pipeline,
     check_consistency,
+    collect,
     make,
     next_token,
     reference_tokens,
@@ -141,7 +144,44 @@ def test_manager_reserves_a_slot_ahead_and_refuses_two() -> None:
     kv = KVCacheManager(8, 0, 4, enable_prefix_caching=True)
     tokens = [1, 2, 3]
     kv.allocate_slots(0, tokens, 3)
-    kv.append_slot(0, tokens, num_pending=1)
+    kv.allocate_slots(0, tokens, 1, num_pending=1)
     assert kv.num_slots(0) == 4
     with pytest.raises(ValueError, match="1 pending"):
         kv.allocate_slots(0, tokens, 1, num_pending=1)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_reset_for_recompute_after_losing_the_workers_gives_the_same_streams(mode: str) -> None:
+    """The workers lose every sequence mid-run (plans in flight, some requests preempted):
+    reset_for_recompute puts every unfinished request back to recompute, and the streams go
+    on to exactly the reference tokens, with nothing leaked."""
+    kw = {"num_cpu_blocks": 8} if mode == "swap" else {}
+    sched, kv, worker = make(num_gpu_blocks=6, max_num_batched_tokens=8, max_num_seqs=4,
+                             preemption_mode=mode, **kw)
+    prompts = {"a": [5, 6, 7], "b": [200, 201, 202, 203, 204], "c": [9, 8, 7, 6]}
+    sps = {"a": SamplingParams(max_tokens=9, **GREEDY), "b": SamplingParams(max_tokens=7, **GREEDY),
+           "c": SamplingParams(n=2, max_tokens=5, **GREEDY)}
+    for rid, prompt in prompts.items():
+        sched.add_request(rid, prompt, sps[rid])
+    got: dict = {}
+    finished: set[str] = set()
+    pipe = Pipeline(sched, worker)
+    for _ in range(6):
+        collect(pipe.step(), got, finished)
+    assert pipe.inflight and sched.has_unfinished()
+    s = sched.stats()  # one request preempted (swapped, or waiting to recompute), two running
+    assert (s.num_running, s.num_swapped + s.num_waiting) == (2, 1)
+    assert s.preemptions_swap + s.preemptions_recompute == 1
+    sched.reset_for_recompute()  # the plans in flight never answer
+    assert kv.num_free_gpu_blocks == 6 and not sched.queues.running and not sched.queues.drops
+    worker = FakeWorker(6, kw.get("num_cpu_blocks", 0), 4)
+    got_after = run_to_completion(sched, kv, worker, pipelined=True)
+    for key, c in got_after.items():
+        g = got.setdefault(key, Collected())
+        g.token_ids += c.token_ids
+        g.finish_reason = c.finish_reason
+    for rid, prompt in prompts.items():
+        for i in range(sps[rid].n):
+            assert got[(rid, i)].token_ids == reference_tokens(prompt, sps[rid], i, 4096)
+            assert got[(rid, i)].finish_reason == "length"
+    assert kv.num_free_gpu_blocks == 6 and kv.num_free_cpu_blocks == kw.get("num_cpu_blocks", 0)

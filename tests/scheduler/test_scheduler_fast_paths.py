@@ -1,7 +1,9 @@
-"""The decode fast paths (append_slot in schedule, field-by-field outputs in apply_result)
-give exactly the outputs and plans of the general path."""
+"""The decode fast paths (the common one-token decode in schedule, the plain rows in
+apply_result and in the output processor) give exactly the outputs and plans of the general
+path."""
 
 import numpy as np
+from scheduler_harness import Core
 
 from kvcache import KVCacheManager
 from scheduler import (
@@ -14,13 +16,13 @@ from scheduler import (
 )
 
 
-def _sched(max_model_len: int = 64) -> Scheduler:
+def _sched(max_model_len: int = 64) -> Core:
     kv = KVCacheManager(num_gpu_blocks=32, num_cpu_blocks=0, block_size=4)
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=max_model_len)
-    return Scheduler(cfg, kv, tokenizer=None, eos_token_ids=[1])
+    return Core(Scheduler(cfg, kv, eos_token_ids=[1]))
 
 
-def _step(s: Scheduler, tokens: dict[int, int]) -> list[RequestOutput]:
+def _step(s: Core, tokens: dict[int, int]) -> list[RequestOutput]:
     plan = s.schedule()
     ids = plan.seq_ids[plan.do_sample]
     res = StepResult(plan.step_id, ids, np.array([tokens[i] for i in ids.tolist()], dtype=np.int64))

@@ -171,7 +171,7 @@ def test_swap_resumes_before_new_requests_are_admitted() -> None:
     sched.add_request("b", list(range(200, 208)), SamplingParams(max_tokens=3, **GREEDY))
     step(sched, worker)
     step(sched, worker)  # b swapped out
-    assert [r.request_id for r in sched.swapped] == ["b"]
+    assert [r.request_id for r in sched.queues.swapped] == ["b"]
     sched.add_request("c", [5, 6], SamplingParams(max_tokens=1, **GREEDY))
     plan, _ = step(sched, worker)  # one free block: c would fit, but b is first in line
     assert summary(plan)["seqs"] == [0]
@@ -294,7 +294,7 @@ def test_abort_swapped_request_frees_its_cpu_blocks() -> None:
     assert kv.num_free_cpu_blocks == 6
     out = sched.abort("b")
     assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
-    assert kv.num_free_cpu_blocks == 8 and not sched.swapped
+    assert kv.num_free_cpu_blocks == 8 and not sched.queues.swapped
     plan, _ = step(sched, worker)
     assert "drop" not in summary(plan)  # b's worker state went with the swap-out
 
@@ -303,9 +303,9 @@ def test_abort_recompute_preempted_request() -> None:
     sched, kv, worker = _two_requests(preemption_mode="recompute")
     step(sched, worker)
     step(sched, worker)  # b preempted for recompute: back in waiting, no blocks
-    assert [r.request_id for r in sched.waiting] == ["b"]
+    assert [r.request_id for r in sched.queues.waiting] == ["b"]
     sched.abort("b")
-    assert not sched.waiting and kv.num_free_gpu_blocks == 1  # a holds 3 blocks
+    assert not sched.queues.waiting and kv.num_free_gpu_blocks == 1  # a holds 3 blocks
     got = run_to_completion(sched, kv, worker)
     assert got[("a", 0)].finish_reason == "length"
     assert kv.num_free_gpu_blocks == 4

@@ -76,11 +76,11 @@ def test_random_mixes_finish_match_reference_and_free_everything(w: dict) -> Non
         max_num_batched_tokens=12 if cfg["chunked"] else MAX_MODEL_LEN,
         enable_chunked_prefill=cfg["chunked"], preemption_mode=cfg["mode"])
     if cfg["lane"] == "min3":
-        sched._lane_min_running = 3
+        sched.lane.min_running = 3
     elif cfg["lane"] == "off":
-        sched._lane_min_running = sys.maxsize
+        sched.lane.min_running = sys.maxsize
     elif cfg["lane"] == "always":
-        sched._lane_fits = lambda outside: True
+        sched.lane._fits = lambda outside, kv: True
     got: dict[tuple[str, int], Collected] = {}
     finished: set[str] = set()
     aborted: set[str] = set()
@@ -119,13 +119,13 @@ def test_random_mixes_finish_match_reference_and_free_everything(w: dict) -> Non
     kv.check_invariants()
     assert kv.num_free_gpu_blocks == GPU_BLOCKS
     assert kv.num_free_cpu_blocks == num_cpu
-    assert set(worker.seqs) == set(sched._pending_drops)
+    assert set(worker.seqs) == set(sched.queues.drops)
     stats = sched.stats()
     event(f"preempted: swap={stats.preemptions_swap > 0} recompute={stats.preemptions_recompute > 0}")
     event(f"prefix hits: {stats.prefix_hits > 0}")
     event(f"aborted: {bool(aborted)}")
-    event(f"lane {cfg['lane']}: lane steps {sched._lane_steps > 0}, cut short "
-          f"{sched._lane_steps_cut > 0}")
+    event(f"lane {cfg['lane']}: lane steps {sched.lane.steps > 0}, cut short "
+          f"{sched.lane.steps_cut > 0}")
     event(f"pipelined: {cfg['pipelined']}, pending tokens: {worker.num_pending_filled > 0}, preempted: {stats.preemptions_swap + stats.preemptions_recompute > 0}")
     assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
-    assert not sched.requests and not sched._seqs
+    assert not sched.requests and not sched.queues.seqs

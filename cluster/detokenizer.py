@@ -1,4 +1,5 @@
-"""Streaming text: incremental detokenization and stop-string detection.
+"""Streaming text: incremental detokenization and stop-string detection (the output
+processor's, cluster/output_processor.py).
 
 Both work on a bounded window, so the per-token cost does not grow with the sequence.
 The tokenizer is duck-typed (a Hugging Face tokenizer: `convert_ids_to_tokens`,
@@ -39,7 +40,7 @@ class IncrementalDetokenizer:
                  token_cache: dict[int, list[str]] | None = None) -> None:
         """`token_cache` maps token id -> its tokens under this skip_special_tokens setting; it
         may be shared by every detokenizer of one tokenizer (convert_ids_to_tokens is the
-        slowest call here, ~20 us)."""
+        slowest call here)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._cache = {} if token_cache is None else token_cache

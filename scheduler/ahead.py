@@ -1,0 +1,107 @@
+"""Async scheduling on the scheduler's side: plans scheduled ahead of the results they follow.
+
+The engine may schedule plan N+1 while plan N runs, so that N+1 is ready the moment N ends.
+At most MAX_PLANS_IN_FLIGHT plans await apply_result, and they are applied in the order they
+were made. A sequence whose next token plan N samples then decodes that token in N+1 as
+PENDING_TOKEN: the workers have it, the scheduler does not yet.
+
+This module owns the plans in flight and every rule that follows from a token being in
+flight; the rest of the scheduler asks here instead of testing for one itself:
+  - `num_pending`: a sequence whose KV covers every token it knows has its next token in
+    flight; its decode's input is PENDING_TOKEN (as StepBuilder.add and the decode lane write
+    it), and its slot is reserved ahead (KVCacheManager.allocate_slots' `num_pending`), the
+    block that slot fills being hashed once the token lands (kvcache/prefix.py);
+  - `decode_pending` / `length_edge`: a sequence whose pending token would end it by length
+    is not scheduled ahead (the decode lane applies the same rule to its arrays);
+  - `waits_for_token`: a sequence that cannot grow while its token is in flight decides
+    nothing (no finish for capacity) until that token has landed;
+  - a token sampled for a sequence that finished meanwhile (a stop token in the plan before,
+    or an abort) is dropped by apply_result: its sequence is no longer known;
+  - a sequence preempted with a token in flight keeps it: the token lands and counts (swap
+    keeps the KV it was computed from, recompute computes it again), and it may still finish
+    the sequence from the swapped or waiting queue (RequestQueues.finish_seq).
+Every plan that runs after another runs after it on the workers too, so blocks freed while a
+plan is in flight can be handed out by the next plan: their old owner's writes come first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from scheduler.request import Seq
+
+# The step being executed and the one scheduled ahead of its result.
+MAX_PLANS_IN_FLIGHT = 2
+
+
+class PlansInFlight:
+    """Step ids of the plans schedule() made and apply_result() has not taken yet, oldest first."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self) -> None:
+        self._ids: deque[int] = deque()
+
+    @property
+    def ahead(self) -> bool:
+        """Whether a plan is in flight: the next one is scheduled ahead of its result."""
+        return bool(self._ids)
+
+    def check_room(self) -> None:
+        """RuntimeError when MAX_PLANS_IN_FLIGHT already wait (before a plan is made)."""
+        if len(self._ids) >= MAX_PLANS_IN_FLIGHT:
+            raise RuntimeError(f"schedule() called with steps {list(self._ids)} in flight; "
+                               f"at most {MAX_PLANS_IN_FLIGHT} plans may await apply_result()")
+
+    def launch(self, step_id: int) -> None:
+        """A plan was made."""
+        self._ids.append(step_id)
+
+    def check_next(self, step_id: int) -> None:
+        """RuntimeError unless step_id is the oldest plan in flight (results go in order)."""
+        if not self._ids or self._ids[0] != step_id:
+            raise RuntimeError(f"apply_result() for step {step_id}, but the plans awaiting "
+                               f"results are {list(self._ids)} (apply them in order)")
+
+    def land(self) -> None:
+        """The oldest plan's result has been applied."""
+        self._ids.popleft()
+
+    def clear(self) -> None:
+        """Forget every plan in flight (their results will never come)."""
+        self._ids.clear()
+
+
+def num_pending(seq: Seq) -> int:
+    """1 when the sequence's next token is in flight (its KV covers every token it knows),
+    else 0."""
+    computed = seq.num_computed
+    return 1 if computed and computed == len(seq.token_ids) else 0
+
+
+def decode_pending(seq: Seq) -> int | None:
+    """num_pending of the sequence's next one-token decode (0: its input is its last known
+    token; 1: the token in flight), or None when it has no decode to schedule now (a
+    prefill chunk left, a token in flight that ends it by length, or its tokens already
+    being computed by the plans in flight)."""
+    start = seq.num_computed
+    num_known = len(seq.token_ids)
+    if num_known - start == 1 and start:
+        return 0
+    if num_known == start and start + 1 < seq.max_len:
+        return 1
+    return None
+
+
+def length_edge(pos: np.ndarray, max_len: np.ndarray) -> np.ndarray:
+    """Over arrays of num_computed and max_len (the decode lane's): whether the token in
+    flight ends the sequence by length, so that decode_pending would say None."""
+    return pos + 1 >= max_len
+
+
+def waits_for_token(seq: Seq) -> bool:
+    """Whether a sequence that cannot grow must wait for its token in flight to land before
+    anything is decided about it (see the module docstring)."""
+    return num_pending(seq) == 1

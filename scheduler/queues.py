@@ -1,0 +1,163 @@
+"""RequestQueues: every unfinished request, where it stands, and every move between queues.
+
+Invariants between scheduler calls: each unfinished request is in `requests` and in exactly
+one queue: `waiting` (WAITING and PREEMPTED, recompute victims at the front), `running`
+(RUNNING, in (re)admission order, so the victim end is the tail), `swapped` (SWAPPED, the most recent victim first); `seqs`
+maps the id of every live sequence to it and its request; `drops` is the list of sequence ids
+whose worker state the next plan drops (the StepBuilder of that plan appends to it too).
+A running request's live sequences number at most `max_num_seqs` in all (the scheduler's
+admission checks keep it so). The decode lane is told (`evict`) whenever a request leaves the
+running queue or one of its sequences finishes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvcache import KVCacheManager
+from scheduler.decode_lane import DecodeLane
+from scheduler.request import Request, Seq, SequenceStatus
+
+_RUNNING = SequenceStatus.RUNNING
+_PREEMPTED = SequenceStatus.PREEMPTED
+_SWAPPED = SequenceStatus.SWAPPED
+
+
+class RequestQueues:
+    def __init__(self, kv: KVCacheManager, lane: DecodeLane) -> None:
+        self.kv = kv
+        self.lane = lane
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, tuple[Request, Seq]] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.drops: list[int] = []
+
+    def add(self, req: Request) -> None:
+        """A new request, at the back of the waiting queue."""
+        self.requests[req.request_id] = req
+        self.add_seqs(req, req.seqs)
+        self.waiting.append(req)
+
+    def add_seqs(self, req: Request, seqs: list[Seq]) -> None:
+        for seq in seqs:
+            self.seqs[seq.seq_id] = (req, seq)
+
+    # ---- moves --------------------------------------------------------------------------
+
+    def admit(self) -> Request:
+        """The head of the waiting queue starts (or resumes) running."""
+        req = self.waiting.popleft()
+        req.move(_RUNNING)
+        self.running.append(req)
+        return req
+
+    def resume_swapped(self) -> Request:
+        """The head of the swapped queue runs again (its blocks are being swapped in)."""
+        req = self.swapped.popleft()
+        req.move(_RUNNING)
+        self.running.append(req)
+        return req
+
+    def swapped_to_waiting(self) -> Request:
+        """The head of the swapped queue goes to the front of the waiting queue, PREEMPTED
+        (to recompute; the caller frees its KV)."""
+        req = self.swapped.popleft()
+        req.move(_PREEMPTED)
+        self.waiting.appendleft(req)
+        return req
+
+    def leave_running(self, req: Request, new: SequenceStatus) -> None:
+        """A running request is preempted: out of the running queue, the workers drop its
+        sequences, and it goes to the front of swapped (SWAPPED) or waiting (PREEMPTED)."""
+        self.running.remove(req)
+        self.lane.evict(req)
+        for seq in req.live_seqs():
+            if seq.on_worker:
+                self.drops.append(seq.seq_id)
+                seq.on_worker = False
+        req.move(new)
+        (self.swapped if new is _SWAPPED else self.waiting).appendleft(req)
+
+    # ---- finishing ------------------------------------------------------------------------
+
+    def release(self, seq: Seq) -> None:
+        """Free the sequence's blocks and have the workers drop its state."""
+        self.kv.free(seq.seq_id)
+        if seq.on_worker:
+            self.drops.append(seq.seq_id)
+            seq.on_worker = False
+
+    def finish_seq(self, req: Request, seq: Seq, status: SequenceStatus,
+                   stop_reason: str | int | None = None) -> bool:
+        """Finish one sequence: its blocks and worker state go, a later plan's token for it is
+        ignored, and its request finishes (and is forgotten) with its last sequence. Returns
+        whether the request finished."""
+        self.release(seq)
+        seq.stop_reason = stop_reason
+        self.lane.evict(req)
+        before = req.status
+        self.seqs.pop(seq.seq_id, None)
+        if not req.finish_seq(seq, status):
+            return False
+        if before is _RUNNING:
+            self.running.remove(req)
+        else:  # preempted with its last token in flight (async scheduling)
+            (self.swapped if before is _SWAPPED else self.waiting).remove(req)
+        self.forget(req)
+        return True
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request in any state now, freeing its blocks; None for an unknown id."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.lane.evict(req)
+        status = req.status
+        if status is _RUNNING:
+            self.running.remove(req)
+        elif status is _SWAPPED:
+            self.swapped.remove(req)
+        else:
+            self.waiting.remove(req)
+        for seq in req.live_seqs():
+            self.release(seq)
+        req.move(SequenceStatus.FINISHED_ABORTED)
+        self.forget(req)
+        return req
+
+    def forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        for seq in req.seqs:
+            self.seqs.pop(seq.seq_id, None)
+
+    def requeue_all(self) -> None:
+        """The workers lost every sequence (the engine rebuilt them; the KV cache is reset):
+        every unfinished request goes back to waiting, the ones that had run at the front in
+        admission order, to recompute its prompt and the tokens it has. No drops are owed."""
+        back = self.running + list(self.swapped)
+        back += [r for r in self.waiting if r.status is _PREEMPTED]
+        fresh = [r for r in self.waiting if r.status is not _PREEMPTED]
+        for req in back:
+            self.lane.evict(req)
+            for seq in req.live_seqs():
+                seq.num_computed = 0
+                seq.on_worker = False
+            if req.status is not _PREEMPTED:
+                req.move(_PREEMPTED)
+        self.running, self.swapped = [], deque()
+        self.waiting = deque(back + fresh)
+        self.drops = []
+
+    # ---- counts ---------------------------------------------------------------------------
+
+    @staticmethod
+    def reserved_seqs(req: Request) -> int:
+        """Sequences the request occupies against max_num_seqs (n until it has forked)."""
+        if not req.forked:
+            return req.n
+        return sum(1 for s in req.seqs if not s.status.is_finished)
+
+    def num_running_seqs(self) -> int:
+        return sum(self.reserved_seqs(r) for r in self.running)
