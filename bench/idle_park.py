@@ -2,7 +2,7 @@
 
 Starts the tiny model with tp 2 on Ray (a compiled graph), then
   - idle CPU: each worker's CPU seconds over `--idle` seconds with no request, with the
-    engine parking its workers (cluster/wakeup.py) and with parking turned off;
+    engine parking its workers (cluster/engine/wakeup.py) and with parking turned off;
   - resume cost: the wall time of a one-token request right after the workers were parked
     (woken by that request's first submit) against the same request while they were not
     parked, `--trials` times each, interleaved; medians.

@@ -37,8 +37,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.engine import freeze_startup_heap  # noqa: E402
-from cluster.output_processor import OutputProcessor  # noqa: E402
+from cluster.engine.llm_engine import freeze_startup_heap  # noqa: E402
+from cluster.engine.output_processor import OutputProcessor  # noqa: E402
 from kvcache import KVCacheManager  # noqa: E402
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, StepPlan, StepResult  # noqa: E402
 
@@ -204,7 +204,7 @@ def main() -> None:
     tok = _qwen_tokenizer() if args.tokenizer else None
     factory = None
     if tok is not None and args.detokenizer == "rust":
-        from cluster.fast_detokenizer import detokenizer_factory
+        from cluster.engine.fast_detokenizer import detokenizer_factory
 
         factory = detokenizer_factory(tok)
     if args.against:

@@ -239,7 +239,7 @@ async def offline_ttft_c1(engine: Any, requests: list[tuple[list[int], int]]) ->
 
 def engine_ttft(url: str) -> tuple[float, float]:
     """(sum, count) of the engine's vllm:time_to_first_token_seconds, from /metrics."""
-    from cluster.prometheus import parse_prometheus
+    from cluster.api.prometheus import parse_prometheus
 
     m = parse_prometheus(httpx.get(f"{url}/metrics", timeout=30).text)
     name = "vllm:time_to_first_token_seconds"
@@ -251,8 +251,8 @@ def start_app(manifest: Path, port: int, overrides: list[str]) -> tuple[str, dic
     import ray
     from ray import serve
 
-    from cluster.serve_app import build_app
-    from cluster.serve_env import apply_proxy_env
+    from cluster.api.serve_app import build_app
+    from cluster.api.serve_env import apply_proxy_env
 
     apply_proxy_env()  # read by Serve's HTTP front, which ray.init starts
     args = dict(yaml.safe_load(manifest.read_text())["applications"][0]["args"])
@@ -395,9 +395,9 @@ def main() -> None:
     http_ttfts, replica_ttfts = asyncio.run(http_ttft_c1(url, c1))
     replica_ttft_mean = statistics.mean(replica_ttfts)
 
-    from cluster.config import EngineConfig
-    from cluster.engine import AsyncLLMEngine
-    from cluster.serve_app import SERVING_DEFAULTS
+    from cluster.api.serve_app import SERVING_DEFAULTS
+    from cluster.engine.config import EngineConfig
+    from cluster.engine.llm_engine import AsyncLLMEngine
 
     engine_cfg = EngineConfig.from_dict({k: v for k, v in app_args.items()
                                          if k not in SERVING_DEFAULTS})

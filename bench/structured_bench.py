@@ -5,7 +5,7 @@ One engine, the runs interleaved (plain, json, plain, json, ...: this VM's speed
 constrained output that completes its JSON early goes on with EOS tokens, still constrained,
 so both runs make the same tokens). Per run: output tok/s, wall ms per step, and the host
 time of the structured-output hooks per step (marking the plan's constrained rows, filling
-their bitmask, advancing the matchers: cluster/structured_output.py). The constraint is
+their bitmask, advancing the matchers: cluster/engine/structured_output.py). The constraint is
 bench/serving.py's JSON_SCHEMA. Then the sampler alone on `--requests` greedy rows of random
 logits, without and with a bitmask (workers/sampler.py's mask op), best of several.
 

@@ -1,7 +1,12 @@
-"""The engine, executors, offline `LLM` and the Ray Serve application.
+"""The serving layer, in two packages split at the seam between model and HTTP:
 
-`from cluster import LLM, SamplingParams` mirrors `from vllm import LLM, SamplingParams`.
-Names load lazily so that importing a submodule (e.g. the Serve app) stays cheap.
+- `cluster.engine`: the engine, executors, offline `LLM`, config, metrics, output processing;
+- `cluster.api`: the OpenAI HTTP API and the Ray Serve application
+  (`serve run` names `cluster.api.serve_app:build_app`).
+
+The engine never imports the API. `from cluster import LLM, SamplingParams` mirrors
+`from vllm import LLM, SamplingParams`. Names load lazily so that importing a submodule
+(e.g. the Serve app) stays cheap.
 """
 
 from __future__ import annotations
@@ -9,13 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "LLM": "cluster.llm",
-    "RequestOutput": "cluster.llm",
-    "CompletionOutput": "cluster.llm",
-    "EngineConfig": "cluster.config",
-    "LLMEngine": "cluster.engine",
-    "AsyncLLMEngine": "cluster.engine",
-    "EngineDeadError": "cluster.engine",
+    "LLM": "cluster.engine.llm",
+    "RequestOutput": "cluster.engine.llm",
+    "CompletionOutput": "cluster.engine.llm",
+    "EngineConfig": "cluster.engine.config",
+    "LLMEngine": "cluster.engine.llm_engine",
+    "AsyncLLMEngine": "cluster.engine.llm_engine",
+    "EngineDeadError": "cluster.engine.llm_engine",
     "SamplingParams": "scheduler.sampling_params",
     "StructuredOutputsParams": "scheduler.sampling_params",
 }

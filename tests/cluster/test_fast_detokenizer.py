@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from cluster.detokenizer import IncrementalDetokenizer
-from cluster.fast_detokenizer import StreamDetokenizer, detokenizer_factory
-from cluster.output_processor import OutputProcessor
+from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.fast_detokenizer import StreamDetokenizer, detokenizer_factory
+from cluster.engine.output_processor import OutputProcessor
 from kvcache import KVCacheManager
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, StepResult
 

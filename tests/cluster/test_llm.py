@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from cluster import LLM, SamplingParams
-from cluster.config import EngineConfig
-from cluster.engine import AsyncLLMEngine, EngineDeadError
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm_engine import AsyncLLMEngine, EngineDeadError
 
 MAX_NEW = 12
 
@@ -343,8 +343,8 @@ def test_a_rebuild_that_keeps_failing_ends_the_engine(ray_cluster: None) -> None
     dead (Serve replaces the replica), and streams end with EngineDeadError."""
     import ray
 
-    from cluster.engine import MAX_REBUILD_ATTEMPTS
-    from cluster.executor import RayExecutor
+    from cluster.engine.executor import RayExecutor
+    from cluster.engine.llm_engine import MAX_REBUILD_ATTEMPTS
 
     engine = AsyncLLMEngine(EngineConfig(model="qwen3-tiny", tensor_parallel_size=2,
                                          worker_num_cpus=0.5))
@@ -386,7 +386,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def test_idle_ray_workers_park_and_burn_no_cpu(ray_cluster: None) -> None:
     """A compiled graph's ranks spin on their input channel between plans; an idle engine
-    parks them on a socket (cluster/wakeup.py): 10 s idle cost < 0.5 s of CPU per worker (they
+    parks them on a socket (cluster/engine/wakeup.py): 10 s idle cost < 0.5 s of CPU per worker (they
     spin at most of a core each without it), and the next request is served as before."""
     import signal
 
@@ -426,8 +426,8 @@ def test_idle_ray_workers_park_and_burn_no_cpu(ray_cluster: None) -> None:
 _STREAM_THEN_EXIT = """
 import asyncio, ray
 ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-from cluster.config import EngineConfig
-from cluster.engine import AsyncLLMEngine
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm_engine import AsyncLLMEngine
 from scheduler import SamplingParams
 engine = AsyncLLMEngine(EngineConfig(model="qwen3-tiny", executor="ray"))
 async def stream():

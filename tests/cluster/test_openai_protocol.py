@@ -19,18 +19,18 @@ import openai
 import pytest
 from starlette.requests import Request
 
-from cluster.config import EngineConfig
-from cluster.engine import EngineDeadError, OverloadedError
-from cluster.metrics import Histogram
-from cluster.openai_api import (
+from cluster.api.openai_api import (
     INLINE_PROMPT_BYTES,
     LocalEngineClient,
     OpenAIServing,
     create_app,
     default_max_body_bytes,
 )
-from cluster.openai_prompts import max_token_bytes
-from cluster.prometheus import parse_prometheus, render_prometheus
+from cluster.api.openai_prompts import max_token_bytes
+from cluster.api.prometheus import parse_prometheus, render_prometheus
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm_engine import EngineDeadError, OverloadedError
+from cluster.engine.metrics import Histogram
 from scheduler import CompletionOutput, RequestOutput, SamplingParams
 
 SCRIPT_TEXT = " one two three four five six seven eight nine ten"
@@ -647,7 +647,7 @@ class _FakeRayMetrics:
 
 def test_ray_export_sends_counter_deltas_and_replays_histogram_buckets(
         engine: FakeEngine) -> None:
-    from cluster.prometheus import RayMetricsExporter
+    from cluster.api.prometheus import RayMetricsExporter
 
     fake = _FakeRayMetrics()
     exporter = RayMetricsExporter("m", ray_metrics=fake)
@@ -669,7 +669,7 @@ def test_ray_export_sends_counter_deltas_and_replays_histogram_buckets(
 
 
 def test_pack_output_round_trip_drops_only_the_prompt() -> None:
-    from cluster.serve_app import pack_output, unpack_output
+    from cluster.api.serve_app import pack_output, unpack_output
 
     out = RequestOutput("cmpl-1", [11, 12, 13], [
         CompletionOutput(0, [5, 6], "ab", None, None, None),

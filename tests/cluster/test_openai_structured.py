@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from cluster.config import EngineConfig
-from cluster.openai_api import LocalEngineClient, create_app
+from cluster.api.openai_api import LocalEngineClient, create_app
+from cluster.engine.config import EngineConfig
 from scheduler import CompletionOutput, RequestOutput, SamplingParams
 
 MODEL = "text-engine"

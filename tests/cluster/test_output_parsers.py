@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from cluster.reasoning import Qwen3ReasoningParser
-from cluster.tool_parsers import HermesToolParser
+from cluster.engine.reasoning import Qwen3ReasoningParser
+from cluster.engine.tool_parsers import HermesToolParser
 
 
 def pieces(text: str) -> Iterator[list[str]]:

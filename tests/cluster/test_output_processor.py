@@ -1,4 +1,4 @@
-"""The output processor (cluster/output_processor.py): deltas from the scheduler's token ids and
+"""The output processor (cluster/engine/output_processor.py): deltas from the scheduler's token ids and
 finish decisions, stop strings handed back to the scheduler, abort and capacity deltas."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cluster.output_processor import OutputProcessor
+from cluster.engine.output_processor import OutputProcessor
 from kvcache import KVCacheManager
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, StepResult
 

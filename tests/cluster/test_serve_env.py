@@ -1,6 +1,6 @@
-"""The settings of the process that starts Ray: HAProxy through cluster/haproxy.sh where its
+"""The settings of the process that starts Ray: HAProxy through cluster/api/haproxy.sh where its
 binary is installed, a local-only cluster when this process starts one, user overrides
-respected, and `python -m cluster.serve_env` printing what `./dev serve` evaluates. The
+respected, and `python -m cluster.api.serve_env` printing what `./dev serve` evaluates. The
 wrapper is run on the config Serve's own template renders, and HAProxy must accept it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import serve_env
+from cluster.api import serve_env
 
 _ENV_KEYS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_BINARY_PATH", "RAY_ADDRESS",
              "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
@@ -75,7 +75,7 @@ def test_binary_resolution_skips_the_wrapper_itself(clean_env) -> None:
 
 def test_module_prints_shell_exports(monkeypatch) -> None:
     monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "1 2")  # quoted for the shell
-    out = subprocess.run([sys.executable, "-m", "cluster.serve_env"], check=True,
+    out = subprocess.run([sys.executable, "-m", "cluster.api.serve_env"], check=True,
                          capture_output=True, text=True).stdout.splitlines()
     assert out[:2] == ["export RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0",
                        "export RAY_SERVE_PROXY_USE_GRPC='1 2'"]

@@ -20,7 +20,7 @@ import openai
 import pytest
 import yaml
 
-from cluster.prometheus import parse_prometheus
+from cluster.api.prometheus import parse_prometheus
 from workers.distributed import get_free_port
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ MAX_QUEUED = 64
 def base_url(ray_cluster: None) -> Iterator[str]:
     from ray import serve
 
-    from cluster.serve_app import build_app
+    from cluster.api.serve_app import build_app
 
     manifest = yaml.safe_load(MANIFEST.read_text())
     args = dict(manifest["applications"][0]["args"])
@@ -285,7 +285,7 @@ def _fronts(base_url: str) -> dict[str, str]:
     which with HAProxy on listens on the fallback port HAProxy forwards to."""
     from ray.serve._private.constants import RAY_SERVE_FALLBACK_PROXY_HTTP_PORT
 
-    from cluster.serve_env import haproxy_available
+    from cluster.api.serve_env import haproxy_available
 
     if not haproxy_available():
         return {"serve_proxy": base_url}

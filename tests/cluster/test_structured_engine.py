@@ -20,9 +20,9 @@ import pydantic
 import pytest
 
 from cluster import LLM, SamplingParams, StructuredOutputsParams
-from cluster.config import EngineConfig
-from cluster.engine import AsyncLLMEngine
-from cluster.openai_api import LocalEngineClient, create_app
+from cluster.api.openai_api import LocalEngineClient, create_app
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm_engine import AsyncLLMEngine
 
 OBJ = {"type": "object", "additionalProperties": False}
 SCHEMAS: list[dict[str, Any]] = [

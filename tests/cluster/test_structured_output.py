@@ -16,7 +16,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from cluster.structured_output import MAX_JSON_WHITESPACE, StructuredOutputManager, check_schema
+from cluster.engine.structured_output import (
+    MAX_JSON_WHITESPACE,
+    StructuredOutputManager,
+    check_schema,
+)
 from scheduler import CompletionOutput, NewSeq, RequestOutput, SamplingParams, StepPlan, StepResult
 from scheduler.sampling_params import StructuredOutputsParams as SO
 

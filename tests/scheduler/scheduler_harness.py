@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.output_processor import OutputProcessor
+from cluster.engine.output_processor import OutputProcessor
 from kvcache import KVCacheManager
 from scheduler import (
     RequestOutput,

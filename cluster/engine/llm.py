@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.config import EngineConfig
-from cluster.engine import LLMEngine
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm_engine import LLMEngine
 from scheduler import RequestOutput as OutputDelta
 from scheduler import SamplingParams
 

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from cluster.reasoning import partial_tag
+from cluster.engine.reasoning import partial_tag
 from scheduler.sampling_params import StructuredOutputsParams
 
 CALL_BEGIN = "<tool_call>"
@@ -135,7 +135,7 @@ def tool_call_constraint(tools: list[dict[str, Any]], tool_choice: Any,
     structural tag). ValueError for tools it cannot express."""
     import xgrammar as xgr
 
-    from cluster.structured_output import MAX_JSON_WHITESPACE, check_schema
+    from cluster.engine.structured_output import MAX_JSON_WHITESPACE, check_schema
 
     for tool in tools:
         check_schema(tool["function"].get("parameters") or {})

@@ -3,7 +3,7 @@ replicas, which read them from that process's environment: in one place.
 
 - Serve's latency knobs for the replicas and the proxy (REPLICA_ENV_VARS, PROXY_ENV_VARS).
 - HAProxy as the HTTP front where its binary is installed (HAPROXY_ENV_VARS), run through
-  cluster/haproxy.sh: Serve's config template has no setting for the address of HAProxy's
+  cluster/api/haproxy.sh: Serve's config template has no setting for the address of HAProxy's
   stats page and Prometheus exporter (every interface, no auth), its admin socket's mode
   (0666) or TCP splicing (with which a client's close was not passed on to the ingress, so an
   abandoned non-streaming request ran on to max_tokens); the script fixes those in the file
@@ -15,7 +15,7 @@ replicas, which read them from that process's environment: in one place.
 - `bind_replica_grpc_to_node_ip`, called by each replica, for the one listener Serve binds to
   every interface without a setting.
 
-`./dev serve` exports them with `eval "$(python -m cluster.serve_env)"`; bench/serving.py and
+`./dev serve` exports them with `eval "$(python -m cluster.api.serve_env)"`; bench/serving.py and
 the test cluster call `apply_proxy_env()` before `ray.init`. A plain `serve run
 manifests/...` works without them, on Serve's Python proxy, about 8 ms slower per request
 (docs/benchmarks.md), with Ray's own defaults for where it listens.

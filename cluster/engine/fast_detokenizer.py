@@ -1,6 +1,6 @@
 """Incremental detokenization in Rust: the engine's detokenizer for Hugging Face fast tokenizers.
 
-`cluster.detokenizer.IncrementalDetokenizer` spells tokens through the tokenizer's Python
+`cluster.engine.detokenizer.IncrementalDetokenizer` spells tokens through the tokenizer's Python
 API (two `convert_tokens_to_string` calls per token, and a `convert_ids_to_tokens` call for a
 token id not seen before). `tokenizers.decoders.DecodeStream` does the same prefix/read-offset
 algorithm in Rust, several times faster for any id (docs/benchmarks.md, Scheduler), which is
@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from cluster.detokenizer import INITIAL_OFFSET
+from cluster.engine.detokenizer import INITIAL_OFFSET
 
 
 class StreamDetokenizer:

@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.reasoning import REASONING_PARSERS
-from cluster.tool_parsers import TOOL_CALL_PARSERS
+from cluster.engine.reasoning import REASONING_PARSERS
+from cluster.engine.tool_parsers import TOOL_CALL_PARSERS
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")

@@ -1,5 +1,5 @@
 #!/bin/sh
-# HAProxy for Serve's HTTP front. cluster/serve_env.py points RAY_SERVE_HAPROXY_BINARY_PATH
+# HAProxy for Serve's HTTP front. cluster/api/serve_env.py points RAY_SERVE_HAPROXY_BINARY_PATH
 # at this script and QWEN3_SERVE_HAPROXY_BINARY at the real binary; Serve runs it as
 # `haproxy.sh -db -f <config> -dR [-sf <pids>]` right after writing <config> from its template
 # (ray/serve/_private/haproxy_templates.py), which has no setting for what is changed here:
@@ -13,7 +13,7 @@
 # The file keeps its path, so Serve's bookkeeping (which finds its HAProxy processes by the
 # config path on their command line) is unchanged.
 set -eu
-binary="${QWEN3_SERVE_HAPROXY_BINARY:?the HAProxy binary to run; set by cluster/serve_env.py}"
+binary="${QWEN3_SERVE_HAPROXY_BINARY:?the HAProxy binary to run; set by cluster/api/serve_env.py}"
 host="${QWEN3_SERVE_HAPROXY_ADMIN_HOST:-127.0.0.1}"
 config=""
 previous=""

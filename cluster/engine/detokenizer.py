@@ -1,5 +1,5 @@
 """Streaming text: incremental detokenization and stop-string detection (the output
-processor's, cluster/output_processor.py).
+processor's, cluster/engine/output_processor.py).
 
 Both work on a bounded window, so the per-token cost does not grow with the sequence.
 The tokenizer is duck-typed (a Hugging Face tokenizer: `convert_ids_to_tokens`,

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from cluster.wakeup import Park, WakeSockets
+from cluster.engine.wakeup import Park, WakeSockets
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
@@ -186,7 +186,7 @@ class RayExecutor(Executor):
         the most every rank can hold), a compiled graph and wake sockets."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from cluster.ray_worker import RayWorker
+        from cluster.engine.ray_worker import RayWorker
 
         env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
         self._dead: str | None = None
@@ -217,7 +217,7 @@ class RayExecutor(Executor):
         self._last_launched: int | None = None
         self._calls: dict[int, concurrent.futures.Future] = {}  # not lagged: step -> call
         self._bitmask_refs: list = []
-        # Parking (cluster/wakeup.py): sockets when every rank shares this process's host; the
+        # Parking (cluster/engine/wakeup.py): sockets when every rank shares this process's host; the
         # Park call's output while parked; not lagged, park outputs the next read must skip.
         self._wake_sockets = self._open_wake_sockets() if self._compiled_graph else None
         self._parked: concurrent.futures.Future | None = None

@@ -19,11 +19,11 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.async_streams import aclose
-from cluster.openai_errors import error_response, map_exception
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.reasoning import REASONING_PARSERS
-from cluster.tool_parsers import TOOL_CALL_PARSERS
+from cluster.api.async_streams import aclose
+from cluster.api.openai_errors import error_response, map_exception
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.engine.reasoning import REASONING_PARSERS
+from cluster.engine.tool_parsers import TOOL_CALL_PARSERS
 
 # JSON has no -inf; vLLM reports impossible tokens with this value instead.
 _MIN_LOGPROB = -9999.0

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import ray
 
-from cluster.wakeup import Park, WakeReader
+from cluster.engine.wakeup import Park, WakeReader
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
 
@@ -49,7 +49,7 @@ class RayWorker:
         return os.getpid()
 
     def open_wake_socket(self, path: str) -> None:
-        """The socket this rank parks on (cluster/wakeup.py)."""
+        """The socket this rank parks on (cluster/engine/wakeup.py)."""
         self._wake = WakeReader(path)
 
     def execute(self, plan: StepPlan | Park) -> StepResult | None:
@@ -67,7 +67,7 @@ class RayWorker:
         return self.worker.execute_lagged(plan)
 
     def _park(self) -> None:
-        """Wait, without spinning, until the engine has work again (see cluster/wakeup.py)."""
+        """Wait, without spinning, until the engine has work again (see cluster/engine/wakeup.py)."""
         if self._wake is None:
             raise RuntimeError("Park sent to a rank with no wake socket")
         self._wake.wait()

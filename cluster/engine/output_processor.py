@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.detokenizer import DetokenizerFactory, IncrementalDetokenizer, StopStringBuffer
+from cluster.engine.detokenizer import DetokenizerFactory, IncrementalDetokenizer, StopStringBuffer
 from scheduler import (
     CompletionOutput,
     Request,

@@ -2,13 +2,13 @@
 
 The app does what is per-request and cheap: parse and validate the body, render chat
 messages through the model's own chat template, tokenize, check the context length
-(cluster/openai_prompts.py), and turn the engine's `RequestOutput` deltas into OpenAI's
-response and SSE chunk shapes (cluster/openai_responses.py). It never blocks on the engine's
+(cluster/api/openai_prompts.py), and turn the engine's `RequestOutput` deltas into OpenAI's
+response and SSE chunk shapes (cluster/api/openai_responses.py). It never blocks on the engine's
 work: the engine runs behind an `EngineClient` (a Serve DeploymentHandle in production, the
 engine object itself in tests and offline use).
 
 Invariants:
-- every response with status >= 400 carries OpenAI's error body (cluster/openai_errors.py),
+- every response with status >= 400 carries OpenAI's error body (cluster/api/openai_errors.py),
   and every response its request id as X-Request-Id;
 - a request body is read only up to `max_body_bytes`: 413 as soon as it is over (HAProxy and
   Serve's proxy still deliver it to a client that is sending the rest), and a prompt bigger
@@ -39,12 +39,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cluster.async_streams import first_delta, merge_streams, tag_stream
-from cluster.openai_errors import error_message, error_response, map_exception
-from cluster.openai_prompts import PromptProcessor
-from cluster.openai_responses import ChatBuilder, CompletionBuilder, respond
-from cluster.prometheus import render_prometheus
-from cluster.protocol import (
+from cluster.api.async_streams import first_delta, merge_streams, tag_stream
+from cluster.api.openai_errors import error_message, error_response, map_exception
+from cluster.api.openai_prompts import PromptProcessor
+from cluster.api.openai_responses import ChatBuilder, CompletionBuilder, respond
+from cluster.api.prometheus import render_prometheus
+from cluster.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
 # Arguments of apply_chat_template that the request's own fields (or this server) set.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "return_dict", "tokenizer",

@@ -1,7 +1,7 @@
 """The Ray Serve application: an OpenAI ingress deployment in front of LLMServer replicas.
 
 `build_app(args)` is the app builder a Serve config file names
-(`import_path: cluster.serve_app:build_app`); `args` are the manifest's `args`:
+(`import_path: cluster.api.serve_app:build_app`); `args` are the manifest's `args`:
 every `EngineConfig` field (model, tensor_parallel_size, ...) plus the serving keys in
 `SERVING_DEFAULTS` (replicas, autoscaling, overload limits, API key, CPU shares).
 
@@ -26,10 +26,10 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
-from cluster.config import EngineConfig
-from cluster.openai_api import ModelInfo, create_app
-from cluster.openai_errors import DEFAULT_RETRY_AFTER_S
-from cluster.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
+from cluster.api.openai_api import ModelInfo, create_app
+from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
+from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
+from cluster.engine.config import EngineConfig
 from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -68,8 +68,8 @@ class LLMServer:
     def __init__(self, engine_args: dict[str, Any]) -> None:
         import ray
 
-        from cluster.engine import AsyncLLMEngine
-        from cluster.prometheus import RayMetricsExporter
+        from cluster.api.prometheus import RayMetricsExporter
+        from cluster.engine.llm_engine import AsyncLLMEngine
 
         bind_replica_grpc_to_node_ip()
         config = EngineConfig.from_dict(engine_args)
@@ -237,7 +237,7 @@ def placement_bundles(config: EngineConfig, serving: dict[str, Any],
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """The Serve app builder named by the manifests (`cluster.serve_app:build_app`)."""
+    """The Serve app builder named by the manifests (`cluster.api.serve_app:build_app`)."""
     config, serving = split_args(dict(args or {}))
     # The replica may land on any node: ask the cluster (when connected), not this process.
     use_gpu = config.resolve_device(from_ray=ray.is_initialized()) == "cuda"

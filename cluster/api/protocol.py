@@ -302,7 +302,7 @@ class ChatCompletionRequest(_SamplingFields):
         extra = []
         if self.uses_tools and (self.tool_choice not in (None, "auto")
                                 or not self.parallel_tool_calls):
-            from cluster.tool_parsers import tool_call_constraint
+            from cluster.engine.tool_parsers import tool_call_constraint
 
             try:
                 extra.append(("tool_choice", tool_call_constraint(

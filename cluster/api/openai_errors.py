@@ -1,7 +1,7 @@
 """Every failure while serving a request, as an HTTP status and OpenAI's error body.
 
 What a client reads is a message it can act on and the request id, never a traceback, a
-host, a path or an IP. Client mistakes arrive as `RequestError` (cluster/protocol.py) or as
+host, a path or an IP. Client mistakes arrive as `RequestError` (cluster/api/protocol.py) or as
 the `ValueError`s of request validation (the engine, SamplingParams) and keep their text:
 the client needs it to fix the request. Overload (Serve's back-pressure, the engine's
 waiting-queue cap) -> 429/503 with Retry-After and the reason. A dead engine -> 503 and
@@ -16,7 +16,7 @@ import logging
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from cluster.protocol import RequestError
+from cluster.api.protocol import RequestError
 
 # The replicas' Serve log (logs/serve/replica_*.log), where an operator looks up a request id.
 logger = logging.getLogger("ray.serve")
@@ -68,7 +68,7 @@ def map_exception(e: BaseException, request_id: str) -> RequestError:
 
 def _engine_error(e: BaseException, request_id: str) -> RequestError | None:
     # Imported here: the protocol layer must not pull in the engine (and torch) to load.
-    from cluster.engine import EngineDeadError, OverloadedError
+    from cluster.engine.llm_engine import EngineDeadError, OverloadedError
 
     if isinstance(e, OverloadedError):
         return RequestError(f"the server is overloaded: {_client_text(e)}; retry later",

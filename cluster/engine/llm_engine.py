@@ -4,7 +4,7 @@
 `AsyncLLMEngine` runs the same core as a background asyncio task, so a Serve replica can
 stream many requests at once: each request gets a queue of output deltas.
 
-Structured outputs (cluster/structured_output.py) hook in at three points: a plan's
+Structured outputs (cluster/engine/structured_output.py) hook in at three points: a plan's
 constrained rows are marked when it is scheduled; a step's tokens advance the matchers when
 its result is applied; and the oldest plan in flight gets its bitmask once every plan before
 it has been applied (at submit when it is the only one, else right after its predecessor's
@@ -23,17 +23,17 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.config import EngineConfig
-from cluster.executor import (
+from cluster.engine.config import EngineConfig
+from cluster.engine.executor import (
     Executor,
     InProcessExecutor,
     RayExecutor,
     WorkerDiedError,
 )
-from cluster.fast_detokenizer import detokenizer_factory
-from cluster.metrics import LatencyMetrics, RequestTimes
-from cluster.output_processor import OutputProcessor
-from cluster.structured_output import StructuredOutputManager
+from cluster.engine.fast_detokenizer import detokenizer_factory
+from cluster.engine.metrics import LatencyMetrics, RequestTimes
+from cluster.engine.output_processor import OutputProcessor
+from cluster.engine.structured_output import StructuredOutputManager
 from kvcache import KVCacheManager
 from scheduler import (
     RequestOutput,
