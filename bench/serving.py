@@ -396,8 +396,8 @@ def main() -> None:
     replica_ttft_mean = statistics.mean(replica_ttfts)
 
     from cluster.api.serve_app import SERVING_DEFAULTS
+    from cluster.engine.async_llm_engine import AsyncLLMEngine
     from cluster.engine.config import EngineConfig
-    from cluster.engine.llm_engine import AsyncLLMEngine
 
     engine_cfg = EngineConfig.from_dict({k: v for k, v in app_args.items()
                                          if k not in SERVING_DEFAULTS})

@@ -19,8 +19,8 @@ _EXPORTS = {
     "CompletionOutput": "cluster.engine.llm",
     "EngineConfig": "cluster.engine.config",
     "LLMEngine": "cluster.engine.llm_engine",
-    "AsyncLLMEngine": "cluster.engine.llm_engine",
-    "EngineDeadError": "cluster.engine.llm_engine",
+    "AsyncLLMEngine": "cluster.engine.async_llm_engine",
+    "EngineDeadError": "cluster.engine.errors",
     "SamplingParams": "scheduler.sampling_params",
     "StructuredOutputsParams": "scheduler.sampling_params",
 }

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from cluster.api.protocol import RequestError
+from cluster.engine.errors import EngineDeadError, OverloadedError
 
 # The replicas' Serve log (logs/serve/replica_*.log), where an operator looks up a request id.
 logger = logging.getLogger("ray.serve")
@@ -67,9 +68,6 @@ def map_exception(e: BaseException, request_id: str) -> RequestError:
 
 
 def _engine_error(e: BaseException, request_id: str) -> RequestError | None:
-    # Imported here: the protocol layer must not pull in the engine (and torch) to load.
-    from cluster.engine.llm_engine import EngineDeadError, OverloadedError
-
     if isinstance(e, OverloadedError):
         return RequestError(f"the server is overloaded: {_client_text(e)}; retry later",
                             status=429, err_type="server_overloaded", code="rate_limit_exceeded",

@@ -69,7 +69,7 @@ class LLMServer:
         import ray
 
         from cluster.api.prometheus import RayMetricsExporter
-        from cluster.engine.llm_engine import AsyncLLMEngine
+        from cluster.engine.async_llm_engine import AsyncLLMEngine
 
         bind_replica_grpc_to_node_ip()
         config = EngineConfig.from_dict(engine_args)

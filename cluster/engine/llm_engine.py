@@ -1,26 +1,25 @@
-"""The engine: scheduler + KV cache manager + output processor + executor, stepped in a loop.
+"""The engine core: one model replica's scheduler, KV cache manager, executor and output
+processor, stepped by `step()`. The offline `LLM` drives it directly; `AsyncLLMEngine`
+(async_llm_engine.py) runs it as an asyncio service.
 
-`LLMEngine` is the synchronous core (add_request / abort / step), used by the offline `LLM`.
-`AsyncLLMEngine` runs the same core as a background asyncio task, so a Serve replica can
-stream many requests at once: each request gets a queue of output deltas.
+`LLMEngine` owns every request and every KV block of its replica. Invariants: a plan is
+applied in the order it was submitted, and results are asked for in that order; with async
+scheduling at most two plans are in flight (the one running and the one scheduled after it).
 
-Structured outputs (cluster/engine/structured_output.py) hook in at three points: a plan's
-constrained rows are marked when it is scheduled; a step's tokens advance the matchers when
-its result is applied; and the oldest plan in flight gets its bitmask once every plan before
-it has been applied (at submit when it is the only one, else right after its predecessor's
-result), while its forward pass runs.
+Structured outputs (structured_output.py) hook in at three points: a plan's constrained rows
+are marked when it is scheduled; a step's tokens advance the matchers when its result is
+applied; and the oldest plan in flight gets its bitmask once every plan before it has been
+applied (at submit when it is the only one, else right after its predecessor's result), while
+its forward pass runs.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import gc
 import logging
 import time
-import uuid
 from collections import deque
-from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.engine.config import EngineConfig
@@ -52,17 +51,6 @@ logger = logging.getLogger(__name__)
 
 # Below this many tokens per step, chunked prefill would starve long prompts of progress.
 _MIN_BATCHED_TOKENS = 8192
-# How often an idle engine probes its workers, so a dead one is noticed within seconds.
-_HEALTH_PROBE_SECONDS = 2.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot serve any more requests (a worker died); the replica must be replaced."""
-
-
-class EngineRecoveringError(RuntimeError):
-    """A worker died and the engine is rebuilding its tensor-parallel group (not ready yet)."""
-
 
 # How many times the engine tries to rebuild its workers after a rank died before it gives
 # up (then it is dead, and Serve replaces the replica).
@@ -87,8 +75,8 @@ def rebuild_or_raise(executor: Executor, error: WorkerDiedError) -> None:
 # completion and their two lists per sequence), so at 700 the collector runs inside every
 # step while that step's outputs are alive, walks them and promotes them to older
 # generations, to be walked again. At 50,000 it runs every ~50 steps, when nearly all of those
-# objects have been freed by reference counting already: in bench/scheduler_bench.py that
-# took ~20% off apply_result. Cyclic garbage waits a little longer; nothing else changes.
+# objects have been freed by reference counting already (bench/scheduler_bench.py,
+# docs/benchmarks.md). Cyclic garbage waits a little longer; nothing else changes.
 GC_GEN0_THRESHOLD = 50_000
 
 
@@ -345,188 +333,3 @@ class LLMEngine:
         # Back to the collector, so an engine shut down in a process that lives on (tests, a
         # notebook) can be collected with whatever cycles it holds.
         gc.unfreeze()
-
-
-class AsyncLLMEngine:
-    """The engine as an asyncio service: `generate` streams deltas, a background task steps.
-
-    Invariants: scheduler state changes only on the event loop's thread, never while
-    `schedule()` or `apply_result()` runs; aborts that arrive during a step are applied
-    right after it, so a plan in flight never refers to freed blocks' new owners.
-    """
-
-    def __init__(self, config: EngineConfig, placement_group: Any = None) -> None:
-        self.engine = LLMEngine(config, placement_group)
-        self.config = config
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
-        self.model_name = self.engine.model_name
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._pending_aborts: set[str] = set()
-        self._stepping = False
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._dead: str | None = None
-        self._recovering: str | None = None  # why, while the workers are being rebuilt
-
-    def _ensure_loop(self) -> None:
-        if self._task is None or self._task.done():
-            self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        self.check_health()
-        self._ensure_loop()
-        request_id = request_id or uuid.uuid4().hex
-        if sampling_params.structured_outputs is not None:  # compiled off the event loop
-            await self.engine.structured.compile_async(sampling_params.structured_outputs)
-        queue: asyncio.Queue = asyncio.Queue()
-        if self.config.max_waiting_requests is not None:
-            waiting = self.engine.scheduler.stats().num_waiting
-            if waiting >= self.config.max_waiting_requests:
-                raise OverloadedError(f"{waiting} requests are already waiting "
-                                      f"(max_waiting_requests={self.config.max_waiting_requests})")
-        self.engine.add_request(request_id, prompt_token_ids, sampling_params, cache_salt)
-        self._queues[request_id] = queue
-        assert self._wake is not None
-        self._wake.set()
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._abort_soon(request_id)
-
-    def _abort_soon(self, request_id: str) -> None:
-        if self._stepping:
-            self._pending_aborts.add(request_id)
-        elif self._dead is None:
-            self.engine.abort(request_id)
-
-    async def abort(self, request_id: str) -> None:
-        self._abort_soon(request_id)
-        queue = self._queues.pop(request_id, None)
-        if queue is not None:
-            queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
-
-    async def _run(self) -> None:
-        """The step loop (LLMEngine.step's, awaiting instead of blocking). A step's outputs go
-        out while the next step runs: finish_step takes every decision at once (stop
-        tokens, stop strings, lengths, freed blocks) but leaves the text of sequences without
-        stop strings out; the next plan is scheduled and submitted (with async scheduling, the one after
-        it too), and only then is that text detokenized and the deltas delivered, overlapping
-        the forward pass (on other processes with Ray, on the GPU with CUDA)."""
-        assert self._wake is not None
-        engine = self.engine
-        undelivered: list[RequestOutput] = []
-        try:
-            while True:
-                if not engine.has_unfinished():
-                    self._deliver(undelivered)
-                    undelivered = []
-                    engine.park()
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), _HEALTH_PROBE_SECONDS)
-                    except TimeoutError:
-                        try:
-                            await asyncio.to_thread(engine.executor.ping)
-                        except WorkerDiedError as e:
-                            await self._recover(e)
-                    continue
-                self._stepping = True
-                try:
-                    plan, future, start = engine.next_step()
-                    self._deliver(undelivered)  # the previous step's, while this one runs
-                    undelivered = []
-                    await asyncio.sleep(0)  # consumers (HTTP streams) take them now
-                    result = None
-                    if future is not None:  # (on a thread: the wait may block on the device)
-                        result = (future.result() if future.done()
-                                  else await asyncio.to_thread(future.result))
-                except WorkerDiedError as e:
-                    self._stepping = False
-                    await self._recover(e)
-                    self._apply_pending_aborts()
-                    continue
-                finally:
-                    self._stepping = False
-                undelivered = engine.finish_step(plan, result, start, defer_text=True)
-                self._apply_pending_aborts()
-        except Exception as e:  # noqa: BLE001 — anything here kills the engine; say why
-            self._die(e)
-
-    def _apply_pending_aborts(self) -> None:
-        for request_id in self._pending_aborts:
-            self.engine.abort(request_id)
-        self._pending_aborts.clear()
-
-    async def _recover(self, error: WorkerDiedError) -> None:
-        """A rank died: rebuild the tensor-parallel group (new actors in the replica's
-        placement group, weights reloaded, empty caches) and resume every unfinished request
-        by recompute, so streams go on where they were. Not ready meanwhile (/health is 503).
-        Raises WorkerDiedError when MAX_REBUILD_ATTEMPTS rebuilds failed: the engine dies."""
-        self._recovering = str(error)
-        logger.warning("engine: %s; rebuilding the tensor-parallel workers", error)
-        start = time.perf_counter()
-        try:
-            await asyncio.to_thread(rebuild_or_raise, self.engine.executor, error)
-        finally:
-            self._recovering = None
-        self.engine.resume_after_rebuild()
-        logger.warning("engine: workers rebuilt in %.1f s; %d requests resume by recompute",
-                       time.perf_counter() - start, len(self.engine.scheduler.requests))
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Fill in the text finish_step deferred and hand each delta to its request's queue."""
-        self.engine.output_processor.finish_text()
-        for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
-
-    def _die(self, error: BaseException) -> None:
-        self._dead = (str(error) if isinstance(error, WorkerDiedError)
-                      else f"engine loop failed: {type(error).__name__}: {error}")
-        err = EngineDeadError(self._dead)
-        for queue in self._queues.values():
-            queue.put_nowait(err)
-        self._queues.clear()
-
-    def check_health(self) -> None:
-        """Raise EngineDeadError when the engine cannot serve again. A dead worker is not
-        that: the step loop rebuilds the workers (see check_ready)."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-
-    def check_ready(self) -> None:
-        """check_health, and EngineRecoveringError while a worker is dead or being rebuilt."""
-        self.check_health()
-        if self._recovering is not None:
-            raise EngineRecoveringError(f"rebuilding the workers: {self._recovering}")
-        try:
-            self.engine.executor.check_health()
-        except WorkerDiedError as e:
-            raise EngineRecoveringError(f"a worker died; rebuilding: {e}") from e
-
-    def metrics(self) -> dict[str, Any]:
-        return self.engine.metrics()
-
-    def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        self.engine.shutdown()
-
-
-class OverloadedError(RuntimeError):
-    """The engine's waiting queue is full; retry later (HTTP 429)."""

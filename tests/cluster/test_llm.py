@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from cluster import LLM, SamplingParams
+from cluster.engine.async_llm_engine import AsyncLLMEngine
 from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import AsyncLLMEngine, EngineDeadError
+from cluster.engine.errors import EngineDeadError
 
 MAX_NEW = 12
 
@@ -427,7 +428,7 @@ _STREAM_THEN_EXIT = """
 import asyncio, ray
 ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import AsyncLLMEngine
+from cluster.engine.async_llm_engine import AsyncLLMEngine
 from scheduler import SamplingParams
 engine = AsyncLLMEngine(EngineConfig(model="qwen3-tiny", executor="ray"))
 async def stream():

@@ -29,7 +29,7 @@ from cluster.api.openai_api import (
 from cluster.api.openai_prompts import max_token_bytes
 from cluster.api.prometheus import parse_prometheus, render_prometheus
 from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import EngineDeadError, OverloadedError
+from cluster.engine.errors import EngineDeadError, OverloadedError
 from cluster.engine.metrics import Histogram
 from scheduler import CompletionOutput, RequestOutput, SamplingParams
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from cluster.engine.async_llm_engine import AsyncLLMEngine
 from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import AsyncLLMEngine
 from scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -21,8 +21,8 @@ import pytest
 
 from cluster import LLM, SamplingParams, StructuredOutputsParams
 from cluster.api.openai_api import LocalEngineClient, create_app
+from cluster.engine.async_llm_engine import AsyncLLMEngine
 from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import AsyncLLMEngine
 
 OBJ = {"type": "object", "additionalProperties": False}
 SCHEMAS: list[dict[str, Any]] = [
