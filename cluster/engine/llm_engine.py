@@ -23,15 +23,11 @@ from collections import deque
 from typing import Any
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.executor import (
-    Executor,
-    InProcessExecutor,
-    RayExecutor,
-    WorkerDiedError,
-)
+from cluster.engine.executor import Executor, InProcessExecutor, WorkerDiedError
 from cluster.engine.fast_detokenizer import detokenizer_factory
 from cluster.engine.metrics import LatencyMetrics, RequestTimes
 from cluster.engine.output_processor import OutputProcessor
+from cluster.engine.ray_executor import RayExecutor
 from cluster.engine.structured_output import StructuredOutputManager
 from kvcache import KVCacheManager
 from scheduler import (

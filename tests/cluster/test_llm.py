@@ -344,8 +344,8 @@ def test_a_rebuild_that_keeps_failing_ends_the_engine(ray_cluster: None) -> None
     dead (Serve replaces the replica), and streams end with EngineDeadError."""
     import ray
 
-    from cluster.engine.executor import RayExecutor
     from cluster.engine.llm_engine import MAX_REBUILD_ATTEMPTS
+    from cluster.engine.ray_executor import RayExecutor
 
     engine = AsyncLLMEngine(EngineConfig(model="qwen3-tiny", tensor_parallel_size=2,
                                          worker_num_cpus=0.5))

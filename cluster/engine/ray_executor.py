@@ -1,0 +1,301 @@
+"""`RayExecutor`: one Ray actor per tensor-parallel rank, in a placement group, one bundle per
+rank.
+
+Per step the plan goes to every rank through a Ray Compiled Graph (shared-memory channels,
+one write read by every rank; its cost against one actor call per rank is in
+docs/benchmarks.md); `compiled_graph=False` falls back to one actor call per rank. With
+`lagged` (async scheduling) each graph call launches its plan and returns the result of the
+plan before. Idle ranks park on a socket (wakeup.py) instead of spinning on the channel.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import os
+from collections import deque
+from typing import Any, NoReturn
+
+import numpy as np
+
+from cluster.engine.executor import Executor, WorkerDiedError
+from cluster.engine.wakeup import Park, WakeSockets
+from scheduler.plan import StepPlan, StepResult
+from workers.config import WorkerConfig
+from workers.distributed import get_free_port
+
+# Environment the worker processes need to behave like this one (offline hub, shared cache).
+_FORWARDED_ENV = ("HF_HUB_OFFLINE", "QWEN3_SERVE_CACHE", "TOKENIZERS_PARALLELISM",
+                  "TRITON_INTERPRET", "CUDA_LAUNCH_BLOCKING")
+
+
+class RayExecutor(Executor):
+    """`tensor_parallel_size` worker actors, rank i in bundle `bundle_offset + i` of a placement group.
+
+    Invariant: every rank receives every plan, in order; only rank 0's reply carries tokens.
+    A step completes when all ranks reply. If any rank fails, every rank is stopped and
+    WorkerDiedError raised; `rebuild()` then starts a fresh set in the same bundles (the
+    engine's recovery), or `shutdown()` ends the executor.
+    """
+
+    def __init__(self, config: WorkerConfig, *, num_cpus: float, use_gpu: bool,
+                 placement_group: Any = None, bundle_offset: int = 0,
+                 compiled_graph: bool = True, lagged: bool = False) -> None:
+        import ray
+        from ray.util.placement_group import placement_group as make_pg
+
+        tp = config.tensor_parallel_size
+        self._owns_pg = placement_group is None
+        if placement_group is None:
+            bundle = {"GPU": 1, "CPU": num_cpus} if use_gpu else {"CPU": num_cpus}
+            placement_group = make_pg([bundle] * tp, strategy="STRICT_PACK")
+            bundle_offset = 0
+        self._pg = placement_group
+        ray.get(placement_group.ready(), timeout=120)
+        self._config = config
+        self._actor_options = dict(num_cpus=num_cpus, num_gpus=1 if use_gpu else 0)
+        self._bundle_offset = bundle_offset
+        self._compiled_graph = compiled_graph
+        # Lagged (async scheduling on a compiled graph): each call launches its plan and
+        # returns the result of the plan launched by the call before, so the workers start
+        # plan N+1 before handing back N's tokens.
+        self._lagged = lagged and compiled_graph
+        self.workers: list = []
+        self._dag: Any = None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._wake_sockets: WakeSockets | None = None
+        self._start(None)
+
+    def _start(self, blocks: tuple[int, int] | None) -> None:
+        """Actors for every rank, loaded, with caches of `blocks` (GPU, CPU) blocks (None:
+        the most every rank can hold), a compiled graph and wake sockets."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from cluster.engine.ray_worker import RayWorker
+
+        env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+        self._dead: str | None = None
+        self.workers = []
+        for rank in range(self._config.tensor_parallel_size):
+            cfg = dataclasses.replace(self._config, rank=rank)
+            # Two threads: the compiled graph's loop holds one, health pings use the other.
+            actor = RayWorker.options(
+                **self._actor_options, max_concurrency=2, runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg,
+                    placement_group_bundle_index=self._bundle_offset + rank),
+            ).remote(cfg)
+            self.workers.append(actor)
+        # Rendezvous happens inside init: all ranks must be called before any is waited on.
+        held = self._wait_all([w.init.remote() for w in self.workers])
+        gpu, cpu = min(b[0] for b in held), min(b[1] for b in held)
+        if blocks is not None:
+            if gpu < blocks[0] or cpu < blocks[1]:
+                self._fail(RuntimeError(f"the new ranks hold {gpu}/{cpu} GPU/CPU KV blocks, "
+                                        f"fewer than the {blocks[0]}/{blocks[1]} before"))
+            gpu, cpu = blocks
+        self.num_gpu_blocks, self.num_cpu_blocks = gpu, cpu
+        self._wait_all([w.init_cache.remote(gpu, cpu) for w in self.workers])
+        # (DAG output ref futures, oldest first, each with the step whose result it carries:
+        # None for a call that followed none.)
+        self._outputs: deque[tuple[int | None, concurrent.futures.Future]] = deque()
+        self._last_launched: int | None = None
+        self._calls: dict[int, concurrent.futures.Future] = {}  # not lagged: step -> call
+        self._bitmask_refs: list = []
+        # Parking (cluster/engine/wakeup.py): sockets when every rank shares this process's host; the
+        # Park call's output while parked; not lagged, park outputs the next read must skip.
+        self._wake_sockets = self._open_wake_sockets() if self._compiled_graph else None
+        self._parked: concurrent.futures.Future | None = None
+        self._unread_parks: deque[concurrent.futures.Future] = deque()
+        self._dag = self._compile() if self._compiled_graph else None
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dag")
+
+    def rebuild(self) -> None:
+        """After a rank died: new actors for every rank in the same bundles, weights reloaded,
+        empty KV caches of the sizes the engine's scheduler already has."""
+        self._stop()
+        if self._config.tensor_parallel_size > 1:  # a fresh rendezvous port
+            self._config = dataclasses.replace(
+                self._config, dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")
+        self._start((self.num_gpu_blocks, self.num_cpu_blocks))
+
+    def _open_wake_sockets(self) -> WakeSockets | None:
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        if any(n != here for n in self._wait_all([w.node_id.remote() for w in self.workers])):
+            return None  # ranks on another host: they spin when idle (no socket reaches them)
+        sockets = WakeSockets(len(self.workers))
+        self._wait_all([w.open_wake_socket.remote(p) for w, p in zip(self.workers, sockets.paths)])
+        return sockets
+
+    def park(self) -> None:
+        if self._wake_sockets is None or self._parked is not None or self._dead is not None:
+            return
+        self._parked = self._thread.submit(self._dag_submit, Park())
+
+    def _unpark(self) -> None:
+        """Wake the parked ranks; the Park call's output is read in order, later."""
+        parked, self._parked = self._parked, None
+        if parked is None:
+            return
+        self._wake_sockets.wake()
+        if self._lagged:
+            self._outputs.append((None, parked))
+        else:
+            self._unread_parks.append(parked)
+
+    def _compile(self) -> Any:
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as plan:
+            dag = MultiOutputNode([(w.execute_lagged if self._lagged else w.execute).bind(plan)
+                                   for w in self.workers])
+        return dag.experimental_compile()
+
+    def _wait_all(self, refs: list) -> list:
+        """ray.get of every ref, failing as soon as ANY fails: a dead rank leaves the others
+        blocked in a collective, so waiting on rank 0 alone could hang."""
+        import ray
+
+        self.check_health()
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready)
+            except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
+                self._fail(e)
+        return ray.get(refs)
+
+    def _fail(self, error: BaseException) -> NoReturn:
+        self._dead = f"a tensor-parallel worker failed: {type(error).__name__}: {error}"
+        self._stop()
+        raise WorkerDiedError(self._dead) from error
+
+    def submit(self, plan: StepPlan) -> int:
+        """Every call on the compiled graph happens on `_thread` (the graph is not
+        thread-safe), in order: a plan submitted while the previous one runs is written to
+        the graph's input channel at once, so the workers start it the moment they finish.
+        The handle is the plan's step id."""
+        self.check_health()
+        self._unpark()
+        if self._lagged:
+            self._outputs.append((self._last_launched,
+                                  self._thread.submit(self._dag_submit, plan)))
+            self._last_launched = plan.step_id
+        elif self._dag is None:  # one actor call per rank, each plan after the last returned
+            self._calls[plan.step_id] = self._thread.submit(self._call_all, plan)
+        else:
+            self._calls[plan.step_id] = self._thread.submit(self._dag_submit, plan)
+        return plan.step_id
+
+    def result(self, handle: int) -> concurrent.futures.Future:
+        self.check_health()
+        if not self._lagged:
+            call = self._calls.pop(handle)
+            return call if self._dag is None else self._thread.submit(self._dag_get, call)
+        if not any(step == handle for step, _ in self._outputs):
+            # Nothing launched after it: a call with no plan brings its result back.
+            self._outputs.append((self._last_launched,
+                                  self._thread.submit(self._dag_submit, None)))
+            self._last_launched = None
+        return self._thread.submit(self._read_lagged, handle)
+
+    def _read_lagged(self, step_id: int) -> StepResult:
+        """Read the DAG's outputs in order up to the one carrying `step_id`'s result."""
+        while True:
+            step, submitted = self._outputs.popleft()
+            result = self._dag_get(submitted)
+            if step == step_id:
+                return result
+
+    def provide_bitmask(self, handle: int, bitmask: np.ndarray) -> None:
+        """Rank 0 takes it on its second thread; its step loop samples once it is there."""
+        import ray
+
+        if self._bitmask_refs:  # the earlier hand-overs that are done: did they fail?
+            done, self._bitmask_refs = ray.wait(self._bitmask_refs, timeout=0,
+                                                num_returns=len(self._bitmask_refs))
+            try:
+                ray.get(done)
+            except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
+                self._fail(e)
+        self._bitmask_refs.append(self.workers[0].provide_bitmask.remote(handle, bitmask))
+
+    def _call_all(self, plan: StepPlan) -> StepResult:
+        return self._wait_all([w.execute.remote(plan) for w in self.workers])[0]
+
+    def _dag_submit(self, plan: StepPlan) -> Any:
+        self.check_health()
+        try:
+            return self._dag.execute(plan)
+        except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
+            self._fail(e)
+
+    def _dag_get(self, submitted: concurrent.futures.Future) -> StepResult:
+        import ray
+
+        while self._unread_parks and self._unread_parks[0] is not submitted:
+            self._dag_get(self._unread_parks.popleft())  # (None: a parked call's output)
+        ref = submitted.result()  # done: submitted earlier on this same thread
+        try:
+            # Ray tears the graph down when an actor dies, which wakes this get with an error.
+            # (Copied out of the channel's buffer: see StepResult.owned.)
+            result = ray.get(ref)[0]
+            return None if result is None else result.owned()
+        except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
+            self._fail(e)
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+
+    def ping(self, timeout: float = 5.0) -> None:
+        """Probe every rank between steps: a rank that died while idle is found here.
+
+        A rank still busy after `timeout` (a long step) is not judged; its step will tell.
+        """
+        import ray
+
+        self.check_health()
+        refs = [w.ping.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        try:
+            ray.get(ready)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def _stop(self) -> None:
+        """Stop every rank and the graph (best effort: this also runs after a rank died)."""
+        import ray
+
+        # Parked ranks wake first, so their loops can see the teardown.
+        with contextlib.suppress(Exception):
+            self._unpark()
+        # The compiled graph first, while its actors live: tearing it down cancels their
+        # execution loops cleanly (killed first, each cancel fails with ActorDiedError).
+        dag, self._dag = self._dag, None
+        if dag is not None:
+            with contextlib.suppress(Exception):  # a dead worker: its loop is gone already
+                dag.teardown()
+        for w in self.workers:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(w, no_restart=True)
+        self.workers = []
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=False)
+        sockets, self._wake_sockets = self._wake_sockets, None
+        if sockets is not None:
+            sockets.close()
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        self._stop()
+        if self._owns_pg and self._pg is not None:
+            with contextlib.suppress(Exception):  # removed with its job already
+                remove_placement_group(self._pg)
+            self._pg = None
