@@ -135,7 +135,7 @@ def tool_call_constraint(tools: list[dict[str, Any]], tool_choice: Any,
     structural tag). ValueError for tools it cannot express."""
     import xgrammar as xgr
 
-    from cluster.engine.structured_output import MAX_JSON_WHITESPACE, check_schema
+    from cluster.engine.grammar import MAX_JSON_WHITESPACE, check_schema
 
     for tool in tools:
         check_schema(tool["function"].get("parameters") or {})

@@ -84,7 +84,7 @@ def test_summary_row_carries_the_breakdown_into_json() -> None:
 
 def test_json_schema_workload_is_random_with_a_constraint_the_server_takes() -> None:
     from cluster.api.protocol import CompletionRequest
-    from cluster.engine.structured_output import check_schema
+    from cluster.engine.grammar import check_schema
 
     reqs = serving.make_requests("json-schema", 5, seed=serving.WORKLOAD_SEEDS["json-schema"])
     assert reqs == serving.make_requests("random", 5, seed=serving.WORKLOAD_SEEDS["random"])

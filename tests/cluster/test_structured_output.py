@@ -16,11 +16,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from cluster.engine.structured_output import (
-    MAX_JSON_WHITESPACE,
-    StructuredOutputManager,
-    check_schema,
-)
+from cluster.engine.grammar import MAX_JSON_WHITESPACE, check_schema
+from cluster.engine.structured_output import StructuredOutputManager
 from scheduler import CompletionOutput, NewSeq, RequestOutput, SamplingParams, StepPlan, StepResult
 from scheduler.sampling_params import StructuredOutputsParams as SO
 
