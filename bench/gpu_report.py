@@ -4,7 +4,7 @@
 
 Runs, each as its own process with its own time budget (the whole fits in 10 minutes on one
 H100), in-process engines only (the GPU box has no Ray):
-  1. the gpu-marked tests of tests/kernels, tests/workers and tests/cluster/test_llm.py
+  1. the gpu-marked tests of tests/kernels, tests/workers and tests/cluster/engine/test_llm.py
      (the greedy parity at Qwen3-0.6B's shapes with graphs on and off, and the decode loop
      under torch.cuda.set_sync_debug_mode("error"), among them);
   2. bench/kernels_bench.py (prefill vs SDPA with and without a prefix, decode attention, the
@@ -40,7 +40,7 @@ def _steps(out: Path) -> list[tuple[str, list[str], int, Path | None]]:
     py = sys.executable
     return [
         ("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                       "tests/kernels", "tests/workers", "tests/cluster/test_llm.py",
+                       "tests/kernels", "tests/workers", "tests/cluster/engine/test_llm.py",
                        f"--junitxml={out / 'gpu_tests.xml'}"], 180, None),
         ("kernels", [py, "bench/kernels_bench.py", "--json", str(out / "kernels.json")], 80,
          out / "kernels.json"),

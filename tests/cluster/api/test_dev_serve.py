@@ -29,7 +29,7 @@ from workers.distributed import get_free_port
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 READY_TIMEOUT_S = 240
 CTRL_C_LIMIT_S = 10
 

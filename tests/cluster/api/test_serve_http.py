@@ -26,7 +26,7 @@ from workers.distributed import get_free_port
 pytestmark = pytest.mark.slow
 
 API_KEY = "test-key"
-MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "qwen3-tiny.yaml"
+MANIFEST = Path(__file__).resolve().parents[3] / "manifests" / "qwen3-tiny.yaml"
 MAX_ONGOING = 32
 MAX_QUEUED = 64
 

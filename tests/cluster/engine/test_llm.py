@@ -444,7 +444,7 @@ def test_a_driver_that_streamed_through_the_compiled_graph_exits_cleanly() -> No
     traceback until the interpreter exits. Read zero-copy from the compiled graph's channel,
     that result's release after the graph's teardown segfaulted the process (exit 139), so
     the executor copies results out of the channel (StepResult.owned)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = {**os.environ, "PYTHONPATH": root, "RAY_AUTH_MODE": "disabled"}
     out = subprocess.run([sys.executable, "-c", _STREAM_THEN_EXIT], capture_output=True,
                          text=True, timeout=300, env=env, cwd=root)

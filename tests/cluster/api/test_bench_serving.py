@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "serving.py"
+_PATH = Path(__file__).resolve().parents[3] / "bench" / "serving.py"
 _spec = importlib.util.spec_from_file_location("bench_serving", _PATH)
 serving = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = serving  # dataclasses look their module up while the class is built

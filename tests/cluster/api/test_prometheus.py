@@ -1,0 +1,91 @@
+"""Engine metrics as Prometheus text on GET /metrics (vLLM's names, summed over replicas) and
+through Ray's metrics agent, over the fake engine's fixed snapshot (fake_engine.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fake_engine import FakeEngine, fetch
+
+from cluster.api.prometheus import parse_prometheus, render_prometheus
+
+
+def test_metrics_render_vllm_names_in_prometheus_format(engine: FakeEngine,
+                                                        tokenizer: Any) -> None:
+    resp = fetch(engine, tokenizer, "GET", "/metrics")
+    assert resp.status_code == 200
+    m = parse_prometheus(resp.text)
+    label = 'model_name="fake-qwen3"'
+    assert m[f"vllm:num_requests_running{{{label}}}"] == 2
+    assert m[f"vllm:num_requests_waiting{{{label}}}"] == 1
+    assert m[f"vllm:kv_cache_usage_perc{{{label}}}"] == 0.25
+    assert m[f"vllm:prefix_cache_queries_total{{{label}}}"] == 40
+    assert m[f"vllm:prefix_cache_hits_total{{{label}}}"] == 16
+    assert m[f"vllm:prompt_tokens_total{{{label}}}"] == 40
+    assert m[f"vllm:generation_tokens_total{{{label}}}"] == 7
+    assert m[f"vllm:num_preemptions_total{{{label}}}"] == 3
+    assert m[f"vllm:num_preemptions_swap_total{{{label}}}"] == 1
+    assert m[f'vllm:request_success_total{{{label},finished_reason="length"}}'] == 2
+    ttft = "vllm:time_to_first_token_seconds"
+    assert [m[f'{ttft}_bucket{{{label},le="{le}"}}'] for le in ("0.1", "1.0", "+Inf")] == [1, 2, 3]
+    assert (m[f"{ttft}_sum{{{label}}}"], m[f"{ttft}_count{{{label}}}"]) == (3.55, 3)
+    assert "# TYPE vllm:prompt_tokens counter" in resp.text
+    assert "# TYPE vllm:inter_token_latency_seconds histogram" in resp.text
+
+
+def test_metrics_of_two_replicas_are_summed(engine: FakeEngine) -> None:
+    m = parse_prometheus(render_prometheus([engine.metrics(), engine.metrics()], "m"))
+    assert m['vllm:num_requests_running{model_name="m"}'] == 4
+    assert m['vllm:kv_cache_usage_perc{model_name="m"}'] == 0.25
+    assert m['vllm:time_to_first_token_seconds_count{model_name="m"}'] == 6
+
+
+class _FakeRayMetric:
+    def __init__(self, name: str, description: str = "", tag_keys: tuple = (),
+                 boundaries: list[float] | None = None) -> None:
+        self.name, self.boundaries = name, boundaries
+        self.calls: list[tuple[str, float, dict[str, str]]] = []
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        self.calls.append(("set", value, tags))
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        self.calls.append(("inc", value, tags))
+
+    def observe(self, value: float, tags: dict[str, str]) -> None:
+        self.calls.append(("observe", value, tags))
+
+
+class _FakeRayMetrics:
+    def __init__(self) -> None:
+        self.made: dict[str, _FakeRayMetric] = {}
+
+    def _make(self, name: str, *args: Any, **kw: Any) -> _FakeRayMetric:
+        self.made[name] = _FakeRayMetric(name, *args, **kw)
+        return self.made[name]
+
+    Gauge = Counter = Histogram = _make
+
+
+def test_ray_export_sends_counter_deltas_and_replays_histogram_buckets(
+        engine: FakeEngine) -> None:
+    from cluster.api.prometheus import RayMetricsExporter
+
+    fake = _FakeRayMetrics()
+    exporter = RayMetricsExporter("m", ray_metrics=fake)
+    snap = engine.metrics()
+    exporter.update(snap)
+    snap["prompt_tokens_total"] = 45
+    snap["time_to_first_token_seconds"].observe(0.07)
+    exporter.update(snap)
+    tags = {"model_name": "m"}
+    assert fake.made["vllm_prompt_tokens"].calls == [("inc", 40, tags), ("inc", 5, tags)]
+    assert fake.made["vllm_num_requests_running"].calls == [("set", 2, tags)] * 2
+    ttft = fake.made["vllm_time_to_first_token_seconds"]
+    assert ttft.boundaries == [0.1, 1.0]
+    # 0.05 -> le 0.1, 0.5 -> le 1.0, 3.0 -> +Inf (replayed at 2.0), then the new 0.07.
+    assert [c[1] for c in ttft.calls] == [0.1, 1.0, 2.0, 0.1]
+    assert fake.made["vllm_request_success"].calls == [
+        ("inc", 1, {**tags, "finished_reason": "stop"}),
+        ("inc", 2, {**tags, "finished_reason": "length"})]
