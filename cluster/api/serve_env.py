@@ -17,7 +17,7 @@ replicas, which read them from that process's environment: in one place.
 
 `./dev serve` exports them with `eval "$(python -m cluster.api.serve_env)"`; bench/serving.py and
 the test cluster call `apply_proxy_env()` before `ray.init`. A plain `serve run
-manifests/...` works without them, on Serve's Python proxy, about 8 ms slower per request
+manifests/...` works without them, on Serve's Python proxy, slower per request
 (docs/benchmarks.md), with Ray's own defaults for where it listens.
 """
 
