@@ -5,7 +5,10 @@ Starts the tiny model with tp 2 on Ray (a compiled graph), then
     engine parking its workers (cluster/engine/wakeup.py) and with parking turned off;
   - resume cost: the wall time of a one-token request right after the workers were parked
     (woken by that request's first submit) against the same request while they were not
-    parked, `--trials` times each, interleaved; medians.
+    parked, `--trials` times each, interleaved; medians;
+  - wake latency: what parking adds to the first step after it, alone: a process blocked in
+    `WakeReader.wait()` (as a parked rank is) is woken by `WakeSockets.wake()` and wakes the
+    sender back the same way; half the round trip, median of `--trials` × 20.
 
     .venv/bin/python bench/idle_park.py --json idle.json
 """
@@ -29,6 +32,36 @@ def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wake_latency_us(n: int) -> float:
+    """Half the round trip of a wake-up between two processes that block as parked ranks do."""
+    from cluster.wakeup import WakeReader, WakeSockets
+
+    to_child, to_parent = WakeSockets(1), WakeSockets(1)
+    pid = os.fork()
+    if pid == 0:  # the parked rank: wait, then wake the engine back
+        reader = WakeReader(to_child.paths[0])
+        for _ in range(n + 1):
+            reader.wait()
+            to_parent.wake()
+        os._exit(0)
+    reader = WakeReader(to_parent.paths[0])
+    while not os.path.exists(to_child.paths[0]):
+        time.sleep(0.001)
+    times = []
+    for i in range(n + 1):
+        time.sleep(0.002)  # the rank is blocked again, as after a park
+        t = time.perf_counter()
+        to_child.wake()
+        reader.wait()
+        if i:  # the first includes the child's start
+            times.append((time.perf_counter() - t) / 2 * 1e6)
+    os.waitpid(pid, 0)
+    reader.close()
+    to_child.close()
+    to_parent.close()
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -65,7 +98,8 @@ def main() -> None:
         llm.generate(prompt, one, use_tqdm=False)
         return (time.perf_counter() - t) * 1e3
 
-    rows = {"idle_cpu_s_parked": idle_cpu(True), "idle_cpu_s_spinning": idle_cpu(False)}
+    rows = {"idle_cpu_s_parked": idle_cpu(True), "idle_cpu_s_spinning": idle_cpu(False),
+            "wake_latency_us": round(wake_latency_us(args.trials * 20), 1)}
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.trials):
         for parked in (True, False):

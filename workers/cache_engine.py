@@ -1,16 +1,23 @@
 """The KV cache of one rank: a stacked device tensor plus a CPU swap space of the same layout.
 
-Layout `[2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]`: block `b`
-of every layer is `cache[:, :, b]`, so a plan's swap-out, swap-in or copy-on-write pairs move
-every layer's K and V with one `index_select` + one `index_copy_` per direction.
-Each attention layer gets the views `cache[0, i]` / `cache[1, i]` (what the kernels take).
+Device layout `[2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]`: block
+`b` of every layer is `gpu_cache[:, :, b]`; each attention layer gets the views
+`gpu_cache[0, i]` / `gpu_cache[1, i]` (what the kernels take). The swap space is block-major,
+`[num_cpu_blocks, 2, num_layers, block_size, num_kv_heads, head_dim]`, so a CPU block is one
+contiguous (pinned, on CUDA) region and a swap is one asynchronous copy per block pair.
+
+Invariant (CUDA): swaps and copy-on-write never wait on the host and never copy from pageable
+memory. Every copy is enqueued on the current stream with python-int block ids (no index
+tensor goes up to the device), so it is ordered after the step that wrote the source blocks
+and before the step that reads the destinations; the host never reads or writes the swap
+space, so nothing has to wait for a swap to land. Swaps and forks are rare (preemption,
+n > 1), so one small copy per block pair costs less than staging an index tensor.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from workers.layers.attention import Attention
 
@@ -34,7 +41,7 @@ class CacheEngine:
         # CPU: empty, so untouched blocks cost no memory (every read block was written first).
         alloc = torch.zeros if device.type == "cuda" else torch.empty
         self.gpu_cache = alloc(shape, dtype=dtype, device=device)
-        cpu_shape = (2, num_layers, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        cpu_shape = (num_cpu_blocks, 2, num_layers, block_size, num_kv_heads, head_dim)
         self.cpu_cache = torch.empty(cpu_shape, dtype=dtype, device="cpu",
                                      pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
 
@@ -46,38 +53,40 @@ class CacheEngine:
             attn.k_cache = self.gpu_cache[0, i]
             attn.v_cache = self.gpu_cache[1, i]
 
-    def _ids(self, pairs: np.ndarray, column: int, limit: int, what: str,
-             device: torch.device) -> Tensor:
-        ids = pairs[:, column]
-        if ids.min() < 0 or ids.max() >= limit:
-            raise ValueError(f"{what} block id out of range [0, {limit}): {ids.tolist()}")
-        # (a copy: a plan read from a Ray channel holds read-only arrays, which from_numpy
-        # warns about)
-        return torch.tensor(ids, dtype=torch.int64, device=device)
+    @staticmethod
+    def _pairs(pairs: np.ndarray, limits: tuple[int, int], what: tuple[str, str]
+               ) -> list[tuple[int, int]]:
+        """The pairs as python ints, each column checked against its pool's size."""
+        for col in (0, 1):
+            ids = pairs[:, col]
+            if ids.min() < 0 or ids.max() >= limits[col]:
+                raise ValueError(f"{what[col]} block id out of range [0, {limits[col]}): "
+                                 f"{ids.tolist()}")
+        return [(int(a), int(b)) for a, b in pairs]
 
     def swap_out(self, pairs: np.ndarray) -> None:
         """Copy GPU blocks `pairs[:, 0]` to CPU blocks `pairs[:, 1]`, every layer, K and V."""
         if len(pairs) == 0:
             return
-        src = self._ids(pairs, 0, self.num_gpu_blocks, "swap-out GPU", self.device)
-        dst = self._ids(pairs, 1, self.num_cpu_blocks, "swap-out CPU", torch.device("cpu"))
-        self.cpu_cache.index_copy_(2, dst, self.gpu_cache.index_select(2, src).cpu())
+        for gpu, cpu in self._pairs(pairs, (self.num_gpu_blocks, self.num_cpu_blocks),
+                                    ("swap-out GPU", "swap-out CPU")):
+            self.cpu_cache[cpu].copy_(self.gpu_cache[:, :, gpu], non_blocking=True)
 
     def swap_in(self, pairs: np.ndarray) -> None:
         """Copy CPU blocks `pairs[:, 0]` to GPU blocks `pairs[:, 1]`, every layer, K and V."""
         if len(pairs) == 0:
             return
-        src = self._ids(pairs, 0, self.num_cpu_blocks, "swap-in CPU", torch.device("cpu"))
-        dst = self._ids(pairs, 1, self.num_gpu_blocks, "swap-in GPU", self.device)
-        staged = self.cpu_cache.index_select(2, src)
-        if self.device.type == "cuda":
-            staged = staged.pin_memory()
-        self.gpu_cache.index_copy_(2, dst, staged.to(self.device, non_blocking=True))
+        for cpu, gpu in self._pairs(pairs, (self.num_cpu_blocks, self.num_gpu_blocks),
+                                    ("swap-in CPU", "swap-in GPU")):
+            self.gpu_cache[:, :, gpu].copy_(self.cpu_cache[cpu], non_blocking=True)
 
     def copy(self, pairs: np.ndarray) -> None:
-        """Copy-on-write: GPU blocks `pairs[:, 0]` to GPU blocks `pairs[:, 1]` (all read first)."""
+        """Copy-on-write: GPU blocks `pairs[:, 0]` to GPU blocks `pairs[:, 1]` (all read first:
+        a block may be one pair's destination and a later pair's source)."""
         if len(pairs) == 0:
             return
-        src = self._ids(pairs, 0, self.num_gpu_blocks, "copy source", self.device)
-        dst = self._ids(pairs, 1, self.num_gpu_blocks, "copy destination", self.device)
-        self.gpu_cache.index_copy_(2, dst, self.gpu_cache.index_select(2, src))
+        checked = self._pairs(pairs, (self.num_gpu_blocks, self.num_gpu_blocks),
+                              ("copy source", "copy destination"))
+        sources = torch.stack([self.gpu_cache[:, :, src] for src, _ in checked], dim=2)
+        for i, (_, dst) in enumerate(checked):
+            self.gpu_cache[:, :, dst].copy_(sources[:, :, i])

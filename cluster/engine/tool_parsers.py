@@ -132,7 +132,9 @@ def tool_call_constraint(tools: list[dict[str, Any]], tool_choice: Any,
     """The constraint that makes Qwen3 answer with `<tool_call>` blocks as `tool_choice` asks
     ("required", {"type": "function", "function": {"name": ...}}, or "auto" with at most one
     call), their arguments valid against the tools' parameter schemas (xgrammar's qwen_3
-    structural tag). ValueError for tools it cannot express."""
+    structural tag). "required" allows nothing but the calls, one per line (one only without
+    parallel_tool_calls): xgrammar's own tag for it lets free text follow the first call; a
+    named function gets exactly one call. ValueError for tools it cannot express."""
     import xgrammar as xgr
 
     from cluster.engine.grammar import MAX_JSON_WHITESPACE, check_schema
@@ -143,7 +145,12 @@ def tool_call_constraint(tools: list[dict[str, Any]], tool_choice: Any,
                                        reasoning="disabled",
                                        max_whitespace_cnt=MAX_JSON_WHITESPACE,
                                        parallel_tool_calls=parallel_tool_calls)
-    return StructuredOutputsParams(structural_tag=tag.model_dump_json())
+    spec = json.loads(tag.model_dump_json())
+    if tool_choice == "required":  # (a named one is already exactly one tag)
+        calls = spec["format"]
+        spec["format"] = {"type": "tags_with_separator", "tags": calls["tags"], "separator": "\n",
+                          "at_least_one": True, "stop_after_first": not parallel_tool_calls}
+    return StructuredOutputsParams(structural_tag=json.dumps(spec))
 
 
 TOOL_CALL_PARSERS = {"hermes": HermesToolParser}

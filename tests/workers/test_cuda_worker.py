@@ -67,17 +67,23 @@ def test_cuda_graph_replay_equals_eager_for_padded_batches(tiny_dir) -> None:
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
-def test_cuda_swap_round_trip_uses_pinned_memory() -> None:
+def test_cuda_swap_round_trip_uses_pinned_memory_and_never_syncs() -> None:
     dev = torch.device("cuda")
     eng = CacheEngine(3, 2, 8, 16, num_gpu_blocks=12, num_cpu_blocks=5, dtype=torch.bfloat16,
                       device=dev)
     assert eng.cpu_cache.is_pinned()
     eng.gpu_cache.copy_(torch.randn(eng.gpu_cache.shape, device=dev))
     original = eng.gpu_cache.clone()
-    eng.swap_out(np.array([[2, 4], [7, 0]]))
-    eng.gpu_cache[:, :, [2, 7]] = 0
-    eng.swap_in(np.array([[4, 9], [0, 1]]))
-    eng.copy(np.array([[9, 11]]))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # swaps and copies never wait on the host
+    try:
+        eng.swap_out(np.array([[2, 4], [7, 0]]))
+        eng.gpu_cache[:, :, 2].zero_()
+        eng.gpu_cache[:, :, 7].zero_()
+        eng.swap_in(np.array([[4, 9], [0, 1]]))
+        eng.copy(np.array([[9, 11]]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     bits = lambda t: t.view(torch.int16)  # noqa: E731
     assert torch.equal(bits(eng.gpu_cache[:, :, 9]), bits(original[:, :, 2]))

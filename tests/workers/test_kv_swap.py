@@ -31,7 +31,7 @@ def test_swap_round_trip_and_copy_keep_bytes(dtype: torch.dtype) -> None:
     original = eng.gpu_cache.clone()
     eng.swap_out(np.array([[3, 0], [5, 4], [9, 1]]))
     for gpu, cpu in ((3, 0), (5, 4), (9, 1)):
-        assert torch.equal(_bits(eng.cpu_cache[:, :, cpu]), _bits(original[:, :, gpu]))
+        assert torch.equal(_bits(eng.cpu_cache[cpu]), _bits(original[:, :, gpu]))
     eng.gpu_cache[:, :, [3, 5, 9]] = 0  # the freed blocks get reused by someone else
     eng.swap_in(np.array([[0, 7], [4, 2], [1, 3]]))
     for gpu_new, gpu_old in ((7, 3), (2, 5), (3, 9)):

@@ -277,19 +277,27 @@ def test_openai_parse_with_a_pydantic_model_over_http(http_engine: AsyncLLMEngin
         assert c.message.reasoning_content is None  # the parser is on; no thinking here
 
 
-def test_forced_tool_call_streams_a_valid_call_over_http(http_engine: AsyncLLMEngine) -> None:
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
+                                                      "function": {"name": "set_alarm"}}])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_forced_tool_call_streams_a_valid_call_over_http(http_engine: AsyncLLMEngine,
+                                                         tool_choice: Any, parallel: bool) -> None:
+    """A forced choice gets calls and nothing else, each valid: "required" one call, or with
+    parallel_tool_calls one or more; a named function exactly one."""
     tool = {"type": "function", "function": {"name": "set_alarm", "parameters": {
         "type": "object", "properties": {"hour": {"type": "integer", "minimum": 0,
                                                   "maximum": 23}},
         "required": ["hour"], "additionalProperties": False}}}
+    other = {"type": "function", "function": {"name": "cancel_alarm", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
 
     async def go() -> Any:
         client, http = _client(http_engine)
         try:
             async with client.chat.completions.stream(
                     model="qwen3-tiny", messages=[{"role": "user", "content": "Alarm at 7"}],
-                    tools=[tool], tool_choice="required", parallel_tool_calls=False,
-                    temperature=1.0, max_tokens=300,
+                    tools=[tool, other], tool_choice=tool_choice, parallel_tool_calls=parallel,
+                    temperature=1.0, max_tokens=300, seed=7,
                     extra_body={"chat_template_kwargs": {"enable_thinking": False}}) as stream:
                 return await stream.get_final_completion()
         finally:
@@ -297,9 +305,14 @@ def test_forced_tool_call_streams_a_valid_call_over_http(http_engine: AsyncLLMEn
 
     choice = asyncio.run(go()).choices[0]
     assert choice.finish_reason == "tool_calls"
-    [call] = choice.message.tool_calls
-    assert call.function.name == "set_alarm"
-    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert not choice.message.content
+    calls = choice.message.tool_calls
+    assert len(calls) >= 1 if parallel and tool_choice == "required" else len(calls) == 1
+    for call in calls:
+        spec = {"set_alarm": tool, "cancel_alarm": other}[call.function.name]
+        if tool_choice != "required":
+            assert call.function.name == "set_alarm"
+        jsonschema.validate(json.loads(call.function.arguments), spec["function"]["parameters"])
 
 
 @pytest.mark.parametrize("body, needle", [
