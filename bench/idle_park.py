@@ -36,7 +36,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def wake_latency_us(n: int) -> float:
     """Half the round trip of a wake-up between two processes that block as parked ranks do."""
-    from cluster.wakeup import WakeReader, WakeSockets
+    from cluster.engine.wakeup import WakeReader, WakeSockets
 
     to_child, to_parent = WakeSockets(1), WakeSockets(1)
     pid = os.fork()

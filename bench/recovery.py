@@ -34,7 +34,7 @@ async def _trial(engine, prompts: list[list[int]], params, kill_rank: int | None
     stream has a token."""
     import ray
 
-    from cluster.engine import EngineRecoveringError
+    from cluster.engine.errors import EngineRecoveringError
 
     outputs: list[list[int]] = [[] for _ in prompts]
     started = asyncio.Event()
@@ -83,8 +83,8 @@ def main() -> None:
 
     import ray
 
-    from cluster.config import EngineConfig
-    from cluster.engine import AsyncLLMEngine
+    from cluster.engine.async_llm_engine import AsyncLLMEngine
+    from cluster.engine.config import EngineConfig
     from scheduler.sampling_params import SamplingParams
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
