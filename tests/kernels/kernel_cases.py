@@ -19,11 +19,11 @@ import torch
 from torch import Tensor
 
 
-def load_kernels_bench() -> ModuleType:
-    """bench/kernels_bench.py as a module (its launch counter and decode-layer builder)."""
-    name = "kernels_bench"
+def load_launch_counter() -> ModuleType:
+    """bench/launch_counter.py as a module (the launch counter and the decode-layer builder)."""
+    name = "launch_counter"
     if name not in sys.modules:
-        path = Path(__file__).resolve().parents[2] / "bench" / "kernels_bench.py"
+        path = Path(__file__).resolve().parents[2] / "bench" / "launch_counter.py"
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module

@@ -1,6 +1,6 @@
 """A decode step launches at most 10 kernels per decoder layer, GEMMs included.
 
-Counted at the dispatch point by bench/kernels_bench.py's `LaunchCounter` (every Triton launch,
+Counted at the dispatch point by bench/launch_counter.py's `LaunchCounter` (every Triton launch,
 every torch op that computes) while one decoder layer of a small Qwen3 runs a decode step with
 the Triton backend under the interpreter. The GPU bench reports the same count at Qwen3-0.6B's
 shapes, and torch.profiler's count of the kernels that really ran.
@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 import torch
-from kernel_cases import INTERPRETER_ONLY, load_kernels_bench
+from kernel_cases import INTERPRETER_ONLY, load_launch_counter
 
-kernels_bench = load_kernels_bench()
+launch_counter = load_launch_counter()
 pytestmark = INTERPRETER_ONLY
 SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -28,8 +28,8 @@ def test_decode_layer_launches_at_most_ten_kernels(batch: int, max_seq_len: int,
                                                    split: bool) -> None:
     # max_seq_len 4096 is how a decode CUDA graph is captured (max_model_len): split-K, so the
     # segment merge is the tenth launch.
-    cfg = kernels_bench.model_config(**SMALL)
-    counter = kernels_bench.count_layer_launches(cfg, batch, 37, torch.float32,
+    cfg = launch_counter.model_config(**SMALL)
+    counter = launch_counter.count_layer_launches(cfg, batch, 37, torch.float32,
                                                  torch.device("cpu"), "triton", max_seq_len)
     expected = Counter({**GEMMS, **FUSED})
     if split:
@@ -41,10 +41,10 @@ def test_decode_layer_launches_at_most_ten_kernels(batch: int, max_seq_len: int,
 
 def test_triton_layer_equals_torch_layer() -> None:
     """The layer the launches are counted on computes what the torch twins compute."""
-    cfg = kernels_bench.model_config(**SMALL)
+    cfg = launch_counter.model_config(**SMALL)
     outs = {}
     for backend in ("triton", "torch"):
-        _, step = kernels_bench.build_decode_layer(cfg, 4, 37, torch.float32,
+        _, step = launch_counter.build_decode_layer(cfg, 4, 37, torch.float32,
                                                    torch.device("cpu"), backend, 4096)
         with torch.inference_mode():
             outs[backend] = step()

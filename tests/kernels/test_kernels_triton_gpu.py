@@ -12,7 +12,7 @@ from kernel_cases import (
     check_paged_attention,
     check_qk_norm_rope_write_kv,
     check_rms_norm,
-    load_kernels_bench,
+    load_launch_counter,
     make_paged_batch,
 )
 
@@ -49,7 +49,7 @@ def test_qk_norm_rope_write_kv_at_qwen3_0_6b_shapes(dtype: torch.dtype) -> None:
 
 def test_decode_layer_replays_in_a_cuda_graph_as_it_runs_eagerly() -> None:
     """Captured with max_seq_len 4096 (split-K): no host reads, no data-dependent shapes."""
-    bench = load_kernels_bench()
+    bench = load_launch_counter()
     cfg = bench.model_config()
     _, step = bench.build_decode_layer(cfg, 32, 1000, torch.bfloat16, torch.device("cuda"),
                                        "auto", 4096)

@@ -43,12 +43,12 @@ def test_long_decode_takes_split_k_automatically_and_matches() -> None:
 def test_long_chunk_beside_short_sequences_takes_two_launches() -> None:
     # A 130-token chunk (unfolded 128-row tiles) and decodes and a short chunk (folded tiles):
     # each launch computes only its own sequences' rows, together all of them.
-    from kernel_cases import load_kernels_bench
+    from kernel_cases import load_launch_counter
 
     batch = make_paged_batch([(1, 9), (130, 150), (20, 61), (1, 40)], num_q_heads=4,
                              num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32,
                              device="cpu", seed=14)
-    with load_kernels_bench().LaunchCounter().counting() as counter:
+    with load_launch_counter().LaunchCounter().counting() as counter:
         check_paged_attention(batch, with_chunk_kv=True)
     assert counter.launches.count("triton._paged_attention_kernel") == 2
 
