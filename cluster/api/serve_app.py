@@ -30,6 +30,7 @@ from cluster.api.openai_api import ModelInfo, create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
 from cluster.engine.config import EngineConfig
+from cluster.engine.ray_executor import worker_env
 from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -246,10 +247,13 @@ def build_app(args: dict[str, Any]) -> Application:
     replicas: dict[str, Any] = {"num_replicas": serving["num_replicas"]}
     if serving["autoscaling_config"]:
         replicas = {"autoscaling_config": serving["autoscaling_config"]}
+    # The replica runs the model itself with the in-process executor: it starts with what a
+    # worker actor would (on a CPU, OpenMP threads that sleep when idle).
+    llm_env = {**REPLICA_ENV_VARS, **worker_env("cuda" if use_gpu else "cpu")}
     llm = LLMServer.options(
         placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
         ray_actor_options={"num_cpus": bundles[0]["CPU"], "num_gpus": bundles[0].get("GPU", 0.0),
-                           "runtime_env": {"env_vars": REPLICA_ENV_VARS}},
+                           "runtime_env": {"env_vars": llm_env}},
         max_ongoing_requests=serving["max_ongoing_requests"],
         max_queued_requests=serving["max_queued_requests"],
         backpressure_config=backpressure, **replicas,

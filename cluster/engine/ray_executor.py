@@ -27,7 +27,20 @@ from workers.distributed import get_free_port
 
 # Environment the worker processes need to behave like this one (offline hub, shared cache).
 _FORWARDED_ENV = ("HF_HUB_OFFLINE", "QWEN3_SERVE_CACHE", "TOKENIZERS_PARALLELISM",
-                  "TRITON_INTERPRET", "CUDA_LAUNCH_BLOCKING")
+                  "TRITON_INTERPRET", "CUDA_LAUNCH_BLOCKING", "OMP_WAIT_POLICY")
+
+
+def worker_env(device: str) -> dict[str, str]:
+    """The environment variables a worker actor starts with: _FORWARDED_ENV as set here, and on
+    a CPU OpenMP threads that sleep when idle (OMP_WAIT_POLICY=PASSIVE unless set). With the
+    default active wait, a host that deschedules one of torch's spinning threads stalls every
+    parallel region on it, and a CPU worker's steps slow down 5-15x at random
+    (docs/benchmarks.md, Step loop). It must be in the environment when the process starts:
+    OpenMP reads it once, when torch loads it."""
+    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+    if device == "cpu":
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 class RayExecutor(Executor):
@@ -74,7 +87,7 @@ class RayExecutor(Executor):
 
         from cluster.engine.ray_worker import RayWorker
 
-        env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+        env = worker_env(self._config.device)
         self._dead: str | None = None
         self.workers = []
         for rank in range(self._config.tensor_parallel_size):

@@ -154,3 +154,20 @@ def test_haproxy_accepts_the_rewritten_config(tmp_path: Path) -> None:
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     assert _binds(config.read_text()) == ["127.0.0.1:9101", "127.0.0.1:8000", "127.0.0.1:8404"]
+
+
+@pytest.mark.parametrize("executor", ["inprocess", "ray"])
+def test_a_cpu_llm_replica_starts_with_a_passive_openmp_wait_policy(
+        monkeypatch: pytest.MonkeyPatch, executor: str) -> None:
+    """The LLM replica runs the model itself with the in-process executor; on a CPU it starts,
+    as worker actors do, with OpenMP threads that sleep when idle (the ingress does not)."""
+    from cluster.api.serve_app import build_app
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    ingress = build_app({"model": "qwen3-tiny", "device": "cpu", "executor": executor})
+    llm = ingress._bound_deployment.init_args[0]._bound_deployment
+    llm_env = llm.ray_actor_options["runtime_env"]["env_vars"]
+    assert llm_env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert llm_env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    ingress_env = ingress._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
+    assert "OMP_WAIT_POLICY" not in ingress_env

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -400,6 +401,9 @@ def test_idle_ray_workers_park_and_burn_no_cpu(ray_cluster: None) -> None:
         params = SamplingParams(temperature=0, max_tokens=6)
         first = [o async for o in engine.generate([5, 6, 7, 8], params, "a")]
         pids = ray.get([w.pid.remote() for w in engine.engine.executor.workers])
+        for pid in pids:  # CPU workers start with OpenMP threads that sleep when idle
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"OMP_WAIT_POLICY=PASSIVE" in environ
         await asyncio.sleep(0.5)  # the loop notices it is idle and parks the workers
         before = [_cpu_seconds(p) for p in pids]
         await asyncio.sleep(10)
@@ -422,6 +426,20 @@ def test_idle_ray_workers_park_and_burn_no_cpu(ray_cluster: None) -> None:
         assert all(u < 0.5 for u in used), used
     finally:
         engine.shutdown()
+
+
+def test_cpu_workers_get_a_passive_openmp_wait_policy_unless_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.engine.ray_executor import _FORWARDED_ENV, worker_env
+
+    for name in _FORWARDED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert worker_env("cpu") == {"HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert worker_env("cuda") == {"HF_HUB_OFFLINE": "1"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # a user's choice is forwarded as it is
+    assert worker_env("cpu")["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert worker_env("cuda")["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 _STREAM_THEN_EXIT = """
