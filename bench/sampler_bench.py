@@ -1,12 +1,15 @@
 """Sampler benchmark: one step's sampling of S rows over Qwen3's vocabulary (151,936).
 
 Modes, timed round-robin in one process (the VM's speed drifts; interleaving hits every mode
-alike; seeded+top_p alone after the others, since its gigabyte of sort buffers at 256 rows
+alike; the full-sort modes after the others, since their gigabyte of sort buffers at 256 rows
 slows whatever runs next on the CPU), median of `--reps`:
 - greedy: every row temperature 0 (`Sampler` takes the argmax only);
 - unseeded / seeded: temperature 0.8; keys as the model runner derives them (from the engine
   seed and the sequence id, or from the request's seed), so both run the same op;
-- seeded+top_p: the same with top_p 0.95 (the sort-based mask path);
+- seeded+top_p: the same with top_p 0.95 (the masks order the whole vocabulary);
+- seeded+top_k+top_p: top_k 20 and top_p 0.95 (Qwen3's recommended sampling); the masks order
+  only the 20 largest values per row (`SamplingMetadata.max_top_k`, a partial selection);
+  `..., full sort` is the same rows with every value ordered (max_top_k unset), for A/B;
 - per-row generators: what a seeded row cost before the counter-based streams (one
   `torch.Generator.manual_seed` and one `exponential_` over the vocabulary per row, then the
   exponential race), for scale.
@@ -41,20 +44,23 @@ from workers.sampler import Sampler, SamplingMetadata, stream_key
 VOCAB = 151936
 SEED = 0
 TEMPERATURE = 0.8
+FULL_SORT_TOP_K = "seeded+top_k+top_p, full sort"
 
 
 def metadata(rows: int, device: torch.device, *, greedy: bool, seeded: bool,
-             top_p: float = 1.0) -> SamplingMetadata:
+             top_p: float = 1.0, top_k: int = 0, max_top_k: int | None = None
+             ) -> SamplingMetadata:
     # Unseeded rows: the engine seed and the sequence id (as workers/seq_table.py keys them).
     keys = [stream_key(1000 + r, 0) if seeded else stream_key(SEED, (1 << 40) + r)
             for r in range(rows)]
     return SamplingMetadata(
         temperature=torch.full((rows,), 0.0 if greedy else TEMPERATURE, device=device),
-        all_greedy=greedy, top_k=None,
+        all_greedy=greedy,
+        top_k=torch.full((rows,), top_k, dtype=torch.int32, device=device) if top_k else None,
         top_p=torch.full((rows,), top_p, device=device) if top_p < 1 else None, min_p=None,
         rng_key=torch.tensor(keys, device=device),
         rng_counter=torch.arange(rows, device=device) + 17, penalties=None,
-        max_num_logprobs=None)
+        max_num_logprobs=None, max_top_k=max_top_k)
 
 
 def per_row_generators(logits: torch.Tensor) -> torch.Tensor:
@@ -87,11 +93,16 @@ def modes(logits: torch.Tensor, ref: types.ModuleType | None
     unseeded = metadata(rows, device, greedy=False, seeded=False)
     seeded = metadata(rows, device, greedy=False, seeded=True)
     top_p = metadata(rows, device, greedy=False, seeded=True, top_p=0.95)
+    top_k_p = metadata(rows, device, greedy=False, seeded=True, top_p=0.95, top_k=20,
+                       max_top_k=20)
+    top_k_p_sort = metadata(rows, device, greedy=False, seeded=True, top_p=0.95, top_k=20)
     out = {
         "greedy": lambda: sampler(logits, greedy).token_ids,
         "unseeded": lambda: sampler(logits, unseeded).token_ids,
         "seeded": lambda: sampler(logits, seeded).token_ids,
         "seeded+top_p": lambda: sampler(logits, top_p).token_ids,
+        "seeded+top_k+top_p": lambda: sampler(logits, top_k_p).token_ids,
+        FULL_SORT_TOP_K: lambda: sampler(logits, top_k_p_sort).token_ids,
         "per-row generators": lambda: per_row_generators(logits),
     }
     if ref is not None:
@@ -121,7 +132,8 @@ def bench(rows: int, device: torch.device, reps: int, dtype: torch.dtype,
     fns = modes(logits, ref)
     cuda = device.type == "cuda"
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for group in ([n for n in fns if n != "seeded+top_p"], ["seeded+top_p"]):
+    sorting = ["seeded+top_p", FULL_SORT_TOP_K]
+    for group in ([n for n in fns if n not in sorting], sorting):
         for name in group:  # warm-up (Triton compiles, allocator settles)
             fns[name]()
         for _ in range(reps):

@@ -207,7 +207,8 @@ class ModelRunner:
                 top_k=d_top_k, top_p=d_top_p, min_p=d_min_p, rng_key=d_key[:num_sampled],
                 rng_counter=d_counter[:num_sampled], penalties=None,  # (sample() fills them)
                 max_num_logprobs=(int(table.num_logprobs[sample_rows].max())
-                                  if features & LOGPROBS else None))
+                                  if features & LOGPROBS else None),
+                max_top_k=_max_top_k(table, sample_rows) if features & TOP_K else None)
         return StepBatch(
             step_id=plan.step_id, input_ids=d_ids, positions=d_pos, attn_metadata=md,
             logits_indices=d_logits_idx, sampling=sampling,
@@ -310,3 +311,11 @@ def _padded(a: np.ndarray, pad: int, value: float) -> np.ndarray:
     if not pad:
         return a
     return np.concatenate([a, np.full(pad, value, dtype=a.dtype)])
+
+
+def _max_top_k(table: SeqTable, sample_rows: np.ndarray) -> int | None:
+    """SamplingMetadata.max_top_k of these rows: the largest top_k of those that sample at
+    random, or None when one of them has none (its masks then need every value ordered)."""
+    random = table.temperature[sample_rows] > 0
+    top_k = table.top_k[sample_rows][random]
+    return int(top_k.max()) if top_k.size and top_k.min() > 0 else None

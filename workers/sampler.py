@@ -3,6 +3,9 @@
 Per row: grammar bitmask (structured outputs) -> penalties (repetition on prompt + output
 tokens, frequency and presence on output tokens) -> greedy argmax for temperature 0 ->
 temperature -> top-k -> top-p -> min-p -> one draw from the remaining distribution.
+The three masks each keep a prefix of the values in descending order, so together they are
+one per-row logit cut (`mask_threshold`), found by ordering only the largest `max_top_k`
+values when every random row has a top_k, and applied in one pass.
 Logprobs are `log_softmax` of the logits after the bitmask, penalties and temperature
 (temperature 1 for greedy rows), before the top-k/top-p/min-p masks.
 
@@ -71,6 +74,10 @@ class SamplingMetadata:
     # int32 [S, ceil(V/32)]: bit j % 32 of word j // 32 set = token j allowed (xgrammar's
     # layout), all ones on rows without a grammar; None: no row is constrained
     token_bitmask: Tensor | None = None
+    # The largest top_k of the rows that sample at random, when every one of them has a top_k
+    # (the masks then order only that many values per row); None: some row samples from the
+    # whole vocabulary, or no row uses top_k
+    max_top_k: int | None = None
 
 
 @dataclass(slots=True)
@@ -114,31 +121,65 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
     return logits
 
 
-def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
-    """vLLM's masks: keep every logit >= the k-th largest (ties kept; k = 0 keeps all), then
-    the smallest set of highest-probability tokens whose mass reaches top_p (at least one
-    token). Masked -> -inf."""
-    if top_k is None and top_p is None:
+def mask_threshold(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None,
+                   min_p: Tensor | None, max_top_k: int | None = None) -> Tensor | None:
+    """Each row's cut `[S, 1]` for vLLM's masks, in its order: keep every logit >= the k-th
+    largest (k = 0 keeps all); then the smallest set of highest-probability tokens whose mass
+    reaches top_p (at least one token); then the tokens whose probability is at least min_p
+    times the top one's. Every mask keeps a prefix of the values in descending order, so their
+    result is one threshold, and the tokens tied with the last one kept are kept. None: no
+    mask.
+
+    Only the largest values need ordering: the `max_top_k` largest when every row has a top_k
+    of at most that (the model runner says so from the host's copy of the settings; a partial
+    selection, not a sort of the vocabulary), else all of them. Tokens tied with the k-th value
+    beyond that width count in top_p's normalizer (by their number: they all hold the same
+    probability). min_p needs no ordering: the top probability is the largest logit's, kept by
+    the masks before it, so its cut is that logit + log(min_p).
+    """
+    threshold = None
+    if top_k is not None or top_p is not None:
+        vocab = logits.shape[1]
+        if max_top_k is not None and 0 < max_top_k < vocab:
+            width = max_top_k
+            values = logits.topk(width, dim=-1).values  # descending
+        else:
+            width = vocab
+            values = logits.sort(dim=-1, descending=True).values
+        if top_k is None:
+            threshold = values[:, width - 1:]
+        else:
+            k = torch.where(top_k > 0, top_k.to(torch.int64), width).clamp_(max=width)
+            threshold = values.gather(1, (k - 1).unsqueeze(1))
+        if top_p is not None:
+            kth = threshold
+            weight = (values - values[:, :1]).exp_().masked_fill_(values < kth, 0.0)
+            total = weight.sum(dim=1, keepdim=True)
+            if width < vocab:  # ties of the k-th value beyond the width
+                hidden = (logits == kth).sum(dim=1, keepdim=True) - (values == kth).sum(
+                    dim=1, keepdim=True)
+                total = total + hidden * (kth - values[:, :1]).exp()
+            above = weight.cumsum(dim=1).sub_(weight)  # mass strictly above each position
+            kept = ((above < top_p.unsqueeze(1) * total) & (values >= kth)).sum(
+                dim=1, keepdim=True)
+            threshold = values.gather(1, (kept - 1).clamp_(min=0))
+        top = values[:, :1]
+    if min_p is not None:
+        if threshold is None:
+            top = logits.amax(dim=-1, keepdim=True)
+        cut = top + min_p.unsqueeze(1).log()  # min_p 0: -inf, no cut
+        threshold = cut if threshold is None else torch.maximum(threshold, cut)
+    return threshold
+
+
+def apply_masks(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None,
+                min_p: Tensor | None, max_top_k: int | None = None) -> Tensor:
+    """`logits` with the tokens `mask_threshold` cuts at -inf (a new tensor; the same one when
+    no mask applies). Kept logits are unchanged, not renormalised."""
+    threshold = mask_threshold(logits, top_k, top_p, min_p, max_top_k)
+    if threshold is None:
         return logits
-    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
-    vocab = logits_sort.shape[1]
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k.to(torch.int64), vocab).clamp(max=vocab)
-        kth = logits_sort.gather(1, (vocab - k).unsqueeze(1))
-        logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
-    if top_p is not None:
-        probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
-        mask = probs_sum <= 1 - top_p.unsqueeze(1)
-        mask[:, -1] = False
-        logits_sort.masked_fill_(mask, float("-inf"))
-    return logits_sort.scatter(1, logits_idx, logits_sort)
-
-
-def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
-    """Mask tokens whose probability is below min_p times the row's top probability."""
-    probs = logits.softmax(dim=-1)
-    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 # Chunk width of the two-level argmax below.
@@ -200,9 +241,7 @@ class Sampler:
         logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         token_ids = greedy_ids
         if not md.all_greedy:
-            masked = apply_top_k_top_p(logits, md.top_k, md.top_p)
-            if md.min_p is not None:
-                masked = apply_min_p(masked, md.min_p)
+            masked = apply_masks(logits, md.top_k, md.top_p, md.min_p, md.max_top_k)
             sampled = ops.sample_tokens(masked, md.rng_key, md.rng_counter)
             token_ids = torch.where(hot, sampled, greedy_ids)
         if logprobs is None:

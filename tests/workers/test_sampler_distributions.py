@@ -96,7 +96,8 @@ def metadata(n: int, seed: int, temperature: float, top_k: int = 0, top_p: float
         top_p=torch.full((n,), top_p) if top_p < 1 else None,
         min_p=torch.full((n,), min_p) if min_p > 0 else None,
         rng_key=keys[i % KEYS], rng_counter=i // KEYS, penalties=penalties,
-        max_num_logprobs=None, token_bitmask=bitmask)
+        max_num_logprobs=None, token_bitmask=bitmask,
+        max_top_k=top_k or None)  # as the model runner sets it: every row has this top_k
 
 
 def draw_counts(row: torch.Tensor, seed: int, temperature: float, n: int = N,

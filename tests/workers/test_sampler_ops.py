@@ -5,7 +5,9 @@ sampling option draws from the distribution it should: test_sampler_distribution
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,10 +17,9 @@ from workers.sampler import (
     PenaltyInputs,
     Sampler,
     SamplingMetadata,
-    apply_min_p,
+    apply_masks,
     apply_penalties,
     apply_token_bitmask,
-    apply_top_k_top_p,
     sample_simple,
     stream_key,
 )
@@ -60,14 +61,14 @@ def _md(params: list[SamplingParams], counters: list[int] | None = None,
 
 def test_top_k_keeps_exactly_k_largest_per_row() -> None:
     logits = _logits([[1, 5, 3, 4, 2], [1, 5, 3, 4, 2], [0.1, 0.2, 0.3, 0.4, 0.5]])
-    out = apply_top_k_top_p(logits.clone(), torch.tensor([2, 0, 1]), None)  # 0: off
+    out = apply_masks(logits.clone(), torch.tensor([2, 0, 1]), None, None)  # 0: off
     assert _kept(out) == [[1, 3], [0, 1, 2, 3, 4], [4]]
     # Kept logits are unchanged, not renormalised.
     assert out[0].tolist() == [NEG, 5.0, NEG, 4.0, NEG]
 
 
 def test_top_k_keeps_ties_with_the_kth_value() -> None:
-    out = apply_top_k_top_p(_logits([[3, 1, 3, 2]]), torch.tensor([1]), None)
+    out = apply_masks(_logits([[3, 1, 3, 2]]), torch.tensor([1]), None, None)
     assert _kept(out) == [[0, 2]]
 
 
@@ -76,8 +77,8 @@ def test_top_p_keeps_smallest_set_reaching_p() -> None:
     # Shuffled columns: the mask must follow the values, not the positions.
     order = [3, 0, 4, 1, 2]
     row = [logp[i] for i in order]
-    out = apply_top_k_top_p(_logits([row, row, row, row]), None,
-                            torch.tensor([0.6, 0.8, 1.0, 0.01]))
+    out = apply_masks(_logits([row, row, row, row]), None,
+                      torch.tensor([0.6, 0.8, 1.0, 0.01]), None)
     pos = {src: col for col, src in enumerate(order)}
     assert _kept(out) == [sorted([pos[0], pos[1]]), sorted([pos[0], pos[1], pos[2]]),
                           [0, 1, 2, 3, 4], [pos[0]]]
@@ -86,14 +87,82 @@ def test_top_p_keeps_smallest_set_reaching_p() -> None:
 def test_top_k_then_top_p_on_the_same_row() -> None:
     logp = [math.log(p) for p in PROBS]
     # top_k=3 leaves 0.5/0.25/0.125 (renormalised 4/7, 2/7, 1/7); top_p=0.8 then drops 1/7.
-    out = apply_top_k_top_p(_logits([logp]), torch.tensor([3]), torch.tensor([0.8]))
+    out = apply_masks(_logits([logp]), torch.tensor([3]), torch.tensor([0.8]), None)
     assert _kept(out) == [[0, 1]]
+
+
+def _masks_oracle(row: np.ndarray, k: int, p: float, min_p: float) -> tuple[np.ndarray, float]:
+    """The definition in float64: keep values >= the k-th largest, then, in descending order,
+    every token whose mass strictly above it (in the top-k set) is below p, and every token
+    tied with the last one kept, then those with probability >= min_p times the top one's.
+    Also the boundary's margin |mass above - p| nearest the top_p cut."""
+    desc = np.sort(row.astype(np.float64))[::-1]
+    kth = desc[(k or len(row)) - 1]
+    weight = np.where(desc >= kth, np.exp(desc - desc[0]), 0.0)
+    prob = weight / weight.sum()
+    above = np.cumsum(prob) - prob
+    keep = (above < p) & (desc >= kth)
+    threshold = max(desc[keep.sum() - 1], desc[0] + np.log(min_p) if min_p else -np.inf)
+    margin = np.abs(above[desc >= kth] - p).min() if p < 1 else 1.0
+    return row >= threshold, margin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masks_ordering_max_top_k_values_keep_what_the_definition_does(dtype) -> None:
+    """Rows that all have a top_k order only max_top_k values (a partial selection); the masks
+    are those of the definition either way, ties included: bf16 logits tie often, and the
+    tests' rows tie at the k-th value beyond max_top_k."""
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 48, 3000
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).to(dtype).float()
+    top_k = torch.randint(1, 40, (rows,), generator=gen, dtype=torch.int32)
+    top_p = torch.rand(rows, generator=gen) * 0.9 + 0.05
+    top_p[::5] = 1.0
+    min_p = torch.where(torch.arange(rows) % 3 == 1, 0.05, 0.0)
+    # Row 0: its k-th largest (k = the max, 40) tied by 6 more values beyond the first 40.
+    top_k[0] = 40
+    logits[0, :100] = torch.linspace(10, 5, 100)
+    logits[0, 39:46] = logits[0, 39]
+    top_p[0] = 0.97  # reached only by counting the hidden ties in the normalizer
+    for max_top_k in (None, int(top_k.max())):
+        out = apply_masks(logits, top_k, top_p, min_p, max_top_k)
+        for r in range(rows):
+            want, margin = _masks_oracle(logits[r].numpy(), int(top_k[r]), float(top_p[r]),
+                                         float(min_p[r]))
+            if margin < 1e-5:  # the cut sits on a float32 rounding edge: either is right
+                continue
+            assert torch.isfinite(out[r]).numpy().tolist() == want.tolist(), (max_top_k, r)
+    assert torch.isfinite(out[0]).sum() == 46  # the ties beyond the width are kept
+    kept = torch.isfinite(out)
+    assert torch.equal(out[kept], logits[kept])  # kept logits unchanged
+
+
+def test_max_top_k_is_the_largest_top_k_of_the_random_rows() -> None:
+    from workers.model_runner import _max_top_k
+
+    table = SimpleNamespace(temperature=np.array([0.7, 0.0, 1.0, 0.5], dtype=np.float32),
+                            top_k=np.array([20, 0, 50, 5], dtype=np.int32))
+    assert _max_top_k(table, np.array([0, 1, 2, 3])) == 50  # the greedy row's 0 is no matter
+    assert _max_top_k(table, np.array([0, 3])) == 20
+    table.top_k[3] = 0  # a random row without top_k: its masks need every value
+    assert _max_top_k(table, np.array([0, 2, 3])) is None
+    assert _max_top_k(table, np.array([1])) is None
 
 
 def test_min_p_masks_below_fraction_of_top_probability() -> None:
     logp = [math.log(p) for p in PROBS]
-    out = apply_min_p(_logits([logp, logp, logp]), torch.tensor([0.3, 0.0, 0.2]))
+    out = apply_masks(_logits([logp, logp, logp]), None, None, torch.tensor([0.3, 0.0, 0.2]))
     assert _kept(out) == [[0, 1], [0, 1, 2, 3, 4], [0, 1, 2]]
+
+
+def test_min_p_after_top_k_and_top_p() -> None:
+    """The cuts combine: the strictest one wins on each row (min_p's is relative to the top
+    probability, which the masks before it always keep)."""
+    logp = [math.log(p) for p in PROBS]
+    rows = _logits([logp, logp, logp])
+    out = apply_masks(rows, torch.tensor([4, 2, 0]), torch.tensor([1.0, 1.0, 0.8]),
+                      torch.tensor([0.2, 0.01, 0.3]), max_top_k=None)
+    assert _kept(out) == [[0, 1, 2], [0, 1], [0, 1]]
 
 
 def test_penalties_follow_vllm() -> None:
