@@ -127,3 +127,24 @@ def _eos_token_ids(raw: dict[str, Any], path: Path) -> tuple[int, ...]:
         return ()
     ids = [eos] if isinstance(eos, int) else list(eos)
     return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+# generation_config.json keys that become sampling defaults (vLLM's `generation_config: auto`).
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def load_generation_defaults(path: str | Path) -> dict[str, float | int]:
+    """The sampling settings a checkpoint's generation_config.json recommends (those of
+    GENERATION_SAMPLING_KEYS it sets), e.g. Qwen3's temperature 0.6, top_k 20, top_p 0.95;
+    empty without the file. Values keep their JSON type (top_k an int)."""
+    gen_file = Path(path) / "generation_config.json"
+    if not gen_file.is_file():
+        return {}
+    gen = json.loads(gen_file.read_text())
+    out: dict[str, float | int] = {}
+    for key in GENERATION_SAMPLING_KEYS:
+        value = gen.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        out[key] = int(value) if key == "top_k" else float(value)
+    return out

@@ -29,7 +29,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -74,6 +74,14 @@ class ModelInfo:
     model_name: str
     max_model_len: int
     max_num_seqs: int | None = None  # sequences per step: the most samples (n) one prompt may ask
+    # SamplingParams fields a request that leaves them out gets (the engine's generation_config)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, engine: Any) -> ModelInfo:
+        """An engine's (AsyncLLMEngine's attributes)."""
+        return cls(engine.model_name, engine.max_model_len, engine.config.max_num_seqs,
+                   dict(engine.default_sampling))
 
 
 class EngineClient(Protocol):
@@ -96,8 +104,7 @@ class LocalEngineClient:
         self.engine = engine
 
     async def model_info(self) -> ModelInfo:
-        return ModelInfo(self.engine.model_name, self.engine.max_model_len,
-                         self.engine.config.max_num_seqs)
+        return ModelInfo.of(self.engine)
 
     def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  request_id: str, cache_salt: str | None = None) -> AsyncIterator[Any]:
@@ -285,8 +292,8 @@ class OpenAIServing:
             prompts = await self._off_loop(len(body), self.prompts.completion_prompts,
                                            req.prompt, info.max_model_len)
             params = [req.to_sampling_params(
-                self.prompts.max_tokens(req.max_tokens, len(p), info.max_model_len))
-                for p in prompts]
+                self.prompts.max_tokens(req.max_tokens, len(p), info.max_model_len),
+                info.sampling_defaults) for p in prompts]
             stream = self._start(prompts, params, rid, req.cache_salt)
             first = await first_delta(stream)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
@@ -313,7 +320,8 @@ class OpenAIServing:
             max_tokens = self.prompts.max_tokens(req.requested_max_tokens, len(prompt),
                                                  info.max_model_len)
             params = req.to_sampling_params(
-                max_tokens, reasoning=self.reasoning_parser is not None and req.thinking)
+                max_tokens, info.sampling_defaults,
+                reasoning=self.reasoning_parser is not None and req.thinking)
             stream = self._start([prompt], [params], rid, req.cache_salt)
             first = await first_delta(stream)
         except Exception as e:  # noqa: BLE001

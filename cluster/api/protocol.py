@@ -83,7 +83,9 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
+    def _sampling_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """SamplingParams' arguments: the request's, then for what it leaves out (None) the
+        server's `defaults` (the model's generation_config), then SamplingParams' own."""
         unknown = sorted(set(self.model_extra or ()) - HARMLESS_FIELDS)
         if unknown:
             raise RequestError(f"unknown field {unknown[0]!r}: this server does not support it; "
@@ -100,7 +102,9 @@ class _SamplingFields(_Request):
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
-            if value is not None:  # None means "the default", as in OpenAI's API
+            if value is None:  # None means "the default", as in OpenAI's API
+                value = defaults.get(name)
+            if value is not None:
                 kw[name] = value
         return kw
 
@@ -162,7 +166,8 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.suffix:
             raise RequestError("suffix is not supported by this server; remove it",
                                param="suffix")
@@ -172,7 +177,7 @@ class CompletionRequest(_SamplingFields):
         if self.echo and self.logprobs is not None:
             raise RequestError("echo together with logprobs needs prompt logprobs, which this "
                                "server does not compute; drop one of them", param="echo")
-        return _make_params(**self._sampling_kwargs(), max_tokens=max_tokens,
+        return _make_params(**self._sampling_kwargs(defaults or {}), max_tokens=max_tokens,
                             logprobs=self.logprobs, structured_outputs=self._constraint())
 
 
@@ -292,10 +297,10 @@ class ChatCompletionRequest(_SamplingFields):
                                    f"{m.tool_call_id!r} answers no earlier assistant tool call",
                                    param="messages")
 
-    def to_sampling_params(self, max_tokens: int | None,
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None,
                            reasoning: bool = False) -> SamplingParams:
-        """`reasoning`: the server parses reasoning and the model thinks, so a constrained
-        output may open with its thinking block."""
+        """`defaults`: see `_sampling_kwargs`. `reasoning`: the server parses reasoning and the
+        model thinks, so a constrained output may open with its thinking block."""
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -309,7 +314,8 @@ class ChatCompletionRequest(_SamplingFields):
                     self.tool_dicts(), self._xgrammar_tool_choice(), self.parallel_tool_calls)))
             except ValueError as e:
                 raise RequestError(f"tools: {e}", param="tools") from None
-        return _make_params(**self._sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs,
+        return _make_params(**self._sampling_kwargs(defaults or {}), max_tokens=max_tokens,
+                            logprobs=logprobs,
                             structured_outputs=self._constraint(extra, reasoning))
 
     def tool_dicts(self) -> list[dict[str, Any]]:

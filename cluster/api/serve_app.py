@@ -92,8 +92,7 @@ class LLMServer:
 
     async def model_info(self) -> ModelInfo:
         self._ensure_exporter()
-        return ModelInfo(self.engine.model_name, self.engine.max_model_len,
-                         self.engine.config.max_num_seqs)
+        return ModelInfo.of(self.engine)
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str, cache_salt: str | None = None) -> AsyncIterator[tuple]:

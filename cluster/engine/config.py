@@ -55,6 +55,11 @@ class EngineConfig:
     # requests with tools are refused).
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    # Sampling defaults for requests that leave a setting out: "auto" takes those the model's
+    # generation_config.json recommends (temperature, top_p, top_k, min_p,
+    # repetition_penalty; Qwen3's are 0.6 / 0.95 / 20), as vLLM does by default; "vllm":
+    # SamplingParams' own (temperature 1, no top_p / top_k), whatever the checkpoint says.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -67,6 +72,7 @@ class EngineConfig:
         _choice(self, "preemption_mode", (None, "swap", "recompute"))
         _choice(self, "reasoning_parser", (None, *REASONING_PARSERS))
         _choice(self, "tool_call_parser", (None, *TOOL_CALL_PARSERS))
+        _choice(self, "generation_config", ("auto", "vllm"))
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError("async_scheduling must be true, false or null (auto); "
                              f"got {self.async_scheduling!r}")

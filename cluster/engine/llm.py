@@ -77,6 +77,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters `generate` uses when given none: the model's recommended
+        ones from its generation_config.json (EngineConfig.generation_config "auto"), else
+        SamplingParams()."""
+        return self.engine.default_sampling_params()
+
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -89,7 +95,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (sampling_params if isinstance(sampling_params, list)
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):

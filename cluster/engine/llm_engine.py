@@ -40,7 +40,7 @@ from scheduler import (
 )
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
-from workers.model_config import load_model_config
+from workers.model_config import load_generation_defaults, load_model_config
 from workers.tiny_model import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {limit}; lower max_model_len")
         batched = config.max_num_batched_tokens or max(self.max_model_len, _MIN_BATCHED_TOKENS)
+        self.default_sampling = default_sampling(self.model_path, config.generation_config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         if config.uses_ray:
             import ray
@@ -161,6 +162,10 @@ class LLMEngine:
 
     # ----- requests ---------------------------------------------------------------------
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request that sets no sampling parameter gets (EngineConfig.generation_config)."""
+        return SamplingParams(**self.default_sampling)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never run; changes nothing."""
         n = len(prompt_token_ids)
@@ -184,7 +189,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, cache_salt: str | None = None) -> None:
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         self.validate(prompt_token_ids, params)
         if params.structured_outputs is not None:
             self.structured.add_request(request_id, params.structured_outputs)
@@ -329,3 +334,22 @@ class LLMEngine:
         # Back to the collector, so an engine shut down in a process that lives on (tests, a
         # notebook) can be collected with whatever cycles it holds.
         gc.unfreeze()
+
+
+def default_sampling(model_path: str, generation_config: str) -> dict[str, Any]:
+    """The SamplingParams fields a request that leaves them out gets (EngineConfig's
+    `generation_config`): the model's recommended ones under "auto", checked here so a bad
+    generation_config.json fails at start, not on the first request."""
+    if generation_config == "vllm":
+        return {}
+    defaults = load_generation_defaults(model_path)
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{model_path}/generation_config.json recommends sampling settings "
+                         f"SamplingParams refuses ({e}); fix the file or set generation_config: "
+                         "vllm to ignore them") from None
+    if defaults:
+        logger.info("sampling defaults from %s/generation_config.json: %s (generation_config: "
+                    "vllm ignores them)", model_path, defaults)
+    return defaults

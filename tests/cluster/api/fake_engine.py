@@ -32,6 +32,7 @@ class FakeEngine:
     model_name = MODEL
     max_model_len = 64
     config = EngineConfig(max_num_seqs=8)
+    default_sampling: dict = {}  # (a test may set the model's generation_config defaults)
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

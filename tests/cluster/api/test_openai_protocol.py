@@ -162,6 +162,23 @@ def test_every_sampling_field_reaches_the_engine(engine: FakeEngine, tokenizer: 
     assert rid.startswith("cmpl-") and salt == "tenant-a"
 
 
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(
+        engine: FakeEngine, tokenizer: Any) -> None:
+    """The engine's generation_config defaults (Qwen3's here) apply to the settings a request
+    does not send, in both APIs; what it sends wins, temperature 0 (greedy) included."""
+    engine.default_sampling = {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                               "repetition_penalty": 1.05}
+    fetch(engine, tokenizer, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 5})
+    fetch(engine, tokenizer, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0,
+        "top_k": 5})
+    fetch(engine, tokenizer, "POST", "/v1/completions", {
+        "prompt": "x", "max_tokens": 5, "top_p": 1.0, "repetition_penalty": 1.0})
+    got = [(sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty)
+           for _, sp, _, _ in engine.calls]
+    assert got == [(0.6, 0.95, 20, 1.05), (0.0, 0.95, 5, 1.05), (0.6, 1.0, 20, 1.0)]
+
+
 def test_openai_client_parses_responses(engine: FakeEngine, tokenizer: Any) -> None:
     app = create_app(LocalEngineClient(engine), tokenizer)
 
