@@ -13,7 +13,10 @@ H100), in-process engines only (the GPU box has no Ray):
      ctx 1024, batch 1/32/128/256, launched ahead as the engine does, under torch.profiler:
      wall and GPU-kernel ms per step, the GPU-busy fraction, kernels per step;
   4. bench/worker_step.py --host-overhead (the worker's host time per decode step);
-  5. bench/throughput.py --workload offline-gpu: async scheduling on and off, with and
+  5. bench/sampler_bench.py --device cuda: one step's sampling at 1/32/256 rows, the Triton
+     draw against its torch twin, and the masks (top-p alone sorts the vocabulary; top-k +
+     top-p orders only the top k values);
+  6. bench/throughput.py --workload offline-gpu: async scheduling on and off, with and
      without a seed per request, the first run after start-up and the second, against
      transformers' continuous batching on a slice of the workload.
 Writes `<out>/report.md` (tables) and `<out>/report.json` (everything), plus each step's
@@ -51,6 +54,8 @@ def _steps(out: Path) -> list[tuple[str, list[str], int, Path | None]]:
         ("host overhead", [py, "bench/worker_step.py", "--device", "cuda", "--host-overhead",
                            "--batches", "1,32,256", "--json", str(out / "host_overhead.json")],
          30, out / "host_overhead.json"),
+        ("sampler", [py, "bench/sampler_bench.py", "--device", "cuda", "--reps", "7",
+                     "--json", str(out / "sampler.json")], 30, out / "sampler.json"),
         ("offline-gpu", [py, "bench/throughput.py", "--workload", "offline-gpu", "--runs", "1",
                          "--compare-async", "--seeds", "both", "--passes", "2",
                          "--hf-continuous-only", "--hf-subset", "32",
@@ -106,6 +111,11 @@ def _markdown(report: dict) -> str:
     if host:
         lines += ["", "| batch | host us/step |", "|---|---|"]
         lines += [f"| {r['batch']} | {r['host_us_per_step']:.0f} |" for r in host["rows"]]
+    sampler = report["results"].get("sampler")
+    if sampler:
+        lines += ["", "| sampler rows | mode | ms | vs unseeded |", "|---|---|---|---|"]
+        lines += [f"| {r['rows']} | {r['mode']} | {r['ms']:.3f} | {r['vs_unseeded']:.2f}x |"
+                  for r in sampler["results"]]
     offline = report["results"].get("offline-gpu")
     if offline:
         lines += ["", "| offline-gpu system | tok/s |", "|---|---|"]

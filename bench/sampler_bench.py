@@ -18,7 +18,7 @@ On CUDA also the torch twin of the draw (`backend="torch"`) beside the Triton ke
 from its source, if it imports nothing of the project) on the unseeded rows.
 
     python bench/sampler_bench.py [--rows 1 32 256] [--reps 7] [--threads N]
-                                  [--compare-ref REF] [--json out.json]
+                                  [--device cpu|cuda] [--compare-ref REF] [--json out.json]
 
 Target (issue #14): 256 seeded rows cost <= 1.5x the unseeded ones.
 """
@@ -151,6 +151,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--compare-ref", help="also time sample_simple as of this git ref")
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        help="only this device (default: the CPU, and CUDA when present)")
     parser.add_argument("--json", help="write the results to this path")
     args = parser.parse_args()
     ref = sampler_at(args.compare_ref) if args.compare_ref else None
@@ -159,6 +161,10 @@ def main() -> int:
     devices = [(torch.device("cpu"), torch.float32)]
     if torch.cuda.is_available():
         devices.append((torch.device("cuda"), torch.bfloat16))
+    if args.device:
+        devices = [d for d in devices if d[0].type == args.device]
+        if not devices:
+            parser.error(f"--device {args.device}: torch sees no such device here")
     print(f"vocab {VOCAB}, temperature {TEMPERATURE}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
           + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
