@@ -39,6 +39,7 @@ class TextEngine:
     model_name = MODEL
     max_model_len = 4096
     config = EngineConfig(max_num_seqs=8)
+    default_sampling: dict = {}  # the model recommends no sampling defaults
 
     def __init__(self, tokenizer: Any, text: str = "Hello.") -> None:
         self.tokenizer = tokenizer
