@@ -105,6 +105,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit (before the
+    # penalties, as vLLM applies it); -100 in effect bans a token, 100 all but forces it.
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Constrain the output to a JSON schema, regex, choice or grammar (None: unconstrained).
@@ -144,6 +147,13 @@ class SamplingParams:
                self.frequency_penalty, "[-2, 2]")
         _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
                self.repetition_penalty, "(0, 2]")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                and isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
+                for t, v in self.logit_bias.items()), "logit_bias", self.logit_bias,
+                "a map of token ids (integers >= 0) to values in [-100, 100]")
+            self.logit_bias = {t: float(v) for t, v in self.logit_bias.items()} or None
         _check(self.structured_outputs is None
                or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
@@ -154,8 +164,10 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
+        """Whether the sampler adjusts this request's logits per token: a penalty or a logit
+        bias (they are applied together, from one per-sequence slot on the worker)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+                or self.repetition_penalty != 1.0 or self.logit_bias is not None)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

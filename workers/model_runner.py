@@ -303,7 +303,8 @@ class ModelRunner:
             md.penalties = PenaltyInputs(
                 rows=rows, output_counts=state.output_counts.index_select(0, slots),
                 prompt_mask=state.prompt_counts.index_select(0, slots) > 0,
-                repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+                repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres,
+                logit_bias=state.logit_bias.index_select(0, slots))
         return self.sampler(logits, md)
 
 

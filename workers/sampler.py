@@ -1,7 +1,7 @@
 """Token sampling for a batch of rows at once, with vLLM's processing order.
 
-Per row: grammar bitmask (structured outputs) -> penalties (repetition on prompt + output
-tokens, frequency and presence on output tokens) -> greedy argmax for temperature 0 ->
+Per row: grammar bitmask (structured outputs) -> logit bias -> penalties (repetition on
+prompt + output tokens, frequency and presence on output tokens) -> greedy argmax for temperature 0 ->
 temperature -> top-k -> top-p -> min-p -> one draw from the remaining distribution.
 The three masks each keep a prefix of the values in descending order, so together they are
 one per-row logit cut (`mask_threshold`), found by ordering only the largest `max_top_k`
@@ -55,6 +55,7 @@ class PenaltyInputs:
     repetition_penalty: Tensor  # float32 [P]
     frequency_penalty: Tensor  # float32 [P]
     presence_penalty: Tensor  # float32 [P]
+    logit_bias: Tensor | None = None  # float32 [P, V] added first (zeros: no bias)
 
 
 @dataclass(slots=True)
@@ -90,8 +91,10 @@ class SamplerOutput:
 
 def apply_penalties(logits: Tensor, output_counts: Tensor, prompt_mask: Tensor,
                     repetition_penalty: Tensor, frequency_penalty: Tensor,
-                    presence_penalty: Tensor) -> Tensor:
-    """vLLM's penalties on float32 logits `[P, V]` (returns a new tensor)."""
+                    presence_penalty: Tensor, logit_bias: Tensor | None = None) -> Tensor:
+    """vLLM's logit bias, then its penalties, on float32 logits `[P, V]` (a new tensor)."""
+    if logit_bias is not None:
+        logits = logits + logit_bias
     output_mask = output_counts > 0
     rep = torch.where(prompt_mask | output_mask, repetition_penalty.unsqueeze(1), 1.0)
     logits = torch.where(logits > 0, logits / rep, logits * rep)
@@ -233,7 +236,7 @@ class Sampler:
         if pen is not None:
             logits[pen.rows] = apply_penalties(
                 logits[pen.rows], pen.output_counts, pen.prompt_mask, pen.repetition_penalty,
-                pen.frequency_penalty, pen.presence_penalty)
+                pen.frequency_penalty, pen.presence_penalty, pen.logit_bias)
         greedy_ids = row_argmax(logits)
         hot = md.temperature > 0
         if not md.all_greedy:

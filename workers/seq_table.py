@@ -3,9 +3,9 @@
 A row keeps the sequence's block table (a host mirror and a device copy, both changed only by
 the plan's diffs), its prompt length, how many tokens it has computed, and its sampling
 settings, all as column arrays: a step's inputs are numpy gathers by row, never a Python loop
-over the batch. A sequence with penalties also holds a penalty slot: device tensors of its
+over the batch. A sequence with penalties or a logit bias also holds a penalty slot: device tensors of its
 output-token counts and prompt-token mask, updated on the device from each step's input
-tokens (which may be pending tokens the host never sees).
+tokens (which may be pending tokens the host never sees), and of its logit bias.
 
 Invariants:
 - `rows_of(seq_ids)` gives a row for exactly the sequences with state; a row is in use by one
@@ -90,23 +90,28 @@ class SeqRows:
 
 
 class PenaltyState:
-    """Per penalized sequence, device counts of its output tokens and of its prompt tokens."""
+    """Per penalized sequence, device counts of its output tokens and of its prompt tokens, and
+    its logit bias (zeros without one)."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self.prompt_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
+        self.logit_bias = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self.free: list[int] = []
 
-    def acquire(self, prompt: list[int], outputs: list[int]) -> int:
-        """A slot holding these prompt and output tokens (a sequence's arrival, not a decode)."""
+    def acquire(self, prompt: list[int], outputs: list[int],
+                logit_bias: dict[int, float] | None = None) -> int:
+        """A slot holding these prompt and output tokens and this bias (a sequence's arrival,
+        not a decode)."""
         if not self.free:
             old = self.output_counts.shape[0]
             grow = max(4, old)
             zeros = torch.zeros(grow, self.vocab_size, dtype=torch.float32, device=self.device)
             self.output_counts = torch.cat([self.output_counts, zeros])
             self.prompt_counts = torch.cat([self.prompt_counts, zeros])
+            self.logit_bias = torch.cat([self.logit_bias, zeros])
             self.free.extend(range(old + grow - 1, old - 1, -1))
         slot = self.free.pop()
         for counts, tokens in ((self.prompt_counts, prompt), (self.output_counts, outputs)):
@@ -114,6 +119,12 @@ class PenaltyState:
             if tokens:
                 ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
                 counts[slot].index_add_(0, ids, torch.ones(len(tokens), device=self.device))
+        self.logit_bias[slot].zero_()
+        if logit_bias:
+            ids = torch.tensor(list(logit_bias), dtype=torch.int64, device=self.device)
+            values = torch.tensor(list(logit_bias.values()), dtype=torch.float32,
+                                  device=self.device)
+            self.logit_bias[slot].index_copy_(0, ids, values)
         return slot
 
     def release(self, slot: int) -> None:
@@ -224,7 +235,8 @@ class SeqTable:
         computed = new.computed_token_ids
         slot = -1
         if p.uses_penalties:
-            slot = self.penalties.acquire(computed[:new.prompt_len], computed[new.prompt_len:])
+            slot = self.penalties.acquire(computed[:new.prompt_len], computed[new.prompt_len:],
+                                          p.logit_bias)
         self.seqs[new.seq_id] = SeqState(row, new.request_id, slot)
         self.seq_rows.set(new.seq_id, row)
         self.prompt_len[row] = new.prompt_len

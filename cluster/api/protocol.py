@@ -90,14 +90,12 @@ class _SamplingFields(_Request):
         if unknown:
             raise RequestError(f"unknown field {unknown[0]!r}: this server does not support it; "
                                "remove it", param=unknown[0])
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported by this server; remove it",
-                               param="logit_bias")
         kw: dict[str, Any] = {
             "n": self.n, "seed": self.seed, "stop": self.stop or [],
             "stop_token_ids": self.stop_token_ids or [], "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": self._logit_bias(),
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -107,6 +105,18 @@ class _SamplingFields(_Request):
             if value is not None:
                 kw[name] = value
         return kw
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias, keyed by token ids sent as strings ("50256": -100)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise RequestError(f"logit_bias keys are token ids (integers >= 0, as strings); "
+                                   f"got {key!r}", param="logit_bias")
+            out[int(key)] = value
+        return out
 
     def constraints(self) -> list[tuple[str, StructuredOutputsParams]]:
         """The output constraints the request asks for, each with the field that asked."""

@@ -176,6 +176,9 @@ class LLMEngine:
                    None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the "
+                             f"vocabulary [0, {vocab})")
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len}, "
                              "and at least one token must be generated")

@@ -21,6 +21,8 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
     ({"logprobs": 21}, "logprobs"), ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3.0}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"seed": 1.5}, "seed"),
+    ({"logit_bias": {5: 101}}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
 ])
 def test_sampling_params_reject_bad_values_naming_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
@@ -32,6 +34,10 @@ def test_sampling_params_defaults_and_normalisation() -> None:
     assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.stop) == (
         1, 1.0, 1.0, 0, 16, ["END"])
     assert SamplingParams(temperature=0).greedy and not sp.greedy
+    assert sp.logit_bias is None and not sp.uses_penalties
+    biased = SamplingParams(logit_bias={7: -100, 3: 2})
+    assert biased.logit_bias == {7: -100.0, 3: 2.0} and biased.uses_penalties
+    assert SamplingParams(logit_bias={}).logit_bias is None
 
 
 @pytest.mark.parametrize("kwargs, match", [

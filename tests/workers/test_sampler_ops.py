@@ -325,6 +325,24 @@ def test_greedy_with_penalties_and_logprobs() -> None:
     torch.testing.assert_close(out.top_logprobs[0], expected0[[1, 2]])
 
 
+def test_logit_bias_is_added_before_the_penalties() -> None:
+    """vLLM's order: the bias first, then the repetition penalty divides the biased logit.
+    Row 0: token 1 was generated (repetition 2); +3 on token 1 -> (3 + 3) / 2 = 3 beats 2.5.
+    Bias after the penalty would give 3 / 2 + 3 = 4.5, the same winner but other logprobs."""
+    logits = _logits([[1.0, 3.0, 2.5, 0.0], [1.0, 3.0, 2.5, 0.0]])
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0, logprobs=0,
+                             logit_bias={1: 3.0}),
+              SamplingParams(temperature=0, logprobs=0, logit_bias={3: 100.0})]
+    pen = PenaltyInputs(torch.tensor([0, 1]), torch.tensor([[0.0, 1, 0, 0], [0.0, 0, 0, 0]]),
+                        torch.zeros(2, 4, dtype=torch.bool), torch.tensor([2.0, 1.0]),
+                        torch.tensor([0.0, 0.0]), torch.tensor([0.0, 0.0]),
+                        logit_bias=torch.tensor([[0.0, 3.0, 0, 0], [0, 0, 0, 100.0]]))
+    out = Sampler()(logits, _md(params, penalties=pen))
+    assert out.token_ids.tolist() == [1, 3]
+    torch.testing.assert_close(out.logprobs[0], torch.log_softmax(
+        torch.tensor([1.0, 3.0, 2.5, 0.0]), -1)[1])
+
+
 def test_logprobs_are_after_temperature_before_masks() -> None:
     logits = _logits([[0.0, 1.0, 2.0]])
     params = SamplingParams(temperature=0.5, top_k=1, logprobs=3, seed=0)

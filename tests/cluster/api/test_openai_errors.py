@@ -27,6 +27,10 @@ from cluster.api.openai_prompts import max_token_bytes
     ({"prompt": [], "max_tokens": 1}, "prompt", "prompt is empty"),
     ({"prompt": [151935]}, "prompt", "token id 151935 is outside the vocabulary"),
     ({"prompt": "x", "suffix": "y"}, "suffix", "suffix is not supported"),
+    ({"prompt": "x", "logit_bias": {"the": 5}}, "logit_bias",
+     "logit_bias keys are token ids (integers >= 0, as strings); got 'the'"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias",
+     "logit_bias must be a map of token ids (integers >= 0) to values in [-100, 100]"),
 ])
 def test_bad_completion_requests_are_400_with_openai_error(engine: FakeEngine, tokenizer: Any,
                                                           body: Any, param: str | None,

@@ -152,13 +152,15 @@ def test_every_sampling_field_reaches_the_engine(engine: FakeEngine, tokenizer: 
         "stop": ["\n"], "seed": 42, "presence_penalty": 0.5, "frequency_penalty": -0.5,
         "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True,
         "min_tokens": 2, "stop_token_ids": [7], "skip_special_tokens": False,
-        "include_stop_str_in_output": True, "cache_salt": "tenant-a"})
+        "include_stop_str_in_output": True, "cache_salt": "tenant-a",
+        "logit_bias": {"50256": -100, "7": 2.5}})
     _, sp, rid, salt = engine.calls[0]
     assert sp == SamplingParams(
         n=1, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=42, max_tokens=5,
         min_tokens=2, stop=["\n"], stop_token_ids=[7], ignore_eos=True, logprobs=None,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
-        skip_special_tokens=False, include_stop_str_in_output=True)
+        skip_special_tokens=False, include_stop_str_in_output=True,
+        logit_bias={50256: -100.0, 7: 2.5})
     assert rid.startswith("cmpl-") and salt == "tenant-a"
 
 

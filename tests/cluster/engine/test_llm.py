@@ -123,7 +123,8 @@ def test_async_scheduling_gives_the_synchronous_outputs_for_every_sampling_optio
         SamplingParams(temperature=0.7, seed=9, min_tokens=6, max_tokens=16, logprobs=3),
         SamplingParams(temperature=0.8, seed=2, n=2, max_tokens=12),
         SamplingParams(temperature=0.0, max_tokens=30, stop=["a", "e", " "]),
-        SamplingParams(temperature=1.2, min_p=0.05, seed=4, max_tokens=18, stop_token_ids=[1000]),
+        SamplingParams(temperature=1.2, min_p=0.05, seed=4, max_tokens=18, stop_token_ids=[1000],
+                       logit_bias={1000: 3.0, 220: 2.0, 15: -100.0}),
     ]
     runs = []
     for async_scheduling, lane in ((False, False), (True, False), (True, True)):
@@ -222,6 +223,28 @@ def test_generate_returns_text_in_input_order_and_chat_works() -> None:
         assert len(chat[0].outputs[0].token_ids) == 3
 
 
+def test_logit_bias_forces_and_bans_tokens() -> None:
+    """+100 on a token makes greedy decoding pick it every step; -100 on the unbiased greedy
+    choice makes it never come out; a request without a bias in the same batch is untouched."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:3]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    with LLM("qwen3-tiny", max_num_seqs=8) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        banned = plain[1][0]
+        params = [SamplingParams(temperature=0.0, max_tokens=8, logit_bias={4242: 100}),
+                  SamplingParams(temperature=0.0, max_tokens=8, logit_bias={banned: -100}),
+                  greedy]
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        # sampled too: a +100 token holds all the probability mass
+        hot = llm.generate(prompts[:1], SamplingParams(temperature=1.0, seed=1, max_tokens=8,
+                                                       logit_bias={777: 100}), use_tqdm=False)
+        _assert_all_blocks_free(llm)
+    assert outs[0] == [4242] * 8
+    assert banned not in outs[1] and outs[1] != plain[1]
+    assert outs[2] == plain[2]
+    assert hot[0].outputs[0].token_ids == [777] * 8
+
+
 def test_bad_prompt_is_a_value_error_and_nothing_runs() -> None:
     with LLM("qwen3-tiny", max_model_len=64) as llm:
         with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens \(10\) = 70 "
@@ -230,6 +253,10 @@ def test_bad_prompt_is_a_value_error_and_nothing_runs() -> None:
                          SamplingParams(max_tokens=10), use_tqdm=False)
         with pytest.raises(ValueError, match="outside the vocabulary"):
             llm.generate({"prompt_token_ids": [10**9]}, use_tqdm=False)
+        with pytest.raises(ValueError, match=r"logit_bias names token id 200000, outside the "
+                                             r"vocabulary \[0, 151936\)"):
+            llm.generate({"prompt_token_ids": [5]}, SamplingParams(logit_bias={200000: 1}),
+                         use_tqdm=False)
         assert not llm.engine.has_unfinished()
 
 
