@@ -23,9 +23,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
+import json
 import logging
 import os
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +50,10 @@ from cluster.api.prometheus import render_prometheus
 from cluster.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     RequestError,
+    TokenizeChatRequest,
+    TokenizeRequest,
     validation_error_message,
 )
 from scheduler.sampling_params import SamplingParams
@@ -124,8 +130,9 @@ def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str |
                tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
-    `api_key`, when set, is required as `Authorization: Bearer <key>` on every /v1 route
-    (as vLLM does, /health and /metrics stay open for probes and scrapers).
+    `api_key`, when set, is required as `Authorization: Bearer <key>` on every /v1 route and on
+    /tokenize and /detokenize (as in vLLM, /health and /metrics stay open for probes and
+    scrapers).
     `max_body_bytes`: the largest request body accepted (413 beyond it); None: sized from
     max_model_len by `default_max_body_bytes`.
     `reasoning_parser` / `tool_call_parser`: EngineConfig's settings of those names.
@@ -136,6 +143,8 @@ def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str |
     app.add_api_route("/v1/models", serving.list_models, methods=["GET"])
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
+    app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/metrics", serving.metrics, methods=["GET"])
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -147,7 +156,7 @@ def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str |
 
 class _FrontDoor:
     """Pure ASGI, in front of every route: gives each request its id and, when an API key is
-    set, checks it on /v1 routes.
+    set, checks it on the model's routes (/v1 and the tokenizer's).
 
     The id is the request's X-Request-Id when it has one (Serve's own middleware sets it on
     every request it proxies, and sends it back) and otherwise a new one, sent back as
@@ -176,7 +185,7 @@ class _FrontDoor:
         else:
             send_with_id = send
 
-        if self.api_key and scope["path"].startswith("/v1") and not self._authorized(scope):
+        if self.api_key and _needs_key(scope["path"]) and not self._authorized(scope):
             denied = error_response(RequestError(
                 "missing or invalid API key; send 'Authorization: Bearer <key>'",
                 status=401, err_type="invalid_request_error", code="invalid_api_key"))
@@ -194,6 +203,10 @@ class _FrontDoor:
         return False
 
 
+def _needs_key(path: str) -> bool:
+    return path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+
+
 def _request_id(request: Request) -> str:
     """The id _FrontDoor gave this request (a fresh one for a request built without it)."""
     return getattr(request.state, "request_id", None) or uuid.uuid4().hex
@@ -209,7 +222,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
     where = f"{request.method} {request.url.path}"
     if exc.status_code == 404:
         message = f"Invalid URL ({where}); this server serves /v1/models, /v1/completions, " \
-                  "/v1/chat/completions, /health and /metrics"
+                  "/v1/chat/completions, /tokenize, /detokenize, /health and /metrics"
     elif exc.status_code == 405:
         message = f"Method not allowed ({where}); allowed: {(exc.headers or {}).get('Allow')}"
     else:
@@ -284,10 +297,7 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         rid = _engine_request_id("cmpl")
         try:
-            info = await self.info()
-            body = await self.read_body(request, self.body_limit(info))
-            req = _parse(CompletionRequest, body)
-            self._check_model(req.model)
+            info, body, req = await self._read(request, lambda _: CompletionRequest)
             self._check_n(req.n, info)
             prompts = await self._off_loop(len(body), self.prompts.completion_prompts,
                                            req.prompt, info.max_model_len)
@@ -306,10 +316,7 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         rid = _engine_request_id("chatcmpl")
         try:
-            info = await self.info()
-            body = await self.read_body(request, self.body_limit(info))
-            req = _parse(ChatCompletionRequest, body)
-            self._check_model(req.model)
+            info, body, req = await self._read(request, lambda _: ChatCompletionRequest)
             self._check_n(req.n, info)
             if req.uses_tools and self.tool_call_parser is None:
                 raise RequestError("tools need the server's tool_call_parser setting (hermes "
@@ -329,6 +336,48 @@ class OpenAIServing:
         builder = ChatBuilder(self.served_model_name, self.prompts.token_text, rid, req, prompt,
                               self.reasoning_parser, self.tool_call_parser)
         return await respond(builder, first, stream, req.stream)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt's or a conversation's token ids, counted as the generation
+        routes count them (not refused when longer than the context: it is a way to find out)."""
+        rid = _engine_request_id("tokenize")
+        try:
+            info, body, req = await self._read(request, lambda body: (
+                TokenizeChatRequest if _has_key(body, "messages") else TokenizeRequest))
+            if isinstance(req, TokenizeChatRequest):
+                ids = await self._off_loop(len(body), self.prompts.render_chat, req, sys.maxsize)
+            else:
+                encode = functools.partial(self.prompts.tokenizer.encode,
+                                           add_special_tokens=req.add_special_tokens)
+                ids = await self._off_loop(len(body), encode, req.prompt)
+        except Exception as e:  # noqa: BLE001
+            return error_response(map_exception(e, rid))
+        return JSONResponse({
+            "count": len(ids), "max_model_len": info.max_model_len, "tokens": ids,
+            "token_strs": (self.prompts.tokenizer.convert_ids_to_tokens(ids)
+                           if req.return_token_strs else None)})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids (inside the vocabulary) to text."""
+        rid = _engine_request_id("detokenize")
+        try:
+            info, body, req = await self._read(request, lambda _: DetokenizeRequest)
+            if req.tokens:
+                self.prompts.check_ids(req.tokens, "tokens")
+            text = await self._off_loop(len(body), self.prompts.tokenizer.decode, req.tokens)
+        except Exception as e:  # noqa: BLE001
+            return error_response(map_exception(e, rid))
+        return JSONResponse({"prompt": text})
+
+    async def _read(self, request: Request, kind: Callable[[bytes], type]
+                    ) -> tuple[ModelInfo, bytes, Any]:
+        """The model's info, the request's body (within the size limit) and the body parsed as
+        `kind(body)`, for the model this server serves."""
+        info = await self.info()
+        body = await self.read_body(request, self.body_limit(info))
+        req = _parse(kind(body), body)
+        self._check_model(req.model)
+        return info, body, req
 
     @staticmethod
     async def read_body(request: Request, limit: int) -> bytes:
@@ -381,6 +430,16 @@ def _body_too_large(size: int, limit: int, at_least: bool = False) -> RequestErr
     return RequestError(f"the request body is {'at least ' if at_least else ''}{size} bytes; this "
                         f"server accepts at most {limit} (max_request_body_bytes)", status=413,
                         code="request_too_large")
+
+
+def _has_key(body: bytes, key: str) -> bool:
+    """Whether the body is a JSON object with `key` (False for anything else: the parse that
+    follows reports what is wrong with it)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and key in obj
 
 
 def _parse(model: type, body: bytes) -> Any:

@@ -339,6 +339,29 @@ class ChatCompletionRequest(_SamplingFields):
         return choice or "auto"
 
 
+class TokenizeRequest(_Request):
+    """POST /tokenize with a prompt (vLLM's): its token ids as /v1/completions would see them."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """POST /tokenize with messages (vLLM's): the chat template's rendering, tokenized, as
+    /v1/chat/completions would send it to the engine."""
+
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class RequestError(ValueError):
     """A client error with its HTTP status, serialised as OpenAI's error body."""
 

@@ -241,3 +241,51 @@ def test_pack_output_round_trip_drops_only_the_prompt() -> None:
     assert packed == (False, 16, ((0, [5, 6], "ab", None, None, None),
                                   (1, [7], "c", "stop", 151645, [{7: -0.25, 9: -1.5}])))
     assert unpack_output("cmpl-1", [11, 12, 13], packed) == out
+
+
+def test_tokenize_counts_what_the_generation_routes_send_the_engine(engine: FakeEngine,
+                                                                    tokenizer: Any) -> None:
+    """vLLM's /tokenize: a prompt's ids, and a conversation's as /v1/chat/completions renders
+    it (the same ids the engine is then given), with the context length."""
+    resp = fetch(engine, tokenizer, "POST", "/tokenize",
+                 {"model": MODEL, "prompt": "Hello there", "return_token_strs": True})
+    assert resp.status_code == 200
+    ids = tokenizer.encode("Hello there")
+    assert resp.json() == {"count": len(ids), "max_model_len": 64, "tokens": ids,
+                           "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = fetch(engine, tokenizer, "POST", "/tokenize", {"messages": messages}).json()
+    fetch(engine, tokenizer, "POST", "/v1/chat/completions",
+          {"messages": messages, "max_tokens": 2})
+    assert chat["tokens"] == engine.calls[0][0] and chat["count"] == len(chat["tokens"])
+    assert chat["token_strs"] is None
+    # Longer than the context is an answer here, not an error: that is what one asks it for.
+    long = fetch(engine, tokenizer, "POST", "/tokenize", {"prompt": "word " * 100}).json()
+    assert long["count"] > long["max_model_len"]
+
+
+def test_detokenize_is_tokenize_backwards_and_checks_the_ids(engine: FakeEngine,
+                                                             tokenizer: Any) -> None:
+    ids = tokenizer.encode("Hello there, how are you?")
+    resp = fetch(engine, tokenizer, "POST", "/detokenize", {"tokens": ids})
+    assert resp.status_code == 200 and resp.json() == {"prompt": "Hello there, how are you?"}
+    bad = fetch(engine, tokenizer, "POST", "/detokenize", {"tokens": [5, 10**7]})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "tokens"
+    assert "outside the vocabulary" in bad.json()["error"]["message"]
+    wrong_model = fetch(engine, tokenizer, "POST", "/tokenize", {"model": "gpt-4", "prompt": "x"})
+    assert wrong_model.status_code == 404
+    # A prompt that names messages inside its text is still a prompt.
+    text = fetch(engine, tokenizer, "POST", "/tokenize", {"prompt": 'x"messages"'}).json()
+    assert text["tokens"] == tokenizer.encode('x"messages"')
+    assert engine.calls == []
+
+
+def test_tokenizer_routes_need_the_api_key_when_one_is_set(engine: FakeEngine,
+                                                           tokenizer: Any) -> None:
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
+        denied = fetch(engine, tokenizer, "POST", path, body, api_key="k")
+        assert denied.status_code == 401
+        allowed = fetch(engine, tokenizer, "POST", path, body, api_key="k",
+                        headers={"Authorization": "Bearer k"})
+        assert allowed.status_code == 200
