@@ -237,16 +237,19 @@ class Sampler:
             logits[pen.rows] = apply_penalties(
                 logits[pen.rows], pen.output_counts, pen.prompt_mask, pen.repetition_penalty,
                 pen.frequency_penalty, pen.presence_penalty, pen.logit_bias)
-        greedy_ids = row_argmax(logits)
         hot = md.temperature > 0
-        if not md.all_greedy:
+        if md.all_greedy:
+            token_ids = row_argmax(logits)
+        else:
             logits.div_(torch.where(hot, md.temperature, 1.0).unsqueeze(1))
         logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-        token_ids = greedy_ids
         if not md.all_greedy:
             masked = apply_masks(logits, md.top_k, md.top_p, md.min_p, md.max_top_k)
-            sampled = ops.sample_tokens(masked, md.rng_key, md.rng_counter)
-            token_ids = torch.where(hot, sampled, greedy_ids)
+            # Greedy rows take their first maximum in the same op (temperature 0; the others'
+            # logits are scaled already: 1). The masks keep every row's top value and its ties,
+            # so that is the unmasked argmax, and no separate argmax pass is needed.
+            token_ids = ops.sample_tokens(masked, md.rng_key, md.rng_counter,
+                                          hot.to(torch.float32))
         if logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
         chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)

@@ -343,6 +343,30 @@ def test_logit_bias_is_added_before_the_penalties() -> None:
         torch.tensor([1.0, 3.0, 2.5, 0.0]), -1)[1])
 
 
+def test_greedy_rows_beside_masked_random_rows_take_their_first_maximum() -> None:
+    """A batch on the processed path (a random row with masks): its greedy rows come out of the
+    same draw at temperature 0, as the first maximum of their (bitmasked) logits, whatever
+    masks they carry; the bitmask bans the first of two tied maxima on row 2."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 300, generator=gen)
+    logits[0, [7, 250]] = 9.0  # tied maxima: the first wins
+    logits[2, [11, 40]] = 9.0
+    params = [SamplingParams(temperature=0, top_k=3, min_p=0.5),
+              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3),
+              SamplingParams(temperature=0, top_p=0.5), SamplingParams(temperature=0)]
+    bitmask = torch.full((4, 10), -1, dtype=torch.int32)
+    bitmask[2, 0] = ~(1 << 11)  # token 11 banned on row 2
+    md = _md(params, bitmask=bitmask)
+    md.max_top_k = None
+    out = Sampler()(logits.clone(), md)
+    banned = logits.clone()
+    banned[2, 11] = NEG
+    want = [7, None, 40, int(banned[3].argmax())]
+    got = out.token_ids.tolist()
+    assert [g if w is not None else None for g, w in zip(got, want)] == want
+    assert got[1] in logits[1].topk(5).indices.tolist()
+
+
 def test_logprobs_are_after_temperature_before_masks() -> None:
     logits = _logits([[0.0, 1.0, 2.0]])
     params = SamplingParams(temperature=0.5, top_k=1, logprobs=3, seed=0)
