@@ -1,8 +1,9 @@
 """Token sampling for a batch of rows at once, with vLLM's processing order.
 
 Per row: grammar bitmask (structured outputs) -> logit bias -> penalties (repetition on
-prompt + output tokens, frequency and presence on output tokens) -> greedy argmax for temperature 0 ->
-temperature -> top-k -> top-p -> min-p -> one draw from the remaining distribution.
+prompt + output tokens, frequency and presence on output tokens) -> greedy argmax for
+temperature 0 -> temperature -> top-k -> top-p -> min-p -> one draw from the remaining
+distribution.
 The three masks each keep a prefix of the values in descending order, so together they are
 one per-row logit cut (`mask_threshold`), found by ordering only the largest `max_top_k`
 values when every random row has a top_k, and applied in one pass.

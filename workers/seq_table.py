@@ -3,9 +3,9 @@
 A row keeps the sequence's block table (a host mirror and a device copy, both changed only by
 the plan's diffs), its prompt length, how many tokens it has computed, and its sampling
 settings, all as column arrays: a step's inputs are numpy gathers by row, never a Python loop
-over the batch. A sequence with penalties or a logit bias also holds a penalty slot: device tensors of its
-output-token counts and prompt-token mask, updated on the device from each step's input
-tokens (which may be pending tokens the host never sees), and of its logit bias.
+over the batch. A sequence with penalties or a logit bias also holds a penalty slot: device
+tensors of its output-token counts and prompt-token mask, updated on the device from each
+step's input tokens (which may be pending tokens the host never sees), and of its logit bias.
 
 Invariants:
 - `rows_of(seq_ids)` gives a row for exactly the sequences with state; a row is in use by one
