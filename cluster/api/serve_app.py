@@ -246,7 +246,7 @@ def build_app(args: dict[str, Any]) -> Application:
     replicas: dict[str, Any] = {"num_replicas": serving["num_replicas"]}
     if serving["autoscaling_config"]:
         replicas = {"autoscaling_config": serving["autoscaling_config"]}
-    # The replica runs the model itself with the in-process executor: it starts with what a
+    # With the in-process executor the replica runs the model itself, so it starts with what a
     # worker actor would (on a CPU, OpenMP threads that sleep when idle).
     llm_env = {**REPLICA_ENV_VARS, **worker_env("cuda" if use_gpu else "cpu")}
     llm = LLMServer.options(
