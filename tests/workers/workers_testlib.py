@@ -3,6 +3,7 @@ Worker ranks in-process or in spawned processes, and the Hugging Face greedy ora
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing as mp
 import queue
 import traceback
@@ -375,6 +376,8 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], num_tokens: int
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
+    # transformers 5.24 renamed the KV cache argument and output `past_key_values` -> `cache`
+    cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = []
     with torch.no_grad():
         for prompt in prompts:
@@ -385,7 +388,6 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], num_tokens: int
                 tok = int(last.argmax())
                 tokens.append(tok)
                 logits.append(last.numpy().copy())
-                res = model(torch.tensor([[tok]]), past_key_values=res.past_key_values,
-                            use_cache=True)
+                res = model(torch.tensor([[tok]]), **{cache: getattr(res, cache)}, use_cache=True)
             out.append((tokens, logits))
     return out
