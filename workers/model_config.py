@@ -118,11 +118,7 @@ def _rope_theta(raw: dict[str, Any], path: Path) -> float:
 
 def _eos_token_ids(raw: dict[str, Any], path: Path) -> tuple[int, ...]:
     """EOS ids from generation_config.json when present (it lists all of them), else config.json."""
-    eos: Any = raw.get("eos_token_id")
-    gen_file = path / "generation_config.json"
-    if gen_file.is_file():
-        gen = json.loads(gen_file.read_text())
-        eos = gen.get("eos_token_id", eos)
+    eos: Any = _generation_config(path).get("eos_token_id", raw.get("eos_token_id"))
     if eos is None:
         return ()
     ids = [eos] if isinstance(eos, int) else list(eos)
@@ -137,10 +133,7 @@ def load_generation_defaults(path: str | Path) -> dict[str, float | int]:
     """The sampling settings a checkpoint's generation_config.json recommends (those of
     GENERATION_SAMPLING_KEYS it sets), e.g. Qwen3's temperature 0.6, top_k 20, top_p 0.95;
     empty without the file. Values keep their JSON type (top_k an int)."""
-    gen_file = Path(path) / "generation_config.json"
-    if not gen_file.is_file():
-        return {}
-    gen = json.loads(gen_file.read_text())
+    gen = _generation_config(Path(path))
     out: dict[str, float | int] = {}
     for key in GENERATION_SAMPLING_KEYS:
         value = gen.get(key)
@@ -148,3 +141,9 @@ def load_generation_defaults(path: str | Path) -> dict[str, float | int]:
             continue
         out[key] = int(value) if key == "top_k" else float(value)
     return out
+
+
+def _generation_config(path: Path) -> dict[str, Any]:
+    """The checkpoint's generation_config.json, or {} without one."""
+    gen_file = path / "generation_config.json"
+    return json.loads(gen_file.read_text()) if gen_file.is_file() else {}
