@@ -1,0 +1,133 @@
+"""Fused MoE: the torch twin against a per-expert loop (transformers' Qwen3MoeExperts
+algorithm), the block alignment's invariants, and the Triton kernel against the twin under
+TRITON_INTERPRET=1 (fp32: the interpreter gets bf16 `tl.dot` wrong).
+
+Cases cover expert counts 3..8, top-k 1..3, 1 and 3 tokens and more tokens than one
+BLOCK_M tile, experts that get no token, and pairs of another rank's experts (id -1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import INTERPRETER_ONLY
+
+from kernels import ops
+from kernels.moe_reference import moe_align_block_size
+
+
+def per_expert_loop(x, w13, w2, weights, ids):
+    """One expert at a time, as transformers' Qwen3MoeExperts.forward."""
+    out = torch.zeros_like(x)
+    inter = w2.shape[2]
+    for e in range(w13.shape[0]):
+        tok, slot = torch.where(ids == e)
+        if tok.numel():
+            h = x[tok] @ w13[e].T
+            y = (F.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].T
+            out.index_add_(0, tok, y * weights[tok, slot, None])
+    return out
+
+
+def make_case(num_tokens, num_experts, top_k, hidden=32, inter=24, seed=0, skip_expert=None,
+              remote=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.2
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) * 0.2
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    if skip_expert is not None:
+        logits[:, skip_expert] = -1e9
+    weights, ids = ops.moe_route(logits, top_k, renormalize=True)
+    if remote:  # the first slot of every other token lives on another rank
+        ids[::2, 0] = -1
+    return x, w13, w2, weights, ids
+
+
+CASES = [  # (tokens, experts, top_k)
+    (1, 4, 2), (3, 8, 3), (3, 3, 1), (40, 6, 2), (70, 8, 2),
+]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", CASES)
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "ep"])
+def test_reference_matches_per_expert_loop(num_tokens, num_experts, top_k, remote) -> None:
+    x, w13, w2, weights, ids = make_case(num_tokens, num_experts, top_k, skip_expert=1,
+                                         remote=remote)
+    assert not (ids == 1).any()
+    got = ops.fused_moe(x, w13, w2, weights, ids, backend="torch")
+    torch.testing.assert_close(got, per_expert_loop(x, w13, w2, weights, ids),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_route_matches_transformers_router() -> None:
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    for renorm in (True, False):
+        cfg = Qwen3MoeConfig(hidden_size=16, num_experts=6, num_experts_per_tok=3,
+                             norm_topk_prob=renorm)
+        router = Qwen3MoeTopKRouter(cfg)
+        torch.nn.init.normal_(router.weight)
+        h = torch.randn(9, 16)
+        with torch.no_grad():
+            logits, want_w, want_ids = router(h)
+        got_w, got_ids = ops.moe_route(logits, 3, renorm)
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_align_groups_every_pair_once_in_its_experts_blocks(block_m: int) -> None:
+    ids = torch.tensor([[2, 0], [2, -1], [0, 2], [3, 2], [-1, 0]])
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, num_experts=5, block_m=block_m)
+    num_pairs = ids.numel()
+    used = int(num_padded)
+    assert used % block_m == 0 and sorted_ids.numel() % block_m == 0
+    real = sorted_ids[sorted_ids < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))  # each pair exactly once
+    assert (sorted_ids[used:] == num_pairs).all()  # nothing past the used rows
+    flat = ids.flatten()
+    for b in range(used // block_m):
+        rows = sorted_ids[b * block_m:(b + 1) * block_m]
+        rows = rows[rows < num_pairs]
+        want = int(expert_ids[b])
+        assert rows.numel() > 0
+        assert set(flat[rows].tolist()) == {want if want >= 0 else -1}
+    # Experts 1 and 4 got no pair: no block names them.
+    assert not ({1, 4} & set(expert_ids.tolist()))
+    assert (expert_ids[used // block_m:] == -1).all()
+
+
+@INTERPRETER_ONLY
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", CASES)
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "ep"])
+def test_triton_matches_reference(num_tokens, num_experts, top_k, remote) -> None:
+    x, w13, w2, weights, ids = make_case(num_tokens, num_experts, top_k, seed=3, skip_expert=0,
+                                         remote=remote)
+    want = ops.fused_moe(x, w13, w2, weights, ids, backend="torch")
+    got = ops.fused_moe(x, w13, w2, weights, ids, backend="triton")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@INTERPRETER_ONLY
+def test_triton_more_rows_than_a_tile_with_odd_sizes() -> None:
+    """Forced 16-row tiles and a K loop with a ragged tail (hidden 40 over BLOCK_K 16):
+    70 tokens * 2 slots span many blocks per expert; columns not a multiple of BLOCK_N."""
+    from kernels.triton_moe import fused_moe as triton_fused_moe
+
+    x, w13, w2, weights, ids = make_case(70, 5, 2, hidden=40, inter=20, seed=4)
+    want = ops.fused_moe(x, w13, w2, weights, ids, backend="torch")
+    got = triton_fused_moe(x, w13, w2, weights, ids, tiles=(16, 16, 16, 2, 4, 1))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_shapes_are_value_errors() -> None:
+    x, w13, w2, weights, ids = make_case(3, 4, 2)
+    with pytest.raises(ValueError, match="w13 must be"):
+        ops.fused_moe(x, w13[:, :-1], w2, weights, ids)
+    with pytest.raises(ValueError, match="topk_ids and topk_weights"):
+        ops.fused_moe(x, w13, w2, weights[:2], ids)
+    with pytest.raises(ValueError, match="top_k"):
+        ops.moe_route(torch.zeros(3, 4), 5, True)
