@@ -56,7 +56,7 @@ class ModelConfig:
         """Bytes of one rank's weights (embedding and head split over the ranks, norms
         replicated, experts split whether by TP or EP: each rank holds 1/tp of them)."""
         tp, h = tensor_parallel_size, self.hidden_size
-        nq, nkv, d = self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        nq, d = self.num_attention_heads, self.head_dim
         kv_per_rank = self.num_kv_heads_per_rank(tp)
         attn = h * (nq // tp) * d * 2 + 2 * h * kv_per_rank * d + 2 * d
         total = 0

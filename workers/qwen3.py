@@ -20,8 +20,8 @@ import kernels
 from workers.distributed import TensorParallelGroup
 from workers.layers import (
     Attention,
-    FusedMoE,
     AttentionMetadata,
+    FusedMoE,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,

@@ -126,8 +126,9 @@ def resolve_model(model: str) -> str:
         return str(target)
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise ValueError(f"model {model!r} is neither one of {sorted(_EMBEDDED)} nor a "
-                         "checkpoint directory (config.json + *.safetensors)")
+        raise ValueError(f"model {model!r} is neither {TINY_MODEL_NAME!r} nor a checkpoint "
+                         "directory (config.json + *.safetensors); the embedded models are "
+                         f"{sorted(_EMBEDDED)}")
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {str(path)!r} has no config.json")
     return str(path)
