@@ -1,12 +1,10 @@
 """Plain-torch mixture-of-experts: the routing and expert MLPs of Qwen3-MoE, no per-expert loop.
 
 `fused_moe` is the twin of `kernels.triton_moe.fused_moe` (the CPU path, and the oracle the
-Triton kernel is tested against). Tokens are sorted by expert and scattered into a padded
-`[E, C, H]` batch (C: the most tokens any expert got), so each projection is one `bmm` over
-all experts with the weights read in place. Its memory is E * C rows, so a batch that sends
-every token to one expert costs E times the rows it computes: fine on CPU at the sizes it
-runs, which is why the CUDA path is the Triton kernel (block-aligned groups, no padding
-beyond one tile per expert). C is read on the host, so this twin is not graph-capturable.
+Triton kernel is tested against). The (token, slot) pairs are sorted by expert and each
+projection is one `torch.nn.functional.grouped_mm` over the per-expert row groups: every
+expert's weights are read in place, only for the experts that got rows, with no padding and
+no host read. The loop over groups is inside that one op, not in Python.
 
 `topk_ids` are this rank's expert indices; -1 marks a (token, slot) whose expert lives on
 another rank (expert parallelism): it contributes zero here.
@@ -38,24 +36,21 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
-    # Pairs for other ranks' experts sort last (key E) and are never placed.
+    # Pairs for other ranks' experts sort last (key E), past every group's rows.
     key = torch.where(flat >= 0, flat, num_experts)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)
-    starts = torch.cumsum(counts, 0) - counts
-    sorted_key = key[order]
-    slot = torch.arange(order.numel(), device=x.device) - starts[sorted_key]
-    local = sorted_key < num_experts
-    pairs, experts, slot = order[local], sorted_key[local], slot[local]
-    out = x.new_zeros(num_tokens * top_k, hidden)
-    capacity = int(counts[:num_experts].max()) if pairs.numel() else 0
-    if capacity:
-        batch = x.new_zeros(num_experts, capacity, hidden)
-        batch[experts, slot] = x[pairs // top_k]
-        gate_up = torch.bmm(batch, w13.transpose(1, 2))
-        act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
-        down = torch.bmm(act, w2.transpose(1, 2))
-        out[pairs] = down[experts, slot] * topk_weights.reshape(-1)[pairs, None].to(x.dtype)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    group_ends = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
+    rows = x[order // top_k]
+    gate_up = F.grouped_mm(rows, w13.transpose(1, 2), offs=group_ends)
+    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    down = F.grouped_mm(act, w2.transpose(1, 2), offs=group_ends)
+    # Rows past the last group (other ranks' pairs) were never computed: select, not multiply.
+    local = (key[order] < num_experts)[:, None]
+    down = torch.where(local, down * topk_weights.reshape(-1)[order, None].to(x.dtype), 0.0)
+    out = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    out[order] = down
     return out.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
