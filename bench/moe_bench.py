@@ -29,6 +29,7 @@ The 30B checkpoint is 57 GiB on disk; `--layers 12` writes a quarter of its laye
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import platform
@@ -108,10 +109,12 @@ def kernel_rows(args) -> list[dict]:
         weights, ids = ops.moe_route(logits, k, True)
         hit = int(torch.unique(ids).numel())
         expert_bytes = hit * 3 * h * inter * w13.element_size()
-        fused = _time(lambda: ops.fused_moe(x, w13, w2, weights, ids), args.device, args.runs)
-        loop = _time(lambda: per_expert_loop(x, w13, w2, weights, ids), args.device,
+        fused = _time(functools.partial(ops.fused_moe, x, w13, w2, weights, ids), args.device,
+                      args.runs)
+        loop = _time(functools.partial(per_expert_loop, x, w13, w2, weights, ids), args.device,
                      args.runs, graph=False)
-        dense = _time(lambda: dense_mlp(x, w13_dense, w2_dense), args.device, args.runs)
+        dense = _time(functools.partial(dense_mlp, x, w13_dense, w2_dense), args.device,
+                      args.runs)
         err = (ops.fused_moe(x, w13, w2, weights, ids)
                - per_expert_loop(x, w13, w2, weights, ids)).abs().max().item()
         rows.append(dict(tokens=t, experts_hit=hit, fused_ms=round(fused, 3),
@@ -123,8 +126,9 @@ def kernel_rows(args) -> list[dict]:
 
 
 def sweep_tiles(args) -> list[dict]:
-    from kernels.triton_moe import fused_moe as triton_fused_moe
     from triton.testing import do_bench_cudagraph
+
+    from kernels.triton_moe import fused_moe as triton_fused_moe
 
     shape = SHAPES[args.shape]
     h, e, k = shape["hidden"], shape["experts"], shape["top_k"]
@@ -141,7 +145,8 @@ def sweep_tiles(args) -> list[dict]:
                 (16, 32, 64, 128), (32, 64, 128), (64, 128), (1, 8), (4, 8), (3, 4)):
             tiles = (bm, bn, bk, gm, warps, stages)
             try:
-                ms = do_bench_cudagraph(lambda: triton_fused_moe(x, w13, w2, weights, ids, tiles))
+                ms = do_bench_cudagraph(
+                    functools.partial(triton_fused_moe, x, w13, w2, weights, ids, tiles))
             except Exception as exc:  # shared memory or register limits of this GPU
                 print(f"  skip {tiles}: {type(exc).__name__}", file=sys.stderr)
                 continue
@@ -153,10 +158,13 @@ def sweep_tiles(args) -> list[dict]:
 
 
 def offline(args) -> list[dict]:
-    from throughput import WORKLOADS, make_requests, run_engine
+    from throughput import WORKLOADS, make_requests
 
+    from cluster import LLM, SamplingParams
     from workers.tiny_model import QWEN3_30B_A3B_CONFIG, cache_root, write_random_qwen3
 
+    workload = WORKLOADS["offline-gpu"]
+    reqs = make_requests(workload)
     moe = dict(QWEN3_30B_A3B_CONFIG, num_hidden_layers=args.layers)
     rows = []
     for name, cfg in ((f"qwen3-30b-a3b-{args.layers}l-random", moe),
@@ -164,10 +172,19 @@ def offline(args) -> list[dict]:
         target = cache_root() / name
         if not (target / "model.safetensors").is_file():
             write_random_qwen3(target, cfg, seed=SEED)
-        reqs = make_requests(WORKLOADS["offline-gpu"])
-        res = run_engine(str(target), reqs, WORKLOADS["offline-gpu"]["temperature"], args.tp)
-        rows.append(dict(model=name, tp=args.tp, **{k: v for k, v in res.items()
-                                                     if k in ("tok_per_s", "wall_s", "steps")}))
+        params = [SamplingParams(temperature=workload["temperature"], max_tokens=o,
+                                 ignore_eos=True, seed=i) for i, (_, o) in enumerate(reqs)]
+        with LLM(str(target), tensor_parallel_size=args.tp,
+                 enable_expert_parallel=args.expert_parallel) as llm:
+            llm.generate([{"prompt_token_ids": reqs[0][0]}],
+                         SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+            start = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params,
+                                use_tqdm=False)
+            wall = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append(dict(model=name, tp=args.tp, expert_parallel=args.expert_parallel,
+                         tok_per_s=round(tokens / wall, 1), wall_s=round(wall, 2)))
         print(rows[-1], flush=True)
     return rows
 
@@ -184,6 +201,7 @@ def main() -> None:
     ap.add_argument("--sweep-tiles", action="store_true")
     ap.add_argument("--offline", action="store_true")
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--expert-parallel", action="store_true", help="--offline: EP instead of TP")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if (args.device == "cuda" or args.sweep_tiles or args.offline) and not torch.cuda.is_available():
