@@ -137,3 +137,23 @@ def test_one_route_tp1_matches_transformers(moe_model) -> None:
         _assert_matches(_run(executor, prompts), reference)
     finally:
         executor.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [True, False])
+@pytest.mark.parametrize("name", ["all_sparse", "mixed"])
+def test_cuda_triton_moe_matches_transformers(name, enforce_eager, moe_model) -> None:
+    """fp32 on CUDA: the Triton MoE kernel, eager and inside the decode CUDA graphs."""
+    path, prompts, reference = moe_model(name)
+    executor = LocalExecutor(model=path, device="cuda", dtype="float32", num_gpu_blocks=64,
+                             max_model_len=512, max_num_seqs=8, enforce_eager=enforce_eager)
+    try:
+        runner = executor.worker.model_runner.graph_runner
+        assert (runner is None) == enforce_eager
+        builder = _run(executor, prompts)
+    finally:
+        executor.close()
+    for sid, (ref_tokens, ref_logits) in enumerate(reference):
+        assert builder.seqs[sid].outputs == ref_tokens, f"sequence {sid}"
+        np.testing.assert_allclose(np.stack(builder.seqs[sid].logits), np.stack(ref_logits),
+                                   atol=2e-3, rtol=0)
