@@ -144,3 +144,17 @@ def test_weights_that_do_not_fit_name_the_sizes(tmp_path: Path) -> None:
                                          r"48\.0 GiB \(43\.2 GiB\)"):
         check_weights_fit(mc, 1, 2, 48 * 2**30, 0.9)
     check_weights_fit(mc, 2, 2, 48 * 2**30, 0.9)
+
+
+def test_moe_manifest_args_are_valid_engine_config() -> None:
+    import yaml
+
+    from cluster.api.serve_app import SERVING_DEFAULTS
+    from cluster.engine.config import EngineConfig
+
+    manifest = Path(__file__).resolve().parents[2] / "manifests" / "qwen3-30b-a3b.yaml"
+    args = yaml.safe_load(manifest.read_text())["applications"][0]["args"]
+    config = EngineConfig.from_dict({k: v for k, v in args.items() if k not in SERVING_DEFAULTS})
+    assert config.tensor_parallel_size == 2 and config.enable_expert_parallel is False
+    with pytest.raises(ValueError, match="enable_expert_parallel must be true or false"):
+        EngineConfig(enable_expert_parallel="yes")
