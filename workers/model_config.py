@@ -2,8 +2,8 @@
 
 Dense Qwen3 (`Qwen3ForCausalLM`) and mixture-of-experts Qwen3 (`Qwen3MoeForCausalLM`: the
 router and experts' sizes, and `decoder_sparse_step` / `mlp_only_layers`, which pick the
-layers whose MLP is sparse, as transformers does). Reads transformers-5 configs (`rope_parameters`) and legacy ones (`rope_theta`,
-`rope_scaling`, `torch_dtype`). The engine uses it too (max length, EOS ids, vocab size),
+layers whose MLP is sparse, as transformers does). Reads transformers-5 configs
+(`rope_parameters`) and legacy ones (`rope_theta`, `rope_scaling`, `torch_dtype`). The engine uses it too (max length, EOS ids, vocab size),
 so it imports nothing heavier than the standard library.
 """
 

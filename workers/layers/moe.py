@@ -21,6 +21,10 @@ Two ways to split the experts over the tensor-parallel ranks:
 Either way the layer ends in one all-reduce of `[T, H]`, so the communication is the dense
 MLP's. EP reads whole expert matrices (better GEMM shapes when I/tp gets small); TP balances
 work whatever the routing.
+
+Memory: a forward's expert buffers (`[T k, I_local]` and `[T k, H]` plus the alignment's
+index arrays) have sizes fixed by T alone, not by the routing, so the worker's profiling
+forward at the largest batch measures their peak and the KV cache is sized after it.
 """
 
 from __future__ import annotations
