@@ -66,7 +66,8 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
                 param = params.get(param_name)
                 if param is None:
                     raise ValueError(f"{file.name} holds {name!r}, which this Qwen3 model has no "
-                                     "parameter for: is the checkpoint a Qwen3ForCausalLM?")
+                                     "parameter for: does config.json (dense or MoE, its layer "
+                                     "and expert counts) match the weights?")
                 source = WeightSource(name, safe_slice=f.get_slice(name))
                 loader = getattr(param, "weight_loader", None)
                 if loader is None:

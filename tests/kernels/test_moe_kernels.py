@@ -95,6 +95,10 @@ def test_align_groups_every_pair_once_in_its_experts_blocks(block_m: int) -> Non
         want = int(expert_ids[b])
         assert rows.numel() > 0
         assert set(flat[rows].tolist()) == {want if want >= 0 else -1}
+    # Sizes depend on (pairs, experts, block_m) alone, never on the routing (no host read,
+    # and a CUDA graph captured for one batch replays for every other).
+    other = moe_align_block_size(torch.zeros_like(ids), num_experts=5, block_m=block_m)
+    assert [t.shape for t in other] == [sorted_ids.shape, expert_ids.shape, num_padded.shape]
     # Experts 1 and 4 got no pair: no block names them.
     assert not ({1, 4} & set(expert_ids.tolist()))
     assert (expert_ids[used // block_m:] == -1).all()
