@@ -61,8 +61,9 @@ def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_m: int
     Returns `sorted_ids` `[P]` (pair index `t * k + j`, or `T * k` for padding),
     `expert_ids` `[P // block_m]` (the block's expert; -1 for the pairs of other ranks'
     experts and for blocks past the end) and `num_padded` `[1]` (rows in use), with the
-    static size P = T*k + (E + 1) * (block_m - 1) rounded up to block_m. Every step is a
-    fixed-shape torch op with no host read, so a CUDA graph captures it.
+    static size P = T*k + (E + 1) * (block_m - 1) rounded up to block_m. The reference for
+    kernels/triton_moe.py's three-launch version (the ~20 small torch ops here would be ~20
+    launches per layer on a GPU); fixed shapes, no host read.
     """
     num_pairs = topk_ids.numel()
     device = topk_ids.device

@@ -1,7 +1,11 @@
 """Fused mixture-of-experts in Triton: two grouped GEMMs over tokens grouped by expert.
 
-1. `moe_align_block_size` (kernels/moe_reference.py, fixed-shape torch ops) lays the
-   (token, slot) pairs out by expert in blocks of BLOCK_M rows, each block one expert.
+1. `moe_align_block_size` lays the (token, slot) pairs out by expert in blocks of BLOCK_M
+   rows, each block one expert, in three small launches (count per expert with atomics;
+   one program for the padded offsets, each block's expert and the padding fill; place
+   every pair at its expert's cursor with atomics). Within an expert the pairs' order
+   follows the atomics, which changes no result: every row of a GEMM is its own. The torch
+   twin (kernels/moe_reference.py) is the stable-order reference it is tested against.
 2. `_moe_gemm_kernel` with GATED: every program multiplies one block of rows by one
    BLOCK_N slice of its expert's gate and up rows (two accumulators sharing the loaded
    activations) and stores `silu(gate) * up` `[T*k, I]`: the gate/up output never exists.
@@ -27,8 +31,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.moe_reference import moe_align_block_size
-
 # (max pairs T*k, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the first row
 # whose bound covers the batch. PROVISIONAL (see the module docstring).
 _TILE_TABLE = (
@@ -45,6 +47,83 @@ def tile_config(num_pairs: int) -> tuple[int, int, int, int, int, int]:
         if num_pairs <= bound:
             return tuple(tiles)  # type: ignore[return-value]
     raise AssertionError("the last row's bound covers every batch")
+
+
+@triton.jit
+def _align_count_kernel(topk_ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+    """counts[e] += pairs routed to local expert e (bin num_experts: other ranks' experts)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    e = tl.load(topk_ids_ptr + offs, mask=ok, other=0)
+    key = tl.where(e >= 0, e, num_experts)
+    tl.atomic_add(counts_ptr + key, 1, mask=ok)
+
+
+@triton.jit
+def _align_offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, num_padded_ptr,
+                          sorted_ids_ptr, num_pairs, num_experts, size,
+                          BLOCK_M: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr):
+    """One program: each bin's padded start, each row block's expert (-1 for other ranks'
+    pairs and unused blocks), the rows in use, and the padding value in every row."""
+    bins = tl.arange(0, BINS)
+    in_use = bins <= num_experts
+    counts = tl.load(counts_ptr + bins, mask=in_use, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    tl.store(starts_ptr + bins, starts, mask=in_use)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    is_expert = bins < num_experts
+    for first in range(0, size // BLOCK_M, FILL):
+        block = first + tl.arange(0, FILL)
+        row = (block * BLOCK_M)[:, None]
+        owns = (row >= starts[None, :]) & (row < ends[None, :]) & is_expert[None, :]
+        expert = tl.sum(tl.where(owns, bins[None, :] + 1, 0), 1) - 1
+        tl.store(expert_ids_ptr + block, expert, mask=block < size // BLOCK_M)
+    for first in range(0, size, FILL * BLOCK_M):
+        rows = first + tl.arange(0, FILL * BLOCK_M)
+        tl.store(sorted_ids_ptr + rows, tl.full((FILL * BLOCK_M,), 0, tl.int32) + num_pairs,
+                 mask=rows < size)
+
+
+@triton.jit
+def _align_place_kernel(topk_ids_ptr, starts_ptr, cursor_ptr, sorted_ids_ptr, num_pairs,
+                        num_experts, BLOCK: tl.constexpr):
+    """sorted_ids[start[e] + cursor[e]++] = pair, for every pair of expert (bin) e."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    e = tl.load(topk_ids_ptr + offs, mask=ok, other=0)
+    key = tl.where(e >= 0, e, num_experts)
+    slot = tl.atomic_add(cursor_ptr + key, 1, mask=ok)
+    start = tl.load(starts_ptr + key, mask=ok, other=0)
+    tl.store(sorted_ids_ptr + start + slot, offs, mask=ok)
+
+
+_ALIGN_BLOCK = 1024
+_ALIGN_FILL = 16
+
+
+def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_m: int
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """kernels.moe_reference.moe_align_block_size in four launches (a zero fill, three
+    kernels); same shapes and values, except the order of pairs inside an expert's rows."""
+    num_pairs = topk_ids.numel()
+    bins = num_experts + 1
+    size = triton.cdiv(num_pairs + bins * (block_m - 1), block_m) * block_m
+    device = topk_ids.device
+    ids = topk_ids.reshape(-1)
+    scratch = torch.zeros(3, bins, dtype=torch.int32, device=device)  # counts, cursors, starts
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    grid = (triton.cdiv(num_pairs, _ALIGN_BLOCK),)
+    _align_count_kernel[grid](ids, scratch[0], num_pairs, num_experts, BLOCK=_ALIGN_BLOCK)
+    _align_offsets_kernel[(1,)](scratch[0], scratch[2], expert_ids, num_padded, sorted_ids,
+                                num_pairs, num_experts, size, BLOCK_M=block_m,
+                                BINS=triton.next_power_of_2(bins), FILL=_ALIGN_FILL)
+    _align_place_kernel[grid](ids, scratch[2], scratch[1], sorted_ids, num_pairs, num_experts,
+                              BLOCK=_ALIGN_BLOCK)
+    return sorted_ids, expert_ids, num_padded
 
 
 @triton.jit

@@ -1,7 +1,7 @@
-"""Compile the fused-MoE GEMM kernel for an H100 (sm_90) without a GPU (see sm90_compile.py,
-whose helper this uses): every row of `_TILE_TABLE`, gate+up (GATED, rows per token) and
-down (routing weights applied), in bf16 (the GPU default), and fp32 at one tile. Run with
-TRITON_INTERPRET unset."""
+"""Compile the fused-MoE kernels for an H100 (sm_90) without a GPU (see sm90_compile.py,
+whose helper this uses): the three alignment kernels, and the GEMM at every row of
+`_TILE_TABLE`, gate+up (GATED, rows per token) and down (routing weights applied), in bf16
+(the GPU default), and fp32 at one tile. Run with TRITON_INTERPRET unset."""
 
 from __future__ import annotations
 
@@ -32,6 +32,18 @@ def main() -> None:
                                  f"gated={gated} need {shared} B of shared memory")
             print(dt, (block_m, block_n, block_k, stages), "gated" if gated else "down",
                   f"shared {shared} B")
+    for ids in ("i64", "i32"):
+        compile_kernel(triton_moe._align_count_kernel, dict(topk_ids_ptr=ids, counts_ptr="i32"),
+                       dict(BLOCK=triton_moe._ALIGN_BLOCK), num_warps=4)
+        compile_kernel(triton_moe._align_place_kernel,
+                       dict(topk_ids_ptr=ids, starts_ptr="i32", cursor_ptr="i32",
+                            sorted_ids_ptr="i32"),
+                       dict(BLOCK=triton_moe._ALIGN_BLOCK), num_warps=4)
+    for block_m, bins in ((16, 256), (64, 256), (64, 8)):
+        compile_kernel(triton_moe._align_offsets_kernel,
+                       dict(counts_ptr="i32", starts_ptr="i32", expert_ids_ptr="i32",
+                            num_padded_ptr="i32", sorted_ids_ptr="i32"),
+                       dict(BLOCK_M=block_m, BINS=bins, FILL=triton_moe._ALIGN_FILL), num_warps=4)
     print("compiled for sm_90")
 
 

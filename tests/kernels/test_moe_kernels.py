@@ -105,6 +105,28 @@ def test_align_groups_every_pair_once_in_its_experts_blocks(block_m: int) -> Non
 
 
 @INTERPRETER_ONLY
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m",
+                         [(1, 2, 4, 16), (3, 3, 8, 16), (70, 2, 6, 16), (300, 8, 128, 64),
+                          (1500, 2, 8, 32)])
+def test_triton_align_matches_reference(num_tokens, top_k, num_experts, block_m) -> None:
+    """Same sizes, block experts and rows in use; each block holds the same pairs (their
+    order inside an expert follows the GPU's atomics, so it is compared as a set)."""
+    from kernels.triton_moe import moe_align_block_size as triton_align
+
+    g = torch.Generator().manual_seed(num_tokens)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k]
+                       for _ in range(num_tokens)])
+    ids[::3, 0] = -1
+    want, got = moe_align_block_size(ids, num_experts, block_m), triton_align(ids, num_experts,
+                                                                             block_m)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert got[0].shape == want[0].shape
+    for b in range(want[1].numel()):
+        rows = slice(b * block_m, (b + 1) * block_m)
+        assert sorted(got[0][rows].tolist()) == sorted(want[0][rows].tolist())
+
+
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", CASES)
 @pytest.mark.parametrize("remote", [False, True], ids=["local", "ep"])
 def test_triton_matches_reference(num_tokens, num_experts, top_k, remote) -> None:
