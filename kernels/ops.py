@@ -18,13 +18,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kernels import reference
+from kernels import moe_reference, reference
 from kernels.reference import compute_cos_sin_cache
 
 Backend = Literal["auto", "triton", "flash_attn", "torch"]
 _BACKENDS = ("auto", "triton", "flash_attn", "torch")
 
-__all__ = ["Backend", "compute_cos_sin_cache", "paged_attention", "qk_norm_rope_write_kv",
+__all__ = ["Backend", "compute_cos_sin_cache", "fused_moe", "moe_route", "paged_attention", "qk_norm_rope_write_kv",
            "rms_norm", "rotary_embedding", "sample_tokens", "silu_and_mul", "write_kv"]
 
 
@@ -210,3 +210,43 @@ def sample_tokens(logits: Tensor, rng_key: Tensor, rng_counter: Tensor,
         return reference.sample_tokens(logits, rng_key, rng_counter, temperature)
     from kernels.triton_sampling import sample_tokens as triton_sample_tokens
     return triton_sample_tokens(logits, rng_key, rng_counter, temperature)
+
+
+def moe_route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """Qwen3-MoE's router on `[T, E]` logits: (weights `[T, k]`, expert ids `[T, k]` int64).
+
+    Softmax in fp32, top-k, renormalised to sum 1 when `renormalize` (`norm_topk_prob`);
+    a few small torch ops on every backend (no host read, graph-capturable).
+    """
+    if router_logits.dim() != 2 or not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"router_logits must be [T, E] and top_k in [1, E]; got "
+                         f"{tuple(router_logits.shape)} and top_k={top_k}")
+    return moe_reference.route(router_logits, top_k, renormalize)
+
+
+def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+              backend: Backend = "auto") -> Tensor:
+    """The experts of a sparse MLP block: `[T, H]` in x's dtype.
+
+    Token t's output is `sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)` with
+    `e = topk_ids[t, j]` and `g, u = w13[e] @ x_t` split in halves: x `[T, H]`, w13
+    `[E, 2I, H]` (gate rows, then up rows), w2 `[E, H, I]`. `topk_ids` index this rank's
+    E experts; -1 marks an expert held by another rank (expert parallelism), which adds
+    nothing here. Triton: grouped GEMMs over tokens sorted by expert, no host sync; torch:
+    the same grouping with batched matmuls.
+    """
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    num_experts, hidden, inter = w2.shape
+    if w13.shape != (num_experts, 2 * inter, hidden) or x.shape[1] != hidden:
+        raise ValueError(f"w13 must be [E={num_experts}, 2I={2 * inter}, H={hidden}] to match w2 "
+                         f"{tuple(w2.shape)} and x {tuple(x.shape)}; got {tuple(w13.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] \
+            or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be [T={x.shape[0]}, k]; got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if _resolve(backend, x) == "torch":
+        return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    from kernels.triton_moe import fused_moe as triton_fused_moe
+    return triton_fused_moe(x, w13, w2, topk_weights, topk_ids)

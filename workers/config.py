@@ -16,6 +16,8 @@ class WorkerConfig:
     `model` is an already-resolved checkpoint directory. `dist_init_method` is
     "tcp://127.0.0.1:PORT" with a port the engine chose free; None only when tp == 1.
     `dtype` "auto" is float32 on CPU and the checkpoint's dtype on CUDA.
+    `enable_expert_parallel`: a MoE model's ranks hold whole experts instead of a slice of
+    every expert (workers/layers/moe.py); no effect on dense models or at tp 1.
     """
 
     model: str
@@ -34,6 +36,7 @@ class WorkerConfig:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     seed: int = 0
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -2,13 +2,16 @@
 
 Every parameter carries a `weight_loader(param, WeightSource, shard_id=None)` that reads its
 rank's slice of the full checkpoint tensor; `packed_modules_mapping` routes the separate
-q/k/v and gate/up tensors into the packed parameters. Files are memory-mapped and only the
-slices this rank needs are read. Missing or unexpected tensors raise `ValueError`.
+q/k/v and gate/up tensors into the packed parameters, and the hub's per-expert tensors
+`...mlp.experts.{e}.{gate,up,down}_proj.weight` go to the layer's stacked `mlp.w13_weight` /
+`mlp.w2_weight` with shard id `(e, proj)`. Files are memory-mapped and only the slices this rank
+needs are read. Missing or unexpected tensors raise `ValueError` naming them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +22,9 @@ from workers.layers.weights import WeightSource, default_weight_loader
 
 # Tensors some exporters add that carry nothing a Qwen3 forward needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One expert's projection in the hub layout -> the stacked parameter of its layer.
+_EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PARAM = {"gate_proj": "w13_weight", "up_proj": "w13_weight", "down_proj": "w2_weight"}
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -47,21 +53,21 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
     params = dict(model.named_parameters())  # tied weights appear once, under the first name
     expected = {name: _num_shards(name, packed) for name in params}
     loaded: Counter[str] = Counter()
+    seen_experts: set[str] = set()
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                param_name, shard_id = name, None
-                for ckpt_part, (packed_part, sid) in packed.items():
-                    if ckpt_part in name:
-                        param_name, shard_id = name.replace(ckpt_part, packed_part), sid
-                        break
+                param_name, shard_id = _target(name, packed)
+                if isinstance(shard_id, tuple):
+                    seen_experts.add(name)
                 param = params.get(param_name)
                 if param is None:
                     raise ValueError(f"{file.name} holds {name!r}, which this Qwen3 model has no "
-                                     "parameter for: is the checkpoint a Qwen3ForCausalLM?")
+                                     "parameter for: does config.json (dense or MoE, its layer "
+                                     "and expert counts) match the weights?")
                 source = WeightSource(name, safe_slice=f.get_slice(name))
                 loader = getattr(param, "weight_loader", None)
                 if loader is None:
@@ -71,10 +77,38 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
                 else:
                     loader(param, source, shard_id)
                 loaded[param_name] += 1
-    missing = sorted(n for n, k in expected.items() if loaded[n] < k)
+    missing = sorted(n for n, k in expected.items()
+                     if loaded[n] < k and not hasattr(params[n], "expert_projections"))
+    missing += sorted(set(_expert_tensor_names(params)) - seen_experts)
     if missing:
         raise ValueError(f"checkpoint {str(model_dir)!r} lacks tensors for {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
+
+
+def _target(name: str, packed: dict[str, tuple[str, int | str]]
+            ) -> tuple[str, int | str | tuple[int, str] | None]:
+    """(parameter name, shard id) that checkpoint tensor `name` fills."""
+    m = _EXPERT_TENSOR.match(name)
+    if m:
+        prefix, expert, proj = m.groups()
+        return f"{prefix}{_EXPERT_PARAM[proj]}", (int(expert), proj)
+    for ckpt_part, (packed_part, sid) in packed.items():
+        if ckpt_part in name:
+            return name.replace(ckpt_part, packed_part), sid
+    return name, None
+
+
+def _expert_tensor_names(params: dict[str, nn.Parameter]) -> list[str]:
+    """Every hub tensor the stacked expert parameters expect (all experts, on every rank)."""
+    names = []
+    for pname, param in params.items():
+        projections = getattr(param, "expert_projections", None)
+        if projections is None:
+            continue
+        prefix = pname.rsplit(".", 1)[0]  # ...mlp
+        names += [f"{prefix}.experts.{e}.{proj}.weight"
+                  for e in range(param.num_experts) for proj in projections]
+    return names
 
 
 def _num_shards(param_name: str, packed: dict[str, tuple[str, int | str]]) -> int:

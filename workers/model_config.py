@@ -1,7 +1,9 @@
 """A Qwen3 checkpoint's `config.json` (+ `generation_config.json`) as a small dataclass.
 
-Reads transformers-5 configs (`rope_parameters`) and legacy ones (`rope_theta`,
-`rope_scaling`, `torch_dtype`). The engine uses it too (max length, EOS ids, vocab size),
+Dense Qwen3 (`Qwen3ForCausalLM`) and mixture-of-experts Qwen3 (`Qwen3MoeForCausalLM`: the
+router and experts' sizes, and `decoder_sparse_step` / `mlp_only_layers`, which pick the
+layers whose MLP is sparse, as transformers does). Reads transformers-5 configs
+(`rope_parameters`) and legacy ones (`rope_theta`, `rope_scaling`, `torch_dtype`). The engine uses it too (max length, EOS ids, vocab size),
 so it imports nothing heavier than the standard library.
 """
 
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_ARCHITECTURES = ("Qwen3ForCausalLM",)
+_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MODEL_TYPES = ("qwen3", "qwen3_moe")
 _CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -35,6 +38,38 @@ class ModelConfig:
     dtype: str  # the checkpoint's dtype: float32 | bfloat16 | float16
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Mixture of experts (0 experts: dense). Layer i is sparse when i is not in
+    # mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (transformers' rule).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the experts block (else the dense Qwen3 MLP)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def weight_bytes_per_rank(self, tensor_parallel_size: int, itemsize: int) -> int:
+        """Bytes of one rank's weights (embedding and head split over the ranks, norms
+        replicated, experts split whether by TP or EP: each rank holds 1/tp of them)."""
+        tp, h = tensor_parallel_size, self.hidden_size
+        nq, d = self.num_attention_heads, self.head_dim
+        kv_per_rank = self.num_kv_heads_per_rank(tp)
+        attn = h * (nq // tp) * d * 2 + 2 * h * kv_per_rank * d + 2 * d
+        total = 0
+        for i in range(self.num_hidden_layers):
+            if self.is_sparse_layer(i):
+                mlp = self.num_experts * 3 * h * self.moe_intermediate_size // tp \
+                    + self.num_experts * h
+            else:
+                mlp = 3 * h * self.intermediate_size // tp
+            total += attn + mlp + 2 * h
+        vocab = -(-self.vocab_size // tp) * h
+        total += vocab * (1 if self.tie_word_embeddings else 2) + h
+        return total * itemsize
 
     def num_kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
         """KV heads one rank holds: a shard, or one replicated head when tp > num_kv_heads."""
@@ -69,9 +104,10 @@ def load_model_config(model: str | Path, tensor_parallel_size: int = 1) -> Model
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_file} is not valid JSON: {e}") from e
     archs = raw.get("architectures") or []
-    if not any(a in _ARCHITECTURES for a in archs) and raw.get("model_type") != "qwen3":
+    if not any(a in _ARCHITECTURES for a in archs) and raw.get("model_type") not in _MODEL_TYPES:
         raise ValueError(f"{path} is a {archs or raw.get('model_type')!r} checkpoint; "
-                         f"only {list(_ARCHITECTURES)} (model_type 'qwen3') is supported")
+                         f"only {list(_ARCHITECTURES)} (model_type {list(_MODEL_TYPES)}) "
+                         "is supported")
     if raw.get("attention_bias"):
         raise ValueError(f"{path} sets attention_bias=true; Qwen3 has no attention bias and "
                          "this worker does not implement one")
@@ -100,9 +136,33 @@ def load_model_config(model: str | Path, tensor_parallel_size: int = 1) -> Model
         dtype=dtype,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_token_ids(raw, path),
+        **_moe_fields(raw, path),
     )
     cfg.verify_tensor_parallel_size(tensor_parallel_size)
     return cfg
+
+
+def _moe_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The mixture-of-experts keys of a qwen3_moe config; {} for a dense one."""
+    is_moe = raw.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (
+        raw.get("architectures") or [])
+    if not is_moe or not int(raw.get("num_experts") or 0):
+        return {}
+    fields = {
+        "num_experts": int(raw["num_experts"]),
+        "num_experts_per_tok": int(raw.get("num_experts_per_tok", 8)),
+        "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)),
+        "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+    }
+    if not 1 <= fields["num_experts_per_tok"] <= fields["num_experts"]:
+        raise ValueError(f"{path}: num_experts_per_tok={fields['num_experts_per_tok']} must be in "
+                         f"[1, num_experts={fields['num_experts']}]")
+    if fields["decoder_sparse_step"] < 1:
+        raise ValueError(f"{path}: decoder_sparse_step must be >= 1; got "
+                         f"{fields['decoder_sparse_step']}")
+    return fields
 
 
 def _rope_theta(raw: dict[str, Any], path: Path) -> float:

@@ -1,4 +1,9 @@
-"""Qwen3 for causal LM, one tensor-parallel shard of it.
+"""Qwen3 for causal LM (dense `Qwen3ForCausalLM` and mixture-of-experts `Qwen3MoeForCausalLM`),
+one tensor-parallel shard of it.
+
+A MoE config makes layer i's MLP the experts block (`workers/layers/moe.py`) when
+`ModelConfig.is_sparse_layer(i)`; the other layers keep the dense MLP, so one class serves
+both architectures and plugs into the same runner, graphs and loader.
 
 Same parameter names as Hugging Face's `Qwen3ForCausalLM` except the packed projections
 (`qkv_proj`, `gate_up_proj`): `packed_modules_mapping` tells the loader which checkpoint
@@ -16,6 +21,7 @@ from workers.distributed import TensorParallelGroup
 from workers.layers import (
     Attention,
     AttentionMetadata,
+    FusedMoE,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -83,11 +89,18 @@ class Qwen3MLP(nn.Module):
 
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, rotary_emb: RotaryEmbedding,
-                 dtype: torch.dtype, backend: str) -> None:
+                 dtype: torch.dtype, backend: str, layer_idx: int = 0,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         ops = ops_backend(backend)
         self.self_attn = Qwen3Attention(cfg, tp, rotary_emb, dtype, backend)
-        self.mlp = Qwen3MLP(cfg, tp, dtype, ops)
+        self.mlp: nn.Module
+        if cfg.is_sparse_layer(layer_idx):
+            self.mlp = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                cfg.moe_intermediate_size, cfg.norm_topk_prob, tp, dtype, ops,
+                                expert_parallel)
+        else:
+            self.mlp = Qwen3MLP(cfg, tp, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
@@ -105,14 +118,15 @@ class Qwen3DecoderLayer(nn.Module):
 
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
-                 backend: str, max_position: int) -> None:
+                 backend: str, max_position: int, expert_parallel: bool = False) -> None:
         super().__init__()
         ops = ops_backend(backend)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         # One cos/sin table shared by every layer.
         rotary_emb = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, tp, rotary_emb, dtype, backend)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(cfg, tp, rotary_emb, dtype, backend, i, expert_parallel)
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
     def forward(self, input_ids: Tensor, positions: Tensor,
@@ -138,11 +152,12 @@ class Qwen3ForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
-                 backend: str = "auto", max_position: int | None = None) -> None:
+                 backend: str = "auto", max_position: int | None = None,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         self.config = cfg
         self.model = Qwen3Model(cfg, tp, dtype, backend,
-                                max_position or cfg.max_position_embeddings)
+                                max_position or cfg.max_position_embeddings, expert_parallel)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

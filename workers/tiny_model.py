@@ -1,6 +1,7 @@
-"""The embedded default model `qwen3-tiny`, and random-weight Qwen3 checkpoints in general.
+"""The embedded default models `qwen3-tiny` and `qwen3-moe-tiny`, and random-weight Qwen3
+(dense or mixture-of-experts) checkpoints in general.
 
-`resolve_model("qwen3-tiny")` writes a Hugging Face directory (config.json,
+`resolve_model("qwen3-tiny")` (or "qwen3-moe-tiny") writes a Hugging Face directory (config.json,
 generation_config.json, model.safetensors, the real Qwen3 tokenizer files) into a cache
 directory on first use and returns its path; any other name is taken as a checkpoint path.
 The same seed and config give byte-identical files every time, on every machine.
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 TINY_MODEL_NAME = "qwen3-tiny"
+TINY_MOE_MODEL_NAME = "qwen3-moe-tiny"
 TINY_SEED = 0
 # Bump when the generated files change, so stale caches are never reused.
 _FORMAT_VERSION = 1
@@ -41,6 +43,41 @@ TINY_CONFIG: dict[str, Any] = {
     "rope_theta": 1000000.0,
     "tie_word_embeddings": True,
     "dtype": "float32",
+}
+
+# Qwen3-30B-A3B's layout at toy size: every layer sparse, 8 experts, 2 active, renormalised.
+TINY_MOE_CONFIG: dict[str, Any] = {
+    **TINY_CONFIG,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+
+_EMBEDDED = {TINY_MODEL_NAME: TINY_CONFIG, TINY_MOE_MODEL_NAME: TINY_MOE_CONFIG}
+
+# Qwen3-30B-A3B's real config (the GPU benchmark's MoE model, with random weights).
+QWEN3_30B_A3B_CONFIG: dict[str, Any] = {
+    "vocab_size": _QWEN3_VOCAB,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
 }
 
 # Qwen3-0.6B's real config (benchmarks on a GPU use it with random weights).
@@ -81,28 +118,31 @@ def cache_root() -> Path:
 
 
 def resolve_model(model: str) -> str:
-    """A checkpoint directory for `model`: the embedded model's name, or a path."""
-    if model == TINY_MODEL_NAME:
-        target = cache_root() / f"{TINY_MODEL_NAME}-v{_FORMAT_VERSION}"
+    """A checkpoint directory for `model`: an embedded model's name, or a path."""
+    if model in _EMBEDDED:
+        target = cache_root() / f"{model}-v{_FORMAT_VERSION}"
         if not (target / "model.safetensors").is_file():
-            write_random_qwen3(target, TINY_CONFIG, seed=TINY_SEED)
+            write_random_qwen3(target, _EMBEDDED[model], seed=TINY_SEED)
         return str(target)
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ValueError(f"model {model!r} is neither {TINY_MODEL_NAME!r} nor a checkpoint "
-                         "directory (config.json + *.safetensors)")
+                         "directory (config.json + *.safetensors); the embedded models are "
+                         f"{sorted(_EMBEDDED)}")
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {str(path)!r} has no config.json")
     return str(path)
 
 
 def qwen3_config_dict(overrides: dict[str, Any]) -> dict[str, Any]:
-    """A full transformers-5 Qwen3 config.json dict from the few fields that vary."""
+    """A full transformers-5 Qwen3 config.json dict from the few fields that vary
+    (`Qwen3MoeForCausalLM` when they include `num_experts`)."""
     cfg = dict(overrides)
     n_layers = cfg["num_hidden_layers"]
+    moe = bool(cfg.get("num_experts"))
     return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_moe" if moe else "qwen3",
         "attention_bias": False,
         "attention_dropout": 0.0,
         "hidden_act": "silu",
@@ -175,10 +215,26 @@ def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         w[p + "self_attn.q_norm.weight"] = norm_weight(d)
         w[p + "self_attn.k_norm.weight"] = norm_weight(d)
         w[p + "post_attention_layernorm.weight"] = norm_weight(h)
-        w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=0.05)
-        w[p + "mlp.up_proj.weight"] = normal(inter, h, std=0.05)
-        w[p + "mlp.down_proj.weight"] = normal(h, inter, std=0.05)
+        if _is_sparse(cfg, i):
+            moe_inter = cfg["moe_intermediate_size"]
+            # A router wide enough that the top-k choice is clear (no near-ties to flip).
+            w[p + "mlp.gate.weight"] = normal(cfg["num_experts"], h, std=0.2)
+            for e in range(cfg["num_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                w[q + "gate_proj.weight"] = normal(moe_inter, h, std=0.05)
+                w[q + "up_proj.weight"] = normal(moe_inter, h, std=0.05)
+                w[q + "down_proj.weight"] = normal(h, moe_inter, std=0.05)
+        else:
+            w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=0.05)
+            w[p + "mlp.up_proj.weight"] = normal(inter, h, std=0.05)
+            w[p + "mlp.down_proj.weight"] = normal(h, inter, std=0.05)
     w["model.norm.weight"] = norm_weight(h)
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = normal(cfg["vocab_size"], h, std=0.1)
     return w
+
+
+def _is_sparse(cfg: dict[str, Any], layer: int) -> bool:
+    """transformers' rule (Qwen3MoeDecoderLayer) for which layers get the experts block."""
+    return (bool(cfg.get("num_experts")) and layer not in (cfg.get("mlp_only_layers") or [])
+            and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0)

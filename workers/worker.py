@@ -99,9 +99,13 @@ class Worker:
             self.dtype = torch.float32 if cfg.device == "cpu" else _DTYPES[mc.dtype]
         else:
             self.dtype = _DTYPES[cfg.dtype]
+        if self.device.type == "cuda":
+            check_weights_fit(mc, self.tp.world_size, _itemsize(self.dtype),
+                              torch.cuda.mem_get_info()[1], cfg.gpu_memory_utilization)
         with torch.device(self.device):
             model = Qwen3ForCausalLM(mc, self.tp, self.dtype, cfg.attention_backend,
-                                     max_position=cfg.max_model_len)
+                                     max_position=cfg.max_model_len,
+                                     expert_parallel=cfg.enable_expert_parallel)
         load_model(model, cfg.model)
         model.eval()
         self.model_config = mc
@@ -113,7 +117,7 @@ class Worker:
     def kv_block_bytes(self) -> int:
         mc = _loaded(self.model_config)
         return mc.kv_block_bytes(self.config.block_size, self.tp.world_size,
-                                 torch.empty(0, dtype=self.dtype).element_size())
+                                 _itemsize(self.dtype))
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(num_gpu_blocks, num_cpu_blocks) this rank can hold.
@@ -362,6 +366,24 @@ class Worker:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def check_weights_fit(mc: ModelConfig, tensor_parallel_size: int, itemsize: int,
+                      device_bytes: int, gpu_memory_utilization: float) -> None:
+    """ValueError, before any allocation, when one rank's weights exceed its share of the device."""
+    need = mc.weight_bytes_per_rank(tensor_parallel_size, itemsize)
+    budget = int(device_bytes * gpu_memory_utilization)
+    if need > budget:
+        gib = 1024 ** 3
+        raise ValueError(
+            f"{mc.model}: one rank's weights take {need / gib:.1f} GiB at "
+            f"tensor_parallel_size={tensor_parallel_size}, more than gpu_memory_utilization="
+            f"{gpu_memory_utilization} of the device's {device_bytes / gib:.1f} GiB "
+            f"({budget / gib:.1f} GiB); use more tensor-parallel ranks")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _loaded(value: _T | None) -> _T:

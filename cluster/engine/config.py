@@ -60,6 +60,10 @@ class EngineConfig:
     # repetition_penalty; Qwen3's are 0.6 / 0.95 / 20), as vLLM does by default; "vllm":
     # SamplingParams' own (temperature 1, no top_p / top_k), whatever the checkpoint says.
     generation_config: str = "auto"
+    # Mixture-of-experts models: each tensor-parallel rank holds whole experts (num_experts
+    # must divide by tensor_parallel_size) instead of a slice of every expert, as vLLM's
+    # flag of the same name; dense models ignore it.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -76,6 +80,9 @@ class EngineConfig:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError("async_scheduling must be true, false or null (auto); "
                              f"got {self.async_scheduling!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError("enable_expert_parallel must be true or false; "
+                             f"got {self.enable_expert_parallel!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",

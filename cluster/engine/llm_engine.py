@@ -125,7 +125,7 @@ class LLMEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             num_gpu_blocks_override=config.num_gpu_blocks_override, swap_space=config.swap_space,
             enforce_eager=config.enforce_eager, attention_backend=config.attention_backend,
-            seed=config.seed)
+            seed=config.seed, enable_expert_parallel=config.enable_expert_parallel)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device == "cuda")
         self.executor: Executor

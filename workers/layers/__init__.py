@@ -9,8 +9,10 @@ from workers.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from workers.layers.moe import FusedMoE
 from workers.layers.weights import WeightSource, default_weight_loader
 
-__all__ = ["Attention", "AttentionMetadata", "ColumnParallelLinear", "MergedColumnParallelLinear",
+__all__ = ["Attention", "AttentionMetadata", "ColumnParallelLinear", "FusedMoE",
+           "MergedColumnParallelLinear",
            "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "RotaryEmbedding", "RowParallelLinear",
            "SiluAndMul", "VocabParallelEmbedding", "WeightSource", "default_weight_loader"]
