@@ -30,7 +30,6 @@ from cluster.api.openai_api import ModelInfo, create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
 from cluster.engine.config import EngineConfig
-from cluster.engine.ray_executor import worker_env
 from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -236,8 +235,16 @@ def placement_bundles(config: EngineConfig, serving: dict[str, Any],
     return [replica] + [dict(rank) for _ in range(config.tensor_parallel_size)]
 
 
+def check_args(args: dict[str, Any]) -> None:
+    """build_app's checks of a manifest's args, without building the app (nor importing
+    torch): `./dev serve` runs them before it starts Ray (scripts/serve_run.py)."""
+    split_args(dict(args or {}))
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve app builder named by the manifests (`cluster.api.serve_app:build_app`)."""
+    from cluster.engine.ray_executor import worker_env
+
     config, serving = split_args(dict(args or {}))
     # The replica may land on any node: ask the cluster (when connected), not this process.
     use_gpu = config.resolve_device(from_ray=ray.is_initialized()) == "cuda"
