@@ -56,9 +56,9 @@ def check_manifest(path: str, config: dict[str, Any]) -> None:
     """Serve's schema, then each application's builder on its args; ManifestError naming the
     application and the builder's message (which names the bad key) on the first failure."""
     from pydantic import ValidationError
+    from ray._common.utils import import_attr
     from ray.serve._private import api as serve_api
     from ray.serve.schema import ServeDeploySchema
-    from ray._common.utils import import_attr
 
     try:
         schema = ServeDeploySchema.model_validate(config)

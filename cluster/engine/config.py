@@ -60,6 +60,11 @@ class EngineConfig:
     # repetition_penalty; Qwen3's are 0.6 / 0.95 / 20), as vLLM does by default; "vllm":
     # SamplingParams' own (temperature 1, no top_p / top_k), whatever the checkpoint says.
     generation_config: str = "auto"
+    # vLLM's structured_outputs_config.disable_any_whitespace: every JSON constraint (schema,
+    # json_object, tool calls) generates compact JSON, with no whitespace between tokens, so a
+    # constrained answer cannot spend its max_tokens on whitespace. Per request:
+    # structured_outputs.disable_any_whitespace.
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -73,6 +78,9 @@ class EngineConfig:
         _choice(self, "reasoning_parser", (None, *REASONING_PARSERS))
         _choice(self, "tool_call_parser", (None, *TOOL_CALL_PARSERS))
         _choice(self, "generation_config", ("auto", "vllm"))
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("disable_any_whitespace must be true or false; "
+                             f"got {self.disable_any_whitespace!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError("async_scheduling must be true, false or null (auto); "
                              f"got {self.async_scheduling!r}")
