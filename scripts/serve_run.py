@@ -102,8 +102,18 @@ def main(argv: list[str]) -> int:
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="serve-", delete=False) as f:
             yaml.safe_dump(config, f)
         run_path = f.name
+    # Ray as `serve run` starts it (or joins RAY_ADDRESS's), started here so that the SIGTERM
+    # handler can be put back after it: ray.init replaces it with one that exits without
+    # shutting Serve down, and its C++ core installs a crash handler that dumps a stack.
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
     from ray.serve.scripts import cli
 
+    try:
+        ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=SERVE_NAMESPACE)
+    except KeyboardInterrupt:
+        return 130
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         cli.main(["run", run_path], prog_name="serve", standalone_mode=True)
     finally:
