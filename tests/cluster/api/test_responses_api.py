@@ -245,3 +245,11 @@ def test_forced_tool_call_streams_a_function_call_item(real_engine: Any) -> None
     assert calls[0].call_id and calls[0].status == "completed"
     args = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [e.arguments for e in args] == [calls[0].arguments]
+
+
+def test_disable_any_whitespace_is_a_checked_server_setting() -> None:
+    from cluster.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="disable_any_whitespace must be true or false"):
+        EngineConfig(disable_any_whitespace="yes")
+    assert EngineConfig.from_dict({"disable_any_whitespace": True}).disable_any_whitespace
