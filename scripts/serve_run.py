@@ -6,7 +6,7 @@ plain `serve run` does not do:
    `check_args` in that module, for any other builder the build itself, the call Serve's
    controller makes). A bad manifest (an unknown key, a wrong value) exits
    with status 2 and the builder's message in about a second; plain `serve run` starts Ray,
-   logs the error and keeps retrying the build for minutes.
+   retries the build, logs the error (the app DEPLOY_FAILED) and runs on until Ctrl-C.
 2. SIGINT and SIGTERM both stop it the way Ctrl-C stops `serve run` (Serve shut down, then the
    Ray cluster it started), also when it was started in the background, where the shell
    starts it with SIGINT ignored and `serve run` would ignore Ctrl-C and `kill -INT`.
