@@ -56,6 +56,7 @@ from cluster.api.protocol import (
     TokenizeRequest,
     validation_error_message,
 )
+from cluster.api.responses_api import create_response
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -128,7 +129,8 @@ def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str |
                api_key: str | None = None, max_body_bytes: int | None = None,
                reasoning_parser: str | None = None,
                tool_call_parser: str | None = None) -> FastAPI:
-    """The FastAPI app serving /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+    """The FastAPI app serving /v1/models, /v1/completions, /v1/chat/completions, /v1/responses,
+    /tokenize, /detokenize, /health, /metrics.
 
     `api_key`, when set, is required as `Authorization: Bearer <key>` on every /v1 route and on
     /tokenize and /detokenize (as in vLLM, /health and /metrics stay open for probes and
@@ -143,6 +145,7 @@ def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str |
     app.add_api_route("/v1/models", serving.list_models, methods=["GET"])
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/responses", serving.responses, methods=["POST"])
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
     app.add_api_route("/health", serving.health, methods=["GET"])
@@ -222,7 +225,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
     where = f"{request.method} {request.url.path}"
     if exc.status_code == 404:
         message = f"Invalid URL ({where}); this server serves /v1/models, /v1/completions, " \
-                  "/v1/chat/completions, /tokenize, /detokenize, /health and /metrics"
+                  "/v1/chat/completions, /v1/responses, /tokenize, /detokenize, /health and /metrics"
     elif exc.status_code == 405:
         message = f"Method not allowed ({where}); allowed: {(exc.headers or {}).get('Allow')}"
     else:
@@ -252,6 +255,9 @@ class OpenAIServing:
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
         self.prompts = PromptProcessor(tokenizer)
+        # Where the served model (its tokenizer) lives, as vLLM reports it in /v1/models' `root`:
+        # load tools (guidellm) read the tokenizer from there.
+        self.model_root = str(getattr(tokenizer, "name_or_path", "") or "") or None
         self.max_body_bytes = max_body_bytes
         self._info: ModelInfo | None = None
         # Rendering and tokenizing big prompts; the Rust tokenizer releases the GIL.
@@ -272,7 +278,7 @@ class OpenAIServing:
         info = await self.info()
         return JSONResponse({"object": "list", "data": [{
             "id": self.served_model_name, "object": "model", "created": 0,
-            "owned_by": "qwen3-serve", "root": info.model_name, "parent": None,
+            "owned_by": "qwen3-serve", "root": self.model_root or info.model_name, "parent": None,
             "max_model_len": info.max_model_len}]})
 
     async def health(self, request: Request) -> Response:
@@ -336,6 +342,10 @@ class OpenAIServing:
         builder = ChatBuilder(self.served_model_name, self.prompts.token_text, rid, req, prompt,
                               self.reasoning_parser, self.tool_call_parser)
         return await respond(builder, first, stream, req.stream)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, on the chat route's steps (cluster/api/responses_api.py)."""
+        return await create_response(self, request)
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt's or a conversation's token ids, counted as the generation

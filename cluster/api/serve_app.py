@@ -30,7 +30,6 @@ from cluster.api.openai_api import ModelInfo, create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
 from cluster.engine.config import EngineConfig
-from cluster.engine.ray_executor import worker_env
 from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -236,12 +235,35 @@ def placement_bundles(config: EngineConfig, serving: dict[str, Any],
     return [replica] + [dict(rank) for _ in range(config.tensor_parallel_size)]
 
 
+def check_args(args: dict[str, Any]) -> None:
+    """build_app's checks of a manifest's args, without building the app (nor importing
+    torch): `./dev serve` runs them before it starts Ray (scripts/serve_run.py)."""
+    split_args(dict(args or {}))
+
+
+def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any]) -> None:
+    """Log, in the `serve run` console, when the replicas asked for cannot all be placed."""
+    from cluster.api.capacity import cluster_nodes, fit_report
+
+    auto = serving["autoscaling_config"] or {}
+    replicas = (auto.get("initial_replicas") or auto.get("min_replicas") or 1 if auto
+                else serving["num_replicas"])
+    ingress = {"CPU": float(serving["ingress_num_cpus"]) * serving["ingress_num_replicas"]}
+    report = fit_report(bundles, int(replicas), ingress, cluster_nodes())
+    if report is not None:
+        logger.warning(report)
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve app builder named by the manifests (`cluster.api.serve_app:build_app`)."""
+    from cluster.engine.ray_executor import worker_env
+
     config, serving = split_args(dict(args or {}))
     # The replica may land on any node: ask the cluster (when connected), not this process.
     use_gpu = config.resolve_device(from_ray=ray.is_initialized()) == "cuda"
     bundles = placement_bundles(config, serving, use_gpu)
+    if ray.is_initialized():  # (Serve's controller builds the app in a task: always)
+        _report_fit(bundles, serving)
     backpressure = BackpressureConfig(status_code=503, retry_after_s=DEFAULT_RETRY_AFTER_S)
     replicas: dict[str, Any] = {"num_replicas": serving["num_replicas"]}
     if serving["autoscaling_config"]:

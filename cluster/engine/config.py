@@ -64,6 +64,11 @@ class EngineConfig:
     # must divide by tensor_parallel_size) instead of a slice of every expert, as vLLM's
     # flag of the same name; dense models ignore it.
     enable_expert_parallel: bool = False
+    # vLLM's structured_outputs_config.disable_any_whitespace: every JSON constraint (schema,
+    # json_object, tool calls) generates compact JSON, with no whitespace between tokens, so a
+    # constrained answer cannot spend its max_tokens on whitespace. Per request:
+    # structured_outputs.disable_any_whitespace.
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -77,6 +82,9 @@ class EngineConfig:
         _choice(self, "reasoning_parser", (None, *REASONING_PARSERS))
         _choice(self, "tool_call_parser", (None, *TOOL_CALL_PARSERS))
         _choice(self, "generation_config", ("auto", "vllm"))
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("disable_any_whitespace must be true or false; "
+                             f"got {self.disable_any_whitespace!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError("async_scheduling must be true, false or null (auto); "
                              f"got {self.async_scheduling!r}")

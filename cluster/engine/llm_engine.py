@@ -146,8 +146,9 @@ class LLMEngine:
             kv, eos_token_ids=self.model_config.eos_token_ids, vocab_size=len(self.tokenizer))
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer,
                                                 detokenizer_factory(self.tokenizer))
-        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                  self.model_config.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
+            disable_any_whitespace=config.disable_any_whitespace)
         self.latency = LatencyMetrics()
         self._times: dict[str, RequestTimes] = {}
         self.num_steps = 0

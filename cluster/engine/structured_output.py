@@ -56,8 +56,11 @@ class StructuredOutputManager:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
-                 compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S,
+                 disable_any_whitespace: bool = False) -> None:
         self.tokenizer = tokenizer
+        # the server's default (EngineConfig.disable_any_whitespace): set on every spec
+        self.disable_any_whitespace = disable_any_whitespace
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
         self.eos_token_ids = sorted(set(eos_token_ids))
@@ -105,6 +108,8 @@ class StructuredOutputManager:
                           f"{self.compile_timeout_s:g} s; simplify it")
 
     def _future(self, spec: StructuredOutputsParams) -> concurrent.futures.Future:
+        if self.disable_any_whitespace:  # every caller (compile, add_request) comes through here
+            spec.disable_any_whitespace = True
         key = spec.key()
         with self._lock:
             grammar = self._grammars.get(key)

@@ -1,0 +1,72 @@
+"""A replica that cannot be placed says so: the app builder's report at deploy time (what one
+replica needs against what each node has), and Serve's deployment message in `serve status`
+within the time Serve waits before it says so (RAY_SERVE_SLOW_STARTUP_WARNING_S, 30 s)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.api.capacity import fit_report, group_needs, replicas_fitting
+from workers.distributed import get_free_port
+
+MANIFEST = Path(__file__).resolve().parents[3] / "manifests" / "qwen3-tiny.yaml"
+TP2 = [{"CPU": 0.1}, {"CPU": 0.5}, {"CPU": 0.5}]  # the default manifest's replica
+SERVE_WAITS_S = 30  # Serve's RAY_SERVE_SLOW_STARTUP_WARNING_S default
+
+
+def test_what_fits_on_what() -> None:
+    assert group_needs(TP2) == {"CPU": 1.1}
+    assert replicas_fitting({"CPU": 1.1}, {"CPU": 2.0}) == 1
+    assert replicas_fitting({"CPU": 1.1, "GPU": 2.0}, {"CPU": 8.0, "GPU": 8.0}) == 4
+    # the issue's case: two tp-2 replicas on a 2-CPU machine, one fits
+    report = fit_report(TP2, 2, {"CPU": 0.1}, [{"CPU": 2.0, "memory": 1e9}])
+    assert report is not None
+    assert report.startswith("LLMServer: 2 replica(s) asked, 1 fit this cluster: 1 will wait")
+    assert "needs 1.1 CPU on one node" in report and "[{'CPU': 1.9}]" in report
+    assert fit_report(TP2, 1, {"CPU": 0.1}, [{"CPU": 2.0}]) is None
+    # two tp-1 replicas of 0.5 CPU each fit; a placement group never spans nodes
+    assert fit_report([{"CPU": 0.5}], 2, {"CPU": 0.1}, [{"CPU": 2.0}]) is None
+    assert "0 fit" in fit_report([{"CPU": 1.5}, {"CPU": 1.0}], 1, {}, [{"CPU": 2.0}] * 3)
+
+
+@pytest.mark.slow
+def test_unplaceable_replica_is_in_serve_status_within_serves_wait(ray_cluster: None) -> None:
+    from ray import serve
+
+    from cluster.api.serve_app import build_app
+
+    args = dict(yaml.safe_load(MANIFEST.read_text())["applications"][0]["args"])
+    args.update(worker_num_cpus=8.0)  # 2 ranks x 8 CPUs: more than the cluster has
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("ray.serve")
+    logger.addHandler(handler)
+    try:
+        app = build_app(args)
+    finally:
+        logger.removeHandler(handler)
+    assert any("0 fit this cluster" in m and "16.1 CPU on one node" in m for m in logged), logged
+
+    serve.start(http_options={"host": "127.0.0.1", "port": get_free_port()})
+    started = time.monotonic()
+    serve._run(app, _blocking=False, name="unplaceable", route_prefix="/unplaceable")
+    try:
+        message = ""
+        while time.monotonic() - started < SERVE_WAITS_S + 20:
+            status = serve.status().applications.get("unplaceable")
+            if status is not None and "LLMServer" in status.deployments:
+                message = status.deployments["LLMServer"].message
+                if "to be scheduled" in message:
+                    break
+            time.sleep(1.0)
+        assert "Resources required for each replica" in message, message
+        assert '"CPU": 8.0' in message, message
+        assert status.status in ("DEPLOYING", "UPDATING"), status.status
+    finally:
+        serve.delete("unplaceable")
