@@ -42,7 +42,7 @@ import itertools
 import time
 from collections.abc import Iterable
 
-from kvcache import KVCacheManager, prompt_block_hashes
+from kvcache import KVCacheManager, KVCacheStats, prompt_block_hashes
 from scheduler import ahead
 from scheduler.ahead import PlansInFlight
 from scheduler.config import SchedulerConfig
@@ -411,13 +411,5 @@ class Scheduler:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.results.generation_tokens_total,
             num_steps=self._step_id,
-            num_gpu_blocks=kv.num_gpu_blocks,
-            num_free_gpu_blocks=kv.num_free_gpu_blocks,
-            num_cpu_blocks=kv.num_cpu_blocks,
-            num_free_cpu_blocks=kv.num_free_cpu_blocks,
-            gpu_usage=kv.gpu_usage,
-            cpu_usage=kv.cpu_usage,
-            prefix_queries=kv.prefix_queries,
-            prefix_hits=kv.prefix_hits,
-            evictions=kv.evictions,
+            **{name: getattr(kv, name) for name in KVCacheStats.__dataclass_fields__},
         )
