@@ -14,8 +14,8 @@ once in this process, so both sides see the same machine state:
              evicts: throughput (output tokens/s of wall time), so the tier's cost when it
              has nothing to do shows.
 
-    .venv/bin/python bench/offload_bench.py [--conversations 8] [--turns 4] [--system 512]
-        [--user 64] [--answer 16] [--pool-fraction 0.25] [--tier-gib 0.05] [--repeats 3]
+    .venv/bin/python bench/offload_bench.py [--conversations 8] [--turns 4] [--system 1024]
+        [--user 64] [--answer 8] [--pool-fraction 0.25] [--tier-gib 0.05] [--repeats 3]
         [--only multiturn|noshare] [--device cpu|cuda] [--json out.json]
 """
 
@@ -117,18 +117,18 @@ def _engine(a: argparse.Namespace, tier: float, **kw: Any) -> Any:
     from cluster.engine.config import EngineConfig
     from cluster.engine.llm_engine import LLMEngine
 
+    kw.setdefault("max_model_len", 4096)
     return LLMEngine(EngineConfig(model="qwen3-tiny", device=a.device, block_size=16,
-                                  max_model_len=4096, kv_offloading_size=tier,
-                                  async_scheduling=False, **kw))
+                                  kv_offloading_size=tier, async_scheduling=False, **kw))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--system", type=int, default=512)
+    ap.add_argument("--system", type=int, default=1024)
     ap.add_argument("--user", type=int, default=64)
-    ap.add_argument("--answer", type=int, default=16)
+    ap.add_argument("--answer", type=int, default=8)
     ap.add_argument("--pool-fraction", type=float, default=0.25)
     ap.add_argument("--tier-gib", type=float, default=0.05)
     ap.add_argument("--repeats", type=int, default=3)
@@ -168,7 +168,9 @@ def main() -> None:
                   f"{med['wall_s']:7.2f} {med['blocks_offloaded']:5.0f} "
                   f"{med['blocks_loaded']:5.0f} {med['preemptions']:7.0f}")
         on, off = summary["on"], summary["off"]
-        print(f"on/off: hit rate x{on['hit_rate'] / max(off['hit_rate'], 1e-9):.2f}, "
+        ratio = (f"x{on['hit_rate'] / off['hit_rate']:.2f}" if off["hit_rate"]
+                 else f"{off['hit_rate']:.3f} -> {on['hit_rate']:.3f}")
+        print(f"on/off: hit rate {ratio}, "
               f"TTFT p50 x{on['ttft_p50_ms'] / off['ttft_p50_ms']:.2f}, "
               f"wall x{on['wall_s'] / off['wall_s']:.2f}")
         report["multiturn"] = {"pool_blocks": pool, "working_set_blocks": working_set,
