@@ -4,8 +4,9 @@ being forgotten, and where a prefix lookup that misses on the GPU looks next.
 The tier is its own BlockPool of CPU block ids in [0, num_blocks) (apart from the swap pool:
 its budget is `kv_offloading_size`, swap's is `swap_space`, so swap-out for preemption never
 competes with it for a block). Every tier block that is not being loaded in the step under
-construction is free with its hash set, so the pool's free queue is the tier's LRU: a block
-offloaded or hit goes to the tail, the head is the next one overwritten.
+construction is free: clean (never written) or holding its hash, so the pool's free queue is
+the tier's LRU: a block offloaded or loaded goes to the tail, and the head (clean blocks
+first) is the next one overwritten.
 
 Per step (one `schedule()` call), the manager gathers:
   - offloads (GPU block, tier block): the GPU pool calls `offload` for every hashed block it
