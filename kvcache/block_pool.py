@@ -9,7 +9,7 @@ in the kernels, so every block id in [0, num_blocks) holds real data.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 
@@ -138,6 +138,9 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self.num_evictions = 0
+        # Called as on_evict(block_id, block_hash) for each hashed block about to be reused,
+        # while its KV is still there (the CPU offload tier copies it out: kvcache/offload.py).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -204,6 +207,8 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         key = block.block_hash
+        if self.on_evict is not None:
+            self.on_evict(block.block_id, key)
         entry = self.cached_block_hash_to_block[key]
         if isinstance(entry, KVCacheBlock):
             del self.cached_block_hash_to_block[key]

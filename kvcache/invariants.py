@@ -16,6 +16,8 @@ def check_manager_invariants(kv: KVCacheManager) -> None:
     """KVCacheManager.check_invariants: raise AssertionError naming the first violation."""
     kv.gpu_pool.check_invariants()
     kv.cpu_pool.check_invariants()
+    if kv.tier is not None:
+        kv.tier.check_invariants()
     bs = kv.block_size
     refs = {False: [0] * kv.num_gpu_blocks, True: [0] * kv.num_cpu_blocks}
     for sid, seq in kv._seqs.items():

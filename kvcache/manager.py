@@ -38,6 +38,7 @@ from kvcache import swap
 from kvcache.block_pool import BlockPool
 from kvcache.hashing import BlockHash
 from kvcache.invariants import check_manager_invariants
+from kvcache.offload import OffloadTier
 from kvcache.prefix import PrefixCache
 from kvcache.tables import NOTHING_NEW, Allocation, KVCacheStats, SeqBlocks
 
@@ -60,6 +61,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        num_offload_blocks: int = 0,  # > 0: the CPU tier of evicted prefix blocks (offload.py)
     ) -> None:
         if num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be > 0, got {num_gpu_blocks}")
@@ -69,6 +71,10 @@ class KVCacheManager:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark is a fraction of GPU blocks in [0, 1), got {watermark}")
+        if num_offload_blocks and not enable_prefix_caching:
+            raise ValueError("a CPU offload tier finds blocks by their prefix hash: enable prefix "
+                             "caching or give it no blocks (kv_offloading_size 0)")
+        self.num_offload_blocks = num_offload_blocks
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -84,6 +90,8 @@ class KVCacheManager:
         self.gpu_pool = BlockPool(self.num_gpu_blocks, enable_caching=self.enable_prefix_caching)
         self.cpu_pool = BlockPool(self.num_cpu_blocks, enable_caching=False)
         self.prefix = PrefixCache(self.gpu_pool, self.block_size, self.enable_prefix_caching)
+        self.tier = OffloadTier(self.num_offload_blocks) if self.num_offload_blocks else None
+        self.gpu_pool.on_evict = self.tier and self.tier.offload
         self._seqs.clear()
 
     @property
@@ -111,6 +119,24 @@ class KVCacheManager:
         here (and again by allocate_slots).
         """
         return self.prefix.lookup(token_ids, extra_key, block_hashes)
+
+    def lookup_offloaded(self, token_ids: Sequence[int], num_prefix_blocks: int,
+                         extra_key: bytes | None = None,
+                         block_hashes: Sequence[BlockHash] | None = None) -> list[int]:
+        """Offload-tier block ids continuing a GPU prefix hit of num_prefix_blocks blocks, for
+        allocate_new's offloaded_block_ids (otherwise as lookup_prefix); [] without a tier."""
+        max_hit = (len(token_ids) - 1) // self.block_size
+        if self.tier is None or max_hit <= num_prefix_blocks:
+            return []
+        if block_hashes is None or len(block_hashes) < max_hit:
+            block_hashes = self.prefix.full_block_hashes(token_ids, max_hit, extra_key,
+                                                         block_hashes or ())
+        return self.tier.lookup(block_hashes, num_prefix_blocks, max_hit)
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The tier's copies since the last call, for the plan: (GPU, tier) offloads and
+        (tier, GPU) loads (offload.py)."""
+        return ([], []) if self.tier is None else self.tier.take_transfers()
 
     # ---- allocation -----------------------------------------------------------------------
 
@@ -141,21 +167,24 @@ class KVCacheManager:
 
     def allocate_new(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
                      prefix_block_ids: Sequence[int] = (), extra_key: bytes | None = None,
-                     admit: bool = False, block_hashes: Sequence[BlockHash] = ()
-                     ) -> Allocation | None:
+                     admit: bool = False, block_hashes: Sequence[BlockHash] = (),
+                     offloaded_block_ids: Sequence[int] = ()) -> Allocation | None:
         """A new sequence's first slots (see the diagram above): the blocks of its prefix hit,
         covering len(prefix_block_ids) * block_size tokens (they must come from lookup_prefix
         of the same tokens and extra_key, with no allocation between), then slots for
         num_new_tokens more. block_hashes (as for lookup_prefix: the chained hashes of some
         leading full blocks, usually the prompt's) spare hashing those blocks, now and when
-        later chunks fill them. Returns None and changes nothing when too few GPU blocks are
-        free, or, with admit=True, when fewer than the watermark would remain free.
+        later chunks fill them. offloaded_block_ids (from lookup_offloaded right after that
+        lookup) continue the prefix: each gets a new GPU block, loaded from the tier by this
+        step's plan (take_transfers), and its tokens count as computed. Returns None and
+        changes nothing when too few GPU blocks are free, or, with admit=True, when fewer
+        than the watermark would remain free.
         """
         if seq_id in self._seqs:
             raise ValueError(f"seq {seq_id} already has blocks; allocate_new is only for a new "
                              "seq (grow it with allocate_slots)")
         return self._allocate_new(seq_id, token_ids, num_new_tokens, prefix_block_ids, extra_key,
-                                  admit, block_hashes)
+                                  admit, block_hashes, offloaded_block_ids)
 
     def allocate_slots(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
                        num_pending: int = 0) -> Allocation | None:
@@ -183,7 +212,7 @@ class KVCacheManager:
                 if alloc is not None:
                     return alloc
         if seq is None:
-            return self._allocate_new(seq_id, token_ids, num_new_tokens, (), None, False, ())
+            return self._allocate_new(seq_id, token_ids, num_new_tokens, (), None, False, (), ())
         return self._grow(seq_id, seq, token_ids, num_new_tokens, num_pending)
 
     def allocate_decode_slots(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
@@ -285,41 +314,19 @@ class KVCacheManager:
             return NOTHING_NEW
         return Allocation(new_ids, copies)
 
-    def _allocate_new(
-        self,
-        seq_id: int,
-        token_ids: Sequence[int],
-        num_new_tokens: int,
-        prefix_block_ids: Sequence[int],
-        extra_key: bytes | None,
-        admit: bool,
-        known_hashes: Sequence[BlockHash],
-    ) -> Allocation | None:
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if extra_key is not None and not isinstance(extra_key, bytes):
-            raise ValueError(f"extra_key must be bytes or None, got {type(extra_key).__name__}")
+    def _allocate_new(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
+                      prefix_block_ids: Sequence[int], extra_key: bytes | None, admit: bool,
+                      known_hashes: Sequence[BlockHash], offloaded: Sequence[int]
+                      ) -> Allocation | None:
         bs = self.block_size
         num_prefix = len(prefix_block_ids)
-        total = num_prefix * bs + num_new_tokens
-        if total > len(token_ids):
-            raise ValueError(
-                f"seq {seq_id}: {num_prefix} prefix blocks + {num_new_tokens} new tokens need "
-                f"{total} token ids, got {len(token_ids)}"
-            )
-        pool = self.gpu_pool
-        prefix = self.prefix
+        num_hit = num_prefix + len(offloaded)
+        total = num_hit * bs + num_new_tokens
+        pool, prefix = self.gpu_pool, self.prefix
+        prefix.check_new(seq_id, token_ids, num_new_tokens, extra_key, num_hit,
+                         bool(offloaded) and self.tier is None)
         hashes: list[BlockHash] = []
-        if num_prefix:
-            if not self.enable_prefix_caching:
-                raise ValueError("prefix_block_ids given but prefix caching is disabled")
-            if num_prefix > (len(token_ids) - 1) // bs:
-                raise ValueError(
-                    f"seq {seq_id}: {num_prefix} prefix blocks cover the last token; at most "
-                    f"{(len(token_ids) - 1) // bs} (use lookup_prefix)"
-                )
-        prefix_blocks = []
-        revive = 0
+        prefix_blocks, revive = [], 0
         if self.enable_prefix_caching:
             hashes = prefix.full_block_hashes(token_ids, total // bs, extra_key, known_hashes)
             if num_prefix:
@@ -330,16 +337,24 @@ class KVCacheManager:
         free = pool.free_block_queue.num_free_blocks
         if needed > free or (admit and free - needed < self.watermark_blocks):
             return None
+        if offloaded:  # pinned before any eviction below can offload into them
+            loaded = self.tier.check(offloaded, hashes[num_prefix:num_hit])
+            self.tier.pin(loaded)
         if prefix_blocks:
             pool.touch(prefix_blocks)
         new_blocks = pool.get_new_blocks(num_new_blocks, hashes[num_prefix:] if num_prefix else hashes)
         new_ids = list(map(_block_id, new_blocks))
+        if offloaded:
+            self.tier.add_loads(loaded, new_ids[:len(offloaded)])
         table = list(prefix_block_ids) + new_ids if num_prefix else new_ids.copy()
         self._seqs[seq_id] = SeqBlocks(table, total, hashes, extra_key, tail_room=-total % bs,
                                        known_hashes=known_hashes)
         if self.enable_prefix_caching:
             prefix.queries += len(token_ids)
             prefix.hits += num_prefix * bs
+            if self.tier is not None:
+                self.tier.queries += len(token_ids) - num_prefix * bs
+                self.tier.hits += len(offloaded) * bs
         return Allocation(new_ids, [])
 
     # ---- per-seq queries ------------------------------------------------------------------
@@ -419,17 +434,7 @@ class KVCacheManager:
     # ---- stats / invariants ---------------------------------------------------------------
 
     def stats(self) -> KVCacheStats:
-        return KVCacheStats(
-            num_gpu_blocks=self.num_gpu_blocks,
-            num_free_gpu_blocks=self.num_free_gpu_blocks,
-            num_cpu_blocks=self.num_cpu_blocks,
-            num_free_cpu_blocks=self.num_free_cpu_blocks,
-            gpu_usage=self.gpu_pool.usage(),
-            cpu_usage=self.cpu_pool.usage(),
-            prefix_queries=self.prefix.queries,
-            prefix_hits=self.prefix.hits,
-            evictions=self.gpu_pool.num_evictions,
-        )
+        return KVCacheStats.of(self)
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first violation: every block is free xor referenced,

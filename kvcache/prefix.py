@@ -83,6 +83,27 @@ class PrefixCache:
             self._last_hit = _LastHit(block_hashes, self.pool.num_evictions, ids, entries)
         return list(ids)
 
+    def check_new(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
+                  extra_key: bytes | None, num_hit: int, no_tier: bool) -> None:
+        """Raise ValueError for a new sequence's allocation that cannot be: num_hit prefix
+        blocks (GPU hits and offload-tier hits) then num_new_tokens more."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if extra_key is not None and not isinstance(extra_key, bytes):
+            raise ValueError(f"extra_key must be bytes or None, got {type(extra_key).__name__}")
+        bs = self.block_size
+        total = num_hit * bs + num_new_tokens
+        if total > len(token_ids):
+            raise ValueError(f"seq {seq_id}: {num_hit} prefix blocks + {num_new_tokens} new tokens "
+                             f"need {total} token ids, got {len(token_ids)}")
+        if no_tier:
+            raise ValueError("offloaded_block_ids given but there is no offload tier")
+        if num_hit and not self.enabled:
+            raise ValueError("prefix_block_ids given but prefix caching is disabled")
+        if num_hit and num_hit > (len(token_ids) - 1) // bs:
+            raise ValueError(f"seq {seq_id}: {num_hit} prefix blocks cover the last token; at most "
+                             f"{(len(token_ids) - 1) // bs} (use lookup_prefix)")
+
     def full_block_hashes(self, token_ids: Sequence[int], num_full: int,
                           extra_key: bytes | None, known: Sequence[BlockHash]) -> list[BlockHash]:
         """Chained hashes of the first num_full blocks, the known ones taken as given."""

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvcache.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from kvcache.manager import KVCacheManager
 
 
 @dataclass(slots=True)
@@ -66,3 +70,19 @@ class KVCacheStats:
     prefix_queries: int  # tokens queried (cumulative)
     prefix_hits: int  # tokens hit (cumulative)
     evictions: int  # cached blocks evicted (cumulative)
+    # The CPU offload tier (kvcache/offload.py); zeros without one.
+    num_offload_blocks: int = 0
+    offload_usage: float = 0.0  # fraction of tier blocks holding a hash
+    external_prefix_queries: int = 0  # tokens looked up in the tier after a GPU miss
+    external_prefix_hits: int = 0  # of those, tokens loaded back from the tier
+    blocks_offloaded: int = 0  # GPU -> tier copies (cumulative)
+    blocks_loaded: int = 0  # tier -> GPU copies (cumulative)
+
+    @classmethod
+    def of(cls, kv: KVCacheManager) -> KVCacheStats:
+        tier = kv.tier
+        return cls(kv.num_gpu_blocks, kv.num_free_gpu_blocks, kv.num_cpu_blocks,
+                   kv.num_free_cpu_blocks, kv.gpu_pool.usage(), kv.cpu_pool.usage(),
+                   kv.prefix.queries, kv.prefix.hits, kv.gpu_pool.num_evictions,
+                   *(() if tier is None else (tier.num_blocks, tier.usage(), tier.queries,
+                                              tier.hits, tier.num_offloaded, tier.num_loaded)))

@@ -83,6 +83,12 @@ class SchedulerStats:
     prefix_queries: int
     prefix_hits: int
     evictions: int
+    num_offload_blocks: int = 0  # the CPU offload tier (kvcache/offload.py)
+    offload_usage: float = 0.0
+    external_prefix_queries: int = 0  # tokens looked up in the tier after a GPU miss
+    external_prefix_hits: int = 0  # of those, tokens loaded back from the tier
+    blocks_offloaded: int = 0
+    blocks_loaded: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -9,8 +9,12 @@ when its id appears in `StepPlan.dropped_seq_ids`; in between each plan only say
 
 A worker executes a plan in this order:
   1. drop the state of `dropped_seq_ids` (finished, aborted, or preempted since last plan);
-  2. `swap_out` pairs (GPU block -> CPU block), then `swap_in` pairs (CPU -> GPU),
-     then `copies` (GPU src -> GPU dst, copy-on-write), every layer, K and V;
+  2. `offload` pairs (GPU block -> offload-tier CPU block: evicted prefix blocks, copied
+     out before anything of this step overwrites them), then `swap_out` pairs (GPU block ->
+     CPU swap block), then `swap_in` pairs (CPU swap -> GPU), then `load` pairs (offload
+     tier -> GPU: prefix blocks found in the tier, read by this step; a load may read a
+     tier block that an offload of this same step wrote), then `copies` (GPU src -> GPU
+     dst, copy-on-write), every layer, K and V, each rank its own shard of the KV heads;
   3. create state for `new_seqs`, append `appended_blocks`, replace `replaced_tables`;
   4. run the forward pass over the batch (`seq_ids` order), writing KV at the slots given
      by each sequence's block table and positions `start_pos[i] .. start_pos[i]+query_lens[i]-1`;
@@ -89,6 +93,8 @@ class StepPlan:
     swap_out: np.ndarray = field(default_factory=empty_pairs)  # int64 [k, 2] (gpu, cpu)
     swap_in: np.ndarray = field(default_factory=empty_pairs)  # int64 [k, 2] (cpu, gpu)
     copies: np.ndarray = field(default_factory=empty_pairs)  # int64 [k, 2] (src gpu, dst gpu)
+    offload: np.ndarray = field(default_factory=empty_pairs)  # int64 [k, 2] (gpu, tier)
+    load: np.ndarray = field(default_factory=empty_pairs)  # int64 [k, 2] (tier, gpu)
     # Structured outputs: which of the step's sampled rows (indices in batch order among the
     # do_sample rows) are constrained by a grammar. Their bitmask reaches rank 0 after the
     # plan, through Executor.provide_bitmask; rank 0 samples the step once it has it.
@@ -115,7 +121,8 @@ class StepPlan:
     def is_noop(self) -> bool:
         """Nothing at all for the workers: no batch, no drops, no swaps or copies."""
         return (self.num_seqs == 0 and not self.dropped_seq_ids and not len(self.swap_out)
-                and not len(self.swap_in) and not len(self.copies))
+                and not len(self.swap_in) and not len(self.copies) and not len(self.offload)
+                and not len(self.load))
 
 
 @dataclass(slots=True)

@@ -42,7 +42,7 @@ import itertools
 import time
 from collections.abc import Iterable
 
-from kvcache import KVCacheManager, prompt_block_hashes
+from kvcache import KVCacheManager, KVCacheStats, prompt_block_hashes
 from scheduler import ahead
 from scheduler.ahead import PlansInFlight
 from scheduler.config import SchedulerConfig
@@ -191,7 +191,7 @@ class Scheduler:
             self._schedule_resumed_and_new(step)
         queues.drops = []  # (the plan carries the list it had)
         self.inflight.launch(step.step_id)
-        return step.to_plan()
+        return step.to_plan(*self.kv.take_transfers())
 
     def _schedule_resumed_and_new(self, step: StepBuilder) -> None:
         """Stages 3 and 4: swapped requests back in, then waiting ones admitted."""
@@ -310,11 +310,16 @@ class Scheduler:
         while True:
             computed = seq.num_computed
             prefix: list[int] = []
+            loaded: list[int] = []  # continues prefix: blocks loaded from the offload tier
             if computed == 0 and not kv.has_seq(seq.seq_id):
                 prefix = kv.lookup_prefix(seq.token_ids, req.extra_key, req.block_hashes)
-                if not req.forked and len(prefix) * self.block_size >= seq.prompt_len - 1:
-                    prefix = prefix[:-1]  # an unforked parent computes >= 1 token before forking
-                computed = len(prefix) * self.block_size
+                loaded = kv.lookup_offloaded(seq.token_ids, len(prefix), req.extra_key,
+                                             req.block_hashes)
+                computed = (len(prefix) + len(loaded)) * self.block_size
+                if not req.forked and computed and computed >= seq.prompt_len - 1:
+                    # an unforked parent computes >= 1 token before forking
+                    computed -= self.block_size
+                    del (loaded if loaded else prefix)[-1]
             pending = ahead.num_pending(seq)
             to_compute = req.target_len(seq) + pending - computed
             chunk = min(to_compute, step.budget)
@@ -324,7 +329,7 @@ class Scheduler:
                 alloc = kv.allocate_slots(seq.seq_id, seq.token_ids, chunk, pending)
             else:
                 alloc = kv.allocate_new(seq.seq_id, seq.token_ids, chunk, prefix, req.extra_key,
-                                        admit, req.block_hashes)
+                                        admit, req.block_hashes, loaded)
             if alloc is not None:
                 break
             if not may_preempt:
@@ -339,7 +344,7 @@ class Scheduler:
             if not ahead.waits_for_token(seq):
                 self._finish_for_capacity(req, seq)
             return 0
-        if prefix and not req.admitted:
+        if (prefix or loaded) and not req.admitted:
             req.num_cached_tokens = computed
         step.add(req, seq, alloc, computed, chunk, kv)
         return chunk
@@ -406,13 +411,5 @@ class Scheduler:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.results.generation_tokens_total,
             num_steps=self._step_id,
-            num_gpu_blocks=kv.num_gpu_blocks,
-            num_free_gpu_blocks=kv.num_free_gpu_blocks,
-            num_cpu_blocks=kv.num_cpu_blocks,
-            num_free_cpu_blocks=kv.num_free_cpu_blocks,
-            gpu_usage=kv.gpu_usage,
-            cpu_usage=kv.cpu_usage,
-            prefix_queries=kv.prefix_queries,
-            prefix_hits=kv.prefix_hits,
-            evictions=kv.evictions,
+            **{name: getattr(kv, name) for name in KVCacheStats.__dataclass_fields__},
         )

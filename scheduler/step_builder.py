@@ -77,7 +77,8 @@ class StepBuilder:
             self.pre_sample.append(end == len(tokens))
             self.pre_tokens.extend(tokens[start:end])
 
-    def to_plan(self) -> StepPlan:
+    def to_plan(self, offload: list[tuple[int, int]], load: list[tuple[int, int]]) -> StepPlan:
+        """The plan, with the offload tier's copies of the step (KVCacheManager.take_transfers)."""
         nd = len(self.dec_ids)
         seq_ids = np.array(self.dec_ids + self.pre_ids, dtype=np.int64)
         start_pos = np.array(self.dec_pos + self.pre_pos, dtype=np.int32)
@@ -107,6 +108,8 @@ class StepBuilder:
             swap_out=_pairs(self.swap_out),
             swap_in=_pairs(self.swap_in),
             copies=_pairs(self.copies),
+            offload=_pairs(offload),
+            load=_pairs(load),
         )
 
 

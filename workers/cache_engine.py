@@ -1,13 +1,15 @@
-"""The KV cache of one rank: a stacked device tensor plus a CPU swap space of the same layout.
+"""The KV cache of one rank: a stacked device tensor, a CPU swap space and a CPU offload tier.
 
 Device layout `[2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]`: block
 `b` of every layer is `gpu_cache[:, :, b]`; each attention layer gets the views
 `gpu_cache[0, i]` / `gpu_cache[1, i]` (what the kernels take). The swap space is block-major,
 `[num_cpu_blocks, 2, num_layers, block_size, num_kv_heads, head_dim]`, so a CPU block is one
-contiguous (pinned, on CUDA) region and a swap is one asynchronous copy per block pair.
+contiguous (pinned, on CUDA) region and a swap is one asynchronous copy per block pair. The
+offload tier (`kv_offloading_size`, kvcache/offload.py) has the swap space's layout, its own
+ids and its own memory: `offload` copies evicted prefix blocks out, `load` copies them back.
 
-Invariant (CUDA): swaps and copy-on-write never wait on the host and never copy from pageable
-memory. Every copy is enqueued on the current stream with python-int block ids (no index
+Invariant (CUDA): swaps, offloads, loads and copy-on-write never wait on the host and never
+copy from pageable memory. Every copy is enqueued on the current stream with python-int block ids (no index
 tensor goes up to the device), so it is ordered after the step that wrote the source blocks
 and before the step that reads the destinations; the host never reads or writes the swap
 space, so nothing has to wait for a swap to land. Swaps and forks are rare (preemption,
@@ -27,11 +29,13 @@ class CacheEngine:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, num_offload_blocks: int = 0) -> None:
         if num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1; got {num_gpu_blocks}")
         if num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0; got {num_cpu_blocks}")
+        if num_offload_blocks < 0:
+            raise ValueError(f"num_offload_blocks must be >= 0; got {num_offload_blocks}")
         self.device = device
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
@@ -44,6 +48,10 @@ class CacheEngine:
         cpu_shape = (num_cpu_blocks, 2, num_layers, block_size, num_kv_heads, head_dim)
         self.cpu_cache = torch.empty(cpu_shape, dtype=dtype, device="cpu",
                                      pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
+        self.num_offload_blocks = num_offload_blocks
+        self.offload_cache = torch.empty((num_offload_blocks, *cpu_shape[1:]), dtype=dtype,
+                                         device="cpu",
+                                         pin_memory=device.type == "cuda" and num_offload_blocks > 0)
 
     def bind(self, layers: list[Attention]) -> None:
         """Point every attention layer at its slice of the stacked cache."""
@@ -79,6 +87,23 @@ class CacheEngine:
         for cpu, gpu in self._pairs(pairs, (self.num_cpu_blocks, self.num_gpu_blocks),
                                     ("swap-in CPU", "swap-in GPU")):
             self.gpu_cache[:, :, gpu].copy_(self.cpu_cache[cpu], non_blocking=True)
+
+    def offload(self, pairs: np.ndarray) -> None:
+        """Copy GPU blocks `pairs[:, 0]` to offload-tier blocks `pairs[:, 1]`, in order (a
+        later pair may overwrite a tier block an earlier one wrote)."""
+        if len(pairs) == 0:
+            return
+        for gpu, tier in self._pairs(pairs, (self.num_gpu_blocks, self.num_offload_blocks),
+                                     ("offload GPU", "offload tier")):
+            self.offload_cache[tier].copy_(self.gpu_cache[:, :, gpu], non_blocking=True)
+
+    def load(self, pairs: np.ndarray) -> None:
+        """Copy offload-tier blocks `pairs[:, 0]` to GPU blocks `pairs[:, 1]`."""
+        if len(pairs) == 0:
+            return
+        for tier, gpu in self._pairs(pairs, (self.num_offload_blocks, self.num_gpu_blocks),
+                                     ("load tier", "load GPU")):
+            self.gpu_cache[:, :, gpu].copy_(self.offload_cache[tier], non_blocking=True)
 
     def copy(self, pairs: np.ndarray) -> None:
         """Copy-on-write: GPU blocks `pairs[:, 0]` to GPU blocks `pairs[:, 1]` (all read first:

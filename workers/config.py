@@ -33,6 +33,7 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0
+    kv_offloading_size: float = 0.0  # GiB of CPU offload tier for the whole replica (all ranks)
     enforce_eager: bool = False
     attention_backend: str = "auto"
     seed: int = 0
@@ -67,3 +68,5 @@ class WorkerConfig:
                              f"got {self.num_gpu_blocks_override}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB; got {self.swap_space}")
+        if self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB; got {self.kv_offloading_size}")

@@ -119,24 +119,26 @@ class Worker:
         return mc.kv_block_bytes(self.config.block_size, self.tp.world_size,
                                  _itemsize(self.dtype))
 
-    def determine_num_blocks(self) -> tuple[int, int]:
-        """(num_gpu_blocks, num_cpu_blocks) this rank can hold.
+    def determine_num_blocks(self) -> tuple[int, int, int]:
+        """(num_gpu_blocks, num_cpu_blocks, num_offload_blocks) this rank can hold.
 
         GPU blocks: `num_gpu_blocks_override` when set; on CUDA otherwise a profiling run at
         the largest batch measures peak activation memory and `gpu_memory_utilization` of the
         device minus what is in use and that peak becomes KV blocks; on CPU enough blocks
         for max_num_seqs full-length sequences, capped at `CPU_KV_CACHE_BYTES` (1 GiB).
-        CPU swap blocks: `swap_space` GiB.
+        CPU swap blocks: `swap_space` GiB. Offload-tier blocks: this rank's share of
+        `kv_offloading_size` GiB (split evenly over the ranks).
         """
         cfg = self.config
         block_bytes = self.kv_block_bytes()
         num_cpu = int(cfg.swap_space * _GIB) // block_bytes
+        num_offload = int(cfg.kv_offloading_size * _GIB / cfg.tensor_parallel_size) // block_bytes
         if cfg.num_gpu_blocks_override is not None:
-            return cfg.num_gpu_blocks_override, num_cpu
+            return cfg.num_gpu_blocks_override, num_cpu, num_offload
         if self.device.type == "cpu":
             wanted = cfg.max_num_seqs * math.ceil(cfg.max_model_len / cfg.block_size)
-            return max(1, min(wanted, CPU_KV_CACHE_BYTES // block_bytes)), num_cpu
-        return self._profile_num_gpu_blocks(block_bytes), num_cpu
+            return max(1, min(wanted, CPU_KV_CACHE_BYTES // block_bytes)), num_cpu, num_offload
+        return self._profile_num_gpu_blocks(block_bytes), num_cpu, num_offload
 
     def _profile_num_gpu_blocks(self, block_bytes: int) -> int:
         cfg = self.config
@@ -191,12 +193,15 @@ class Worker:
         del scratch
         return max(0, peak - baseline)
 
-    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocate the KV cache and swap space, then capture decode CUDA graphs (CUDA, not eager)."""
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int,
+                   num_offload_blocks: int = 0) -> None:
+        """Allocate the KV cache, swap space and offload tier, then capture decode CUDA graphs
+        (CUDA, not eager)."""
         cfg, mc = self.config, _loaded(self.model_config)
         self.cache_engine = CacheEngine(
             mc.num_hidden_layers, mc.num_kv_heads_per_rank(self.tp.world_size), mc.head_dim,
-            cfg.block_size, num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
+            cfg.block_size, num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
+            num_offload_blocks)
         self._bind_cache(self.cache_engine)
         runner = _loaded(self.model_runner)
         if self.device.type == "cuda" and not cfg.enforce_eager \
@@ -278,8 +283,10 @@ class Worker:
         runner = _loaded(self.model_runner)
         step = _Launched(plan.step_id, self._outputs.begin(), keep_logits)
         runner.table.drop(plan.dropped_seq_ids)
+        cache.offload(plan.offload)  # first: nothing of this step has overwritten them yet
         cache.swap_out(plan.swap_out)
         cache.swap_in(plan.swap_in)
+        cache.load(plan.load)
         cache.copy(plan.copies)
         if plan.is_empty:
             runner.table.apply(plan)

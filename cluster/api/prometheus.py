@@ -25,12 +25,23 @@ GAUGES = (
     ("num_requests_waiting", "vllm:num_requests_waiting", "Number of requests waiting to be processed."),
     ("num_requests_swapped", "vllm:num_requests_swapped", "Number of requests swapped to CPU."),
     ("kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+    ("kv_offload_usage_perc", "qwen3_serve:kv_offload_usage_perc",
+     "CPU offload tier usage (kv_offloading_size). 1 means every tier block holds a prefix block."),
 )
 COUNTERS = (
     ("prefix_cache_queries", "vllm:prefix_cache_queries",
      "Prefix cache queries, in terms of number of queried tokens."),
     ("prefix_cache_hits", "vllm:prefix_cache_hits",
      "Prefix cache hits, in terms of number of cached tokens."),
+    ("external_prefix_cache_queries", "vllm:external_prefix_cache_queries",
+     "External prefix cache queries from the CPU offload tier, in terms of number of queried "
+     "tokens."),
+    ("external_prefix_cache_hits", "vllm:external_prefix_cache_hits",
+     "External prefix cache hits from the CPU offload tier, in terms of number of cached tokens."),
+    ("kv_offload_blocks_offloaded", "qwen3_serve:kv_offload_blocks_offloaded",
+     "KV blocks copied to the CPU offload tier when the GPU evicted them."),
+    ("kv_offload_blocks_loaded", "qwen3_serve:kv_offload_blocks_loaded",
+     "KV blocks loaded back from the CPU offload tier instead of recomputed."),
     ("prompt_tokens_total", "vllm:prompt_tokens", "Number of prefill tokens processed."),
     ("generation_tokens_total", "vllm:generation_tokens", "Number of generation tokens processed."),
     ("num_preemptions_swap", "vllm:num_preemptions_swap",
@@ -60,6 +71,7 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     for key, _, _ in GAUGES + COUNTERS:
         merged[key] = sum(s[key] for s in snapshots)
     merged["kv_cache_usage_perc"] /= len(snapshots)
+    merged["kv_offload_usage_perc"] /= len(snapshots)
     success: dict[str, int] = {}
     for s in snapshots:
         for reason, n in s["request_success_total"].items():

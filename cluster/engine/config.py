@@ -35,6 +35,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0
+    # GiB of CPU memory per replica (split evenly over its ranks) for the tier that keeps the
+    # prefix blocks the GPU evicts and loads them back on a hit (vLLM's key; 0: off). Its own
+    # budget beside swap_space; it needs prefix caching (kvcache/offload.py).
+    kv_offloading_size: float = 0.0
     enable_prefix_caching: bool = True
     preemption_mode: str | None = None
     seed: int = 0
@@ -103,6 +107,14 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization!r}")
         if not (isinstance(self.swap_space, (int, float)) and self.swap_space >= 0):
             raise ValueError(f"swap_space must be >= 0 GiB; got {self.swap_space!r}")
+        if not (isinstance(self.kv_offloading_size, (int, float))
+                and not isinstance(self.kv_offloading_size, bool) and self.kv_offloading_size >= 0):
+            raise ValueError("kv_offloading_size must be >= 0 GiB (0 turns the CPU offload tier "
+                             f"off); got {self.kv_offloading_size!r}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size > 0 needs enable_prefix_caching: the CPU offload "
+                             "tier finds a block by its prefix hash; enable prefix caching or set "
+                             "kv_offloading_size 0")
         if not (isinstance(self.worker_num_cpus, (int, float)) and self.worker_num_cpus > 0):
             raise ValueError(f"worker_num_cpus must be > 0; got {self.worker_num_cpus!r}")
         if self.executor == "inprocess" and self.tensor_parallel_size > 1:
@@ -110,6 +122,21 @@ class EngineConfig:
                              f"for tensor_parallel_size {self.tensor_parallel_size}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode 'swap' needs swap_space > 0 GiB")
+
+    def check_host_memory(self, weights_bytes: int, host_bytes: int) -> None:
+        """Raise ValueError when the offload tier, the swap space of every rank and the
+        weights (read through host memory) cannot fit this host's memory together."""
+        if not self.kv_offloading_size:
+            return
+        gib = float(1 << 30)
+        tp = self.tensor_parallel_size
+        need = self.kv_offloading_size + self.swap_space * tp + weights_bytes / gib
+        if need > host_bytes / gib:
+            raise ValueError(
+                f"kv_offloading_size {self.kv_offloading_size} GiB + swap_space "
+                f"{self.swap_space} GiB x {tp} rank(s) + weights {weights_bytes / gib:.2f} GiB "
+                f"= {need:.2f} GiB exceeds this host's {host_bytes / gib:.2f} GiB of memory; "
+                "lower kv_offloading_size or swap_space")
 
     @property
     def uses_ray(self) -> bool:

@@ -35,6 +35,7 @@ class Executor(ABC):
 
     num_gpu_blocks: int
     num_cpu_blocks: int
+    num_offload_blocks: int = 0  # per rank: the CPU tier of evicted prefix blocks
 
     @abstractmethod
     def submit(self, plan: StepPlan) -> Any:
@@ -106,8 +107,9 @@ class InProcessExecutor(Executor):
         self.worker = Worker(config)
         self.worker.init_distributed()
         self.worker.load_model()
-        self.num_gpu_blocks, self.num_cpu_blocks = self.worker.determine_num_blocks()
-        self.worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
+        self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks = \
+            self.worker.determine_num_blocks()
+        self.worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks)
 
     def execute(self, plan: StepPlan) -> StepResult:
         result = self.worker.execute(plan)

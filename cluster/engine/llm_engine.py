@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import logging
+import os
 import time
 from collections import deque
 from typing import Any
@@ -40,6 +41,7 @@ from scheduler import (
 )
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
+from workers.loader import checkpoint_files
 from workers.model_config import load_generation_defaults, load_model_config
 from workers.tiny_model import resolve_model
 
@@ -99,6 +101,8 @@ class LLMEngine:
         self.model_name = config.model
         self.model_path = resolve_model(config.model)
         self.model_config = load_model_config(self.model_path, config.tensor_parallel_size)
+        config.check_host_memory(sum(f.stat().st_size for f in checkpoint_files(self.model_path)),
+                                 os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         limit = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
@@ -124,8 +128,9 @@ class LLMEngine:
             max_num_batched_tokens=batched,
             gpu_memory_utilization=config.gpu_memory_utilization,
             num_gpu_blocks_override=config.num_gpu_blocks_override, swap_space=config.swap_space,
-            enforce_eager=config.enforce_eager, attention_backend=config.attention_backend,
-            seed=config.seed, enable_expert_parallel=config.enable_expert_parallel)
+            kv_offloading_size=config.kv_offloading_size, enforce_eager=config.enforce_eager,
+            attention_backend=config.attention_backend, seed=config.seed,
+            enable_expert_parallel=config.enable_expert_parallel)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device == "cuda")
         self.executor: Executor
@@ -137,7 +142,8 @@ class LLMEngine:
         else:
             self.executor = InProcessExecutor(worker_config)
         kv = KVCacheManager(self.executor.num_gpu_blocks, self.executor.num_cpu_blocks,
-                            config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+                            config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                            num_offload_blocks=self.executor.num_offload_blocks)
         preemption = config.preemption_mode or (
             "swap" if self.executor.num_cpu_blocks > 0 else "recompute")
         self.scheduler = Scheduler(
@@ -316,6 +322,11 @@ class LLMEngine:
             "kv_cache_usage_perc": s.gpu_usage,
             "prefix_cache_queries": s.prefix_queries,
             "prefix_cache_hits": s.prefix_hits,
+            "external_prefix_cache_queries": s.external_prefix_queries,
+            "external_prefix_cache_hits": s.external_prefix_hits,
+            "kv_offload_blocks_offloaded": s.blocks_offloaded,
+            "kv_offload_blocks_loaded": s.blocks_loaded,
+            "kv_offload_usage_perc": s.offload_usage,
             "prompt_tokens_total": s.prompt_tokens_total,
             "generation_tokens_total": s.generation_tokens_total,
             "num_preemptions_swap": s.preemptions_swap,

@@ -80,7 +80,7 @@ class RayExecutor(Executor):
         self._wake_sockets: WakeSockets | None = None
         self._start(None)
 
-    def _start(self, blocks: tuple[int, int] | None) -> None:
+    def _start(self, blocks: tuple[int, int, int] | None) -> None:
         """Actors for every rank, loaded, with caches of `blocks` (GPU, CPU) blocks (None:
         the most every rank can hold), a compiled graph and wake sockets."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -102,14 +102,14 @@ class RayExecutor(Executor):
             self.workers.append(actor)
         # Rendezvous happens inside init: all ranks must be called before any is waited on.
         held = self._wait_all([w.init.remote() for w in self.workers])
-        gpu, cpu = min(b[0] for b in held), min(b[1] for b in held)
+        gpu, cpu, tier = (min(b[i] for b in held) for i in range(3))
         if blocks is not None:
-            if gpu < blocks[0] or cpu < blocks[1]:
-                self._fail(RuntimeError(f"the new ranks hold {gpu}/{cpu} GPU/CPU KV blocks, "
-                                        f"fewer than the {blocks[0]}/{blocks[1]} before"))
-            gpu, cpu = blocks
-        self.num_gpu_blocks, self.num_cpu_blocks = gpu, cpu
-        self._wait_all([w.init_cache.remote(gpu, cpu) for w in self.workers])
+            if min(gpu - blocks[0], cpu - blocks[1], tier - blocks[2]) < 0:
+                self._fail(RuntimeError(f"the new ranks hold {gpu}/{cpu}/{tier} GPU/CPU/offload KV "
+                                        f"blocks, fewer than the {blocks} before"))
+            gpu, cpu, tier = blocks
+        self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks = gpu, cpu, tier
+        self._wait_all([w.init_cache.remote(gpu, cpu, tier) for w in self.workers])
         # (DAG output ref futures, oldest first, each with the step whose result it carries:
         # None for a call that followed none.)
         self._outputs: deque[tuple[int | None, concurrent.futures.Future]] = deque()
@@ -131,7 +131,7 @@ class RayExecutor(Executor):
         if self._config.tensor_parallel_size > 1:  # a fresh rendezvous port
             self._config = dataclasses.replace(
                 self._config, dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")
-        self._start((self.num_gpu_blocks, self.num_cpu_blocks))
+        self._start((self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks))
 
     def _open_wake_sockets(self) -> WakeSockets | None:
         import ray

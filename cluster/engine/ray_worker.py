@@ -33,14 +33,14 @@ class RayWorker:
         self._posted = threading.Condition()
         self._wake: WakeReader | None = None
 
-    def init(self) -> tuple[int, int]:
+    def init(self) -> tuple[int, int, int]:
         """Join the process group, load this rank's shard, and report its KV block counts."""
         self.worker.init_distributed()
         self.worker.load_model()
         return self.worker.determine_num_blocks()
 
-    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, num_offload_blocks: int) -> None:
+        self.worker.init_cache(num_gpu_blocks, num_cpu_blocks, num_offload_blocks)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

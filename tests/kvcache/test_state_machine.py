@@ -4,7 +4,9 @@ Besides check_invariants, the machine simulates KV memory: each block slot holds
 whose KV it would hold. Allocation "writes" the new tokens (after applying copy-on-write
 pairs), swaps copy block contents, and after every step each sequence's table must read back
 exactly its token ids. That catches a missing copy-on-write, a referenced block handed out
-again, a prefix hit on wrong KV, or a swap that loses or mixes blocks.
+again, a prefix hit on wrong KV, or a swap that loses or mixes blocks. With a CPU offload
+tier, each operation is a step: its offloads and loads (take_transfers) are applied as the
+workers would, before the step writes any KV, and a tier hit must hold the prompt's tokens.
 """
 
 from hypothesis import settings
@@ -21,12 +23,18 @@ tokens_st = st.lists(st.integers(1, 3), min_size=1, max_size=7)  # tiny alphabet
 class KVCacheMachine(RuleBasedStateMachine):
     @initialize(
         gpu=st.integers(4, 14), cpu=st.integers(0, 8), caching=st.booleans(),
-        watermark=st.sampled_from([0.0, 0.1]),
+        watermark=st.sampled_from([0.0, 0.1]), offload=st.sampled_from([0, 2, 6]),
     )
-    def setup(self, gpu: int, cpu: int, caching: bool, watermark: float) -> None:
-        self.m = KVCacheManager(gpu, cpu, BS, enable_prefix_caching=caching, watermark=watermark)
+    def setup(self, gpu: int, cpu: int, caching: bool, watermark: float, offload: int) -> None:
+        offload = offload if caching else 0
+        if offload:  # a pool that must evict, so the tier fills and is hit
+            gpu = min(gpu, 5)
+        self.m = KVCacheManager(gpu, cpu, BS, enable_prefix_caching=caching, watermark=watermark,
+                                num_offload_blocks=offload)
         self.gpu_mem: dict[int, list[int | None]] = {}
         self.cpu_mem: dict[int, list[int | None]] = {}
+        self.tier_mem: dict[int, list[int | None]] = {}
+        self.seen: list[list[int]] = []  # prompts asked before (a second ask may hit the tier)
         self.tokens: dict[int, list[int]] = {}  # seq id -> known token ids
         self.groups: dict[int, list[int]] = {}  # request id -> its seq ids
         self.next_id = 0
@@ -38,7 +46,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         for pos in range(start, stop):
             self.gpu_mem.setdefault(table[pos // BS], [None] * BS)[pos % BS] = self.tokens[sid][pos]
 
+    def _transfers(self) -> None:
+        """The step's offloads, then its loads, as a worker applies them."""
+        offloads, loads = self.m.take_transfers()
+        for g, t in offloads:
+            self.tier_mem[t] = list(self.gpu_mem[g])
+        for t, g in loads:
+            self.gpu_mem[g] = list(self.tier_mem[t])
+
     def _apply_alloc(self, sid: int, before: int, alloc) -> None:
+        self._transfers()
         for src, dst in alloc.copies:
             self.gpu_mem[dst] = list(self.gpu_mem[src])
         self._write(sid, before, self.m.num_slots(sid))
@@ -52,17 +69,26 @@ class KVCacheMachine(RuleBasedStateMachine):
     # ---- rules -----------------------------------------------------------------------------
 
     @rule(body=tokens_st, system=st.booleans(), salt=st.sampled_from([None, b"s"]),
-          use_prefix=st.booleans(), chunk=st.integers(1, 16), admit=st.booleans())
-    def new_request(self, body, system, salt, use_prefix, chunk, admit) -> None:
+          use_prefix=st.booleans(), chunk=st.integers(1, 16), admit=st.booleans(),
+          again=st.integers(0, 3))
+    def new_request(self, body, system, salt, use_prefix, chunk, admit, again) -> None:
         prompt = (SYSTEM if system else []) + body
+        if again and self.seen:  # the next turn of an earlier conversation
+            prompt = self.seen[-again % len(self.seen)] + body[:2]
+        self.seen.append(prompt)
         prefix = self.m.lookup_prefix(prompt, salt) if use_prefix else []
         for i, bid in enumerate(prefix):  # a hit must hold exactly this prompt's tokens
             assert self.gpu_mem[bid] == prompt[i * BS : (i + 1) * BS]
+        loaded = self.m.lookup_offloaded(prompt, len(prefix), salt) if use_prefix else []
+        for i, tid in enumerate(loaded, len(prefix)):  # and so must a hit in the tier
+            assert self.tier_mem[tid] == prompt[i * BS : (i + 1) * BS]
         sid = self.next_id
-        n = min(chunk, len(prompt) - len(prefix) * BS)
-        need = self.m.num_blocks_needed(sid, n, prefix)
+        hit = (len(prefix) + len(loaded)) * BS
+        n = min(chunk, len(prompt) - hit)
+        need = self.m.num_blocks_needed(sid, n + len(loaded) * BS, prefix)
         free = self.m.num_free_gpu_blocks
-        alloc = self.m.allocate_new(sid, prompt, n, prefix, extra_key=salt, admit=admit)
+        alloc = self.m.allocate_new(sid, prompt, n, prefix, extra_key=salt, admit=admit,
+                                    offloaded_block_ids=loaded)
         limit = self.m.watermark_blocks if admit else 0
         assert (alloc is None) == (need > free - limit)
         if alloc is None:
@@ -72,7 +98,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.tokens[sid] = list(prompt)
         self.groups[sid] = [sid]
-        self._write(sid, len(prefix) * BS, self.m.num_slots(sid))
+        self._transfers()
+        self._write(sid, hit, self.m.num_slots(sid))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), more=st.lists(st.integers(1, 3), max_size=3), n=st.integers(0, 4))
@@ -142,7 +169,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         seqs = self.groups[data.draw(st.sampled_from(sorted(swapped)))]
         if not self.m.can_swap_in(seqs):
             return
-        for c, g in self.m.swap_in(seqs):
+        pairs = self.m.swap_in(seqs)
+        self._transfers()
+        for c, g in pairs:
             self.gpu_mem[g] = list(self.cpu_mem[c])
 
     # ---- checks ----------------------------------------------------------------------------

@@ -103,10 +103,13 @@ class _WorkerSeq:
 class FakeWorker:
     """Executes plans and checks the protocol; raises AssertionError on any violation."""
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 num_offload_blocks: int = 0) -> None:
         self.bs = block_size
         self.gpu = np.full((num_gpu_blocks, block_size), -1, dtype=np.int64)
         self.cpu = np.full((max(num_cpu_blocks, 1), block_size), -1, dtype=np.int64)
+        self.tier = np.full((max(num_offload_blocks, 1), block_size), -1, dtype=np.int64)
+        self.num_offloaded = self.num_loaded = 0
         self.seqs: dict[int, _WorkerSeq] = {}
         self.last_step = 0
         self.num_sampled = 0
@@ -128,19 +131,27 @@ class FakeWorker:
         if b:
             first_chunk = int(np.argmin(is_decode)) if not is_decode.all() else b
             assert not is_decode[first_chunk:].any(), "a decode follows a prefill chunk"
-        for arr in (plan.swap_out, plan.swap_in, plan.copies):
+        for arr in (plan.swap_out, plan.swap_in, plan.copies, plan.offload, plan.load):
             assert arr.dtype == np.int64 and arr.ndim == 2 and arr.shape[1] == 2
         # 1. drops
         for sid in plan.dropped_seq_ids:
             assert sid in self.seqs, f"drop of seq {sid} the worker does not hold"
             del self.seqs[sid]
-        # 2. swaps and copies
+        # 2. offloads, swaps, loads and copies
+        for gpu, tier in plan.offload.tolist():  # in order: a later pair may reuse a tier block
+            assert (self.gpu[gpu] >= 0).all(), f"offload of GPU block {gpu}, never written"
+            self.tier[tier] = self.gpu[gpu]
+            self.num_offloaded += 1
         if len(plan.swap_out):
             assert len(set(plan.swap_out[:, 1].tolist())) == len(plan.swap_out)
             self.cpu[plan.swap_out[:, 1]] = self.gpu[plan.swap_out[:, 0]]
         if len(plan.swap_in):
             assert len(set(plan.swap_in[:, 1].tolist())) == len(plan.swap_in)
             self.gpu[plan.swap_in[:, 1]] = self.cpu[plan.swap_in[:, 0]]
+        if len(plan.load):
+            assert len(set(plan.load[:, 1].tolist())) == len(plan.load)
+            self.gpu[plan.load[:, 1]] = self.tier[plan.load[:, 0]]
+            self.num_loaded += len(plan.load)
         for src, dst in plan.copies.tolist():
             self.gpu[dst] = self.gpu[src]
         # 3. state
@@ -268,17 +279,19 @@ class Core:
 
 def make(num_gpu_blocks: int = 16, num_cpu_blocks: int = 0, block_size: int = 4,
          tokenizer: object = None, watermark: float = 0.0, enable_prefix_caching: bool = True,
-         lane_min_running: int = 1, **config: object
+         lane_min_running: int = 1, num_offload_blocks: int = 0, **config: object
          ) -> tuple[Core, KVCacheManager, FakeWorker]:
     """A scheduler with its output processor, its KV cache and a fake worker.
     lane_min_running=1 lets the decode lane run at these tests' small sizes (the engine's
     default is LANE_MIN_RUNNING)."""
     kv = KVCacheManager(num_gpu_blocks, num_cpu_blocks, block_size,
-                        enable_prefix_caching=enable_prefix_caching, watermark=watermark)
+                        enable_prefix_caching=enable_prefix_caching, watermark=watermark,
+                        num_offload_blocks=num_offload_blocks)
     sched = Scheduler(SchedulerConfig(**config), kv, eos_token_ids=[EOS],
                       vocab_size=len(tokenizer) if tokenizer is not None else None)
     sched.lane.min_running = lane_min_running
-    return Core(sched, tokenizer), kv, FakeWorker(num_gpu_blocks, num_cpu_blocks, block_size)
+    return Core(sched, tokenizer), kv, FakeWorker(num_gpu_blocks, num_cpu_blocks, block_size,
+                                                  num_offload_blocks)
 
 
 def check_consistency(sched: Core, kv: KVCacheManager, worker: FakeWorker) -> None:

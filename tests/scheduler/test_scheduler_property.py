@@ -39,7 +39,12 @@ def workloads(draw: st.DrawFn) -> dict:
         # empties as they come and go); off (every decode one by one); or taken even when
         # the KV cache may run short in the step (it then finishes the lane one by one)
         "lane": draw(st.sampled_from(["on", "min3", "off", "always"])),
+        # the CPU offload tier for evicted prefix blocks (it needs prefix caching): none, tiny
+        # (it evicts too, so some prefixes are gone from both and computed again), roomy
+        "offload": draw(st.sampled_from([0, 3, 12])),
     }
+    if not cfg["prefix_caching"]:
+        cfg["offload"] = 0
     reqs = []
     for i in range(draw(st.integers(2, 10))):
         shared = draw(st.sampled_from([[], *PREFIXES]))
@@ -74,7 +79,8 @@ def test_random_mixes_finish_match_reference_and_free_everything(w: dict) -> Non
         watermark=cfg["watermark"], enable_prefix_caching=cfg["prefix_caching"],
         max_num_seqs=cfg["max_num_seqs"], max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=12 if cfg["chunked"] else MAX_MODEL_LEN,
-        enable_chunked_prefill=cfg["chunked"], preemption_mode=cfg["mode"])
+        enable_chunked_prefill=cfg["chunked"], preemption_mode=cfg["mode"],
+        num_offload_blocks=cfg["offload"])
     if cfg["lane"] == "min3":
         sched.lane.min_running = 3
     elif cfg["lane"] == "off":
@@ -123,6 +129,11 @@ def test_random_mixes_finish_match_reference_and_free_everything(w: dict) -> Non
     stats = sched.stats()
     event(f"preempted: swap={stats.preemptions_swap > 0} recompute={stats.preemptions_recompute > 0}")
     event(f"prefix hits: {stats.prefix_hits > 0}")
+    kv_stats = kv.stats()
+    event(f"offload {cfg['offload']}: offloaded {kv_stats.blocks_offloaded > 0}, loaded back "
+          f"{kv_stats.blocks_loaded > 0}")
+    assert (worker.num_offloaded, worker.num_loaded) == (kv_stats.blocks_offloaded,
+                                                         kv_stats.blocks_loaded)
     event(f"aborted: {bool(aborted)}")
     event(f"lane {cfg['lane']}: lane steps {sched.lane.steps > 0}, cut short "
           f"{sched.lane.steps_cut > 0}")

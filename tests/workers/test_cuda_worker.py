@@ -97,7 +97,7 @@ def test_profiled_block_count_respects_memory_utilization(tiny_dir) -> None:
                             swap_space=0.25))
     w.init_distributed()
     w.load_model()
-    num_gpu, num_cpu = w.determine_num_blocks()
+    num_gpu, num_cpu, _ = w.determine_num_blocks()
     _, total = torch.cuda.mem_get_info()
     assert num_cpu == (1 << 28) // w.kv_block_bytes()
     assert 32 <= num_gpu and num_gpu * w.kv_block_bytes() <= 0.3 * total

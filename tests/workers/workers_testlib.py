@@ -258,11 +258,16 @@ class PlanBuilder:
 class LocalExecutor:
     """A tp == 1 Worker in this process."""
 
-    def __init__(self, num_gpu_blocks: int = 128, num_cpu_blocks: int = 32, **config: Any) -> None:
+    def __init__(self, num_gpu_blocks: int = 128, num_cpu_blocks: int = 32,
+                 num_offload_blocks: int = 0, **config: Any) -> None:
         self.worker = Worker(WorkerConfig(**config))
         self.worker.init_distributed()
         self.worker.load_model()
-        self.worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+        self.worker.init_cache(num_gpu_blocks, num_cpu_blocks, num_offload_blocks)
+
+    def kv(self, gpu_ids: list[int], tier_ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """As ProcessGroupExecutor.kv, for the one rank."""
+        return [_kv_blocks(self.worker, gpu_ids, tier_ids)]
 
     def execute(self, plan: StepPlan) -> tuple[StepResult, np.ndarray | None]:
         result, logits = self.worker.execute_with_logits(plan)
@@ -285,12 +290,12 @@ def _child_main(rank: int, commands: Any, replies: Any) -> None:
                 replies.put(("ok", None))
                 return
             if cmd == "init":
-                config, num_gpu_blocks, num_cpu_blocks = arg
+                config, num_gpu_blocks, num_cpu_blocks, num_offload_blocks = arg
                 worker = Worker(WorkerConfig(**config, rank=rank))
                 worker.init_distributed()
                 worker.load_model()
                 counts = worker.determine_num_blocks()
-                worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+                worker.init_cache(num_gpu_blocks, num_cpu_blocks, num_offload_blocks)
                 replies.put(("ok", counts))
             elif cmd == "shutdown":
                 worker.shutdown()
@@ -299,11 +304,20 @@ def _child_main(rank: int, commands: Any, replies: Any) -> None:
             elif cmd == "execute":
                 result, logits = worker.execute_with_logits(arg)
                 replies.put(("ok", (result, logits.float().cpu().numpy() if logits is not None else None)))
+            elif cmd == "kv":
+                replies.put(("ok", _kv_blocks(worker, *arg)))
             elif cmd == "state":
                 replies.put(("ok", {"seqs": sorted(worker.model_runner.seqs),
                                     "num_gpu_blocks": worker.cache_engine.num_gpu_blocks}))
         except Exception:  # report to the test process instead of hanging it
             replies.put(("error", traceback.format_exc()))
+
+
+def _kv_blocks(worker: Worker, gpu_ids: list[int], tier_ids: list[int]
+               ) -> tuple[np.ndarray, np.ndarray]:
+    cache = worker.cache_engine
+    return (cache.gpu_cache[:, :, gpu_ids].cpu().numpy().copy(),
+            cache.offload_cache[tier_ids].numpy().copy())
 
 
 class ProcessGroupExecutor:
@@ -338,10 +352,15 @@ class ProcessGroupExecutor:
         return out
 
     def init(self, num_gpu_blocks: int = 128, num_cpu_blocks: int = 32,
-             **config: Any) -> list[tuple[int, int]]:
+             num_offload_blocks: int = 0, **config: Any) -> list[tuple[int, int, int]]:
         config = dict(config, tensor_parallel_size=self.world_size,
                       dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")
-        return self._call("init", (config, num_gpu_blocks, num_cpu_blocks))
+        return self._call("init", (config, num_gpu_blocks, num_cpu_blocks, num_offload_blocks))
+
+    def kv(self, gpu_ids: list[int], tier_ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per rank: its GPU blocks gpu_ids ([2, layers, n, ...]) and offload-tier blocks
+        tier_ids ([n, 2, layers, ...]), copied out."""
+        return self._call("kv", (gpu_ids, tier_ids))
 
     def shutdown_workers(self) -> None:
         self._call("shutdown")

@@ -106,6 +106,9 @@ class FakeEngine:
             ttft.observe(v)
         return {"num_requests_running": 2, "num_requests_waiting": 1, "num_requests_swapped": 0,
                 "kv_cache_usage_perc": 0.25, "prefix_cache_queries": 40, "prefix_cache_hits": 16,
+                "external_prefix_cache_queries": 24, "external_prefix_cache_hits": 8,
+                "kv_offload_blocks_offloaded": 5, "kv_offload_blocks_loaded": 2,
+                "kv_offload_usage_perc": 0.5,
                 "prompt_tokens_total": 40, "generation_tokens_total": 7,
                 "num_preemptions_swap": 1, "num_preemptions_recompute": 2,
                 "num_worker_recoveries": 0,

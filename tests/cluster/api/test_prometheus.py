@@ -22,6 +22,11 @@ def test_metrics_render_vllm_names_in_prometheus_format(engine: FakeEngine,
     assert m[f"vllm:kv_cache_usage_perc{{{label}}}"] == 0.25
     assert m[f"vllm:prefix_cache_queries_total{{{label}}}"] == 40
     assert m[f"vllm:prefix_cache_hits_total{{{label}}}"] == 16
+    assert m[f"vllm:external_prefix_cache_queries_total{{{label}}}"] == 24
+    assert m[f"vllm:external_prefix_cache_hits_total{{{label}}}"] == 8
+    assert m[f"qwen3_serve:kv_offload_blocks_offloaded_total{{{label}}}"] == 5
+    assert m[f"qwen3_serve:kv_offload_blocks_loaded_total{{{label}}}"] == 2
+    assert m[f"qwen3_serve:kv_offload_usage_perc{{{label}}}"] == 0.5
     assert m[f"vllm:prompt_tokens_total{{{label}}}"] == 40
     assert m[f"vllm:generation_tokens_total{{{label}}}"] == 7
     assert m[f"vllm:num_preemptions_total{{{label}}}"] == 3
@@ -38,6 +43,8 @@ def test_metrics_of_two_replicas_are_summed(engine: FakeEngine) -> None:
     m = parse_prometheus(render_prometheus([engine.metrics(), engine.metrics()], "m"))
     assert m['vllm:num_requests_running{model_name="m"}'] == 4
     assert m['vllm:kv_cache_usage_perc{model_name="m"}'] == 0.25
+    assert m['qwen3_serve:kv_offload_usage_perc{model_name="m"}'] == 0.5
+    assert m['vllm:external_prefix_cache_hits_total{model_name="m"}'] == 16
     assert m['vllm:time_to_first_token_seconds_count{model_name="m"}'] == 6
 
 
