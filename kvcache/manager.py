@@ -36,6 +36,7 @@ from operator import attrgetter
 
 from kvcache import swap
 from kvcache.block_pool import BlockPool
+from kvcache.events import DEVICE, KVEventLog
 from kvcache.hashing import BlockHash
 from kvcache.invariants import check_manager_invariants
 from kvcache.prefix import PrefixCache
@@ -76,12 +77,14 @@ class KVCacheManager:
         self.watermark = watermark
         self.watermark_blocks = math.ceil(watermark * num_gpu_blocks)
         self._seqs: dict[int, SeqBlocks] = {}
+        self.events = KVEventLog(lambda: {DEVICE: list(self.gpu_pool.cached_block_hash_to_block)})
         self.reset()
 
     def reset(self) -> None:
         """Forget every sequence and every cached block: the workers' caches are empty again
         (the engine rebuilt its tensor-parallel group after a rank died)."""
-        self.gpu_pool = BlockPool(self.num_gpu_blocks, enable_caching=self.enable_prefix_caching)
+        self.events.cleared(DEVICE)  # what a router following `events` held is gone
+        self.gpu_pool = BlockPool(self.num_gpu_blocks, self.enable_prefix_caching, self.events)
         self.cpu_pool = BlockPool(self.num_cpu_blocks, enable_caching=False)
         self.prefix = PrefixCache(self.gpu_pool, self.block_size, self.enable_prefix_caching)
         self._seqs.clear()
