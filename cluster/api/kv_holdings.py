@@ -142,9 +142,9 @@ class HoldingsView:
             return {rid: r.load for rid, r in self._replicas.items()}
 
     def sizes(self) -> dict[str, int]:
-        """Device blocks each replica holds (what it confirmed, not what was just routed)."""
+        """Device blocks each replica holds or was just sent (recent, expired or not)."""
         with self._lock:
-            return {rid: len(r.held[DEVICE]) for rid, r in self._replicas.items()}
+            return {rid: len(r.held[DEVICE]) + len(r.recent) for rid, r in self._replicas.items()}
 
     def num_held(self, replica_id: str, medium: str = DEVICE) -> int:
         with self._lock:
