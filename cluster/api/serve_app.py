@@ -158,17 +158,27 @@ class HandleEngineClient:
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str, cache_salt: str | None = None,
                        routing_key: str | None = None) -> AsyncIterator[Any]:
-        gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params, request_id,
-                                                 cache_salt, routing_key=routing_key)
-        finished = False
-        try:
-            async for packed in gen:
-                out = unpack_output(request_id, prompt_token_ids, packed)
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:  # client gone or error: cancel the replica-side generator
-                gen.cancel()
+        # A replica that died before sending anything lost nothing: the router (which has
+        # dropped it and its KV holdings) picks another, once.
+        for attempt in range(2):
+            gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params,
+                                                     request_id, cache_salt,
+                                                     routing_key=routing_key)
+            started = finished = False
+            try:
+                async for packed in gen:
+                    out = unpack_output(request_id, prompt_token_ids, packed)
+                    started, finished = True, out.finished
+                    yield out
+                return
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                if started or attempt:
+                    raise
+                logger.warning("LLMServer replica died before %s started (%s); retrying on "
+                               "another replica", request_id, type(e).__name__)
+            finally:
+                if not finished:  # client gone or error: cancel the replica-side generator
+                    gen.cancel()
 
     async def check_health(self) -> None:
         results = await self.handle.broadcast("ready").results_async()
