@@ -124,7 +124,7 @@ class LLMServer:
         await self.engine.abort(request_id)
 
     async def metrics(self) -> dict[str, Any]:
-        return self.engine.metrics()
+        return {**self.engine.metrics(), "replica_id": self.replica_id}
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica: only when
