@@ -12,7 +12,7 @@ import time
 import pytest
 
 from cluster.api.kv_holdings import HoldingsView
-from cluster.api.prefix_router import RoutingThresholds, check_router_args, rank_replicas
+from cluster.api.prefix_router import RoutingThresholds, rank_replicas
 from kvcache import KVCacheManager, prompt_block_hashes
 from kvcache.events import CPU, DEVICE, STORED, KVEventBatch
 
