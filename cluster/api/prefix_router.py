@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import (
-    FIFOMixin,
     PendingRequest,
     ReplicaID,
     ReplicaResult,
@@ -105,8 +104,12 @@ class _Shared:
 _SHARED: dict[tuple[str, str], _Shared] = {}
 
 
-class PrefixAwareRouter(FIFOMixin, RequestRouter):
-    """Serve's request router for LLMServer (module docstring); kwargs from the manifest."""
+class PrefixAwareRouter(RequestRouter):
+    """Serve's request router for LLMServer (module docstring); kwargs from the manifest.
+
+    Not FIFOMixin: a replica chosen for a request's blocks must go to that request (Serve's
+    base router matches the internal request id), not to the oldest one waiting.
+    """
 
     def initialize_state(self, block_size: int = 16, imbalance_abs: int = 4,
                          imbalance_rel: float = 1.5,
