@@ -127,7 +127,7 @@ def ideal_hit_rate(prompts: list[list[int]], block_size: int) -> float:
     return hit / queried
 
 
-def start_app(manifest: Path, router: str) -> str:
+def start_app(manifest: Path, router: str, overrides: list[str]) -> str:
     """The manifest's app with that router, as `serve run` deploys it, on a fresh Ray cluster
     (free ports, no dashboard: other clusters share this machine)."""
     import ray
@@ -139,6 +139,9 @@ def start_app(manifest: Path, router: str) -> str:
     apply_proxy_env()
     args = dict(yaml.safe_load(manifest.read_text())["applications"][0]["args"])
     args["request_router"] = router
+    for item in overrides:  # --set key=value (YAML value), e.g. router_imbalance_abs=8
+        key, _, value = item.partition("=")
+        args[key] = yaml.safe_load(value)
     port = get_free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -172,6 +175,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--unique", action="store_true", help="no shared system prompts")
     ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a manifest arg for every run (e.g. router_imbalance_abs=8)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -184,7 +189,7 @@ def main() -> None:
         "block_size", 16)
     rows, ideal = [], None
     for router in args.routers.split(","):
-        url = start_app(args.manifest, router)
+        url = start_app(args.manifest, router, args.set)
         try:
             ttfts, out_tokens, wall, sent = asyncio.run(run_workload(url, args, tokenizer))
             m = {k.split("{")[0]: v for k, v in parse_prometheus(
