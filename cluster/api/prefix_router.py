@@ -122,6 +122,9 @@ class PrefixAwareRouter(RequestRouter):
         self.shared = _SHARED.setdefault(key, _Shared(recent_ttl_s))
         self.view = self.shared.view
         self.in_flight: dict[str, int] = {}
+        # internal request id -> replica, for requests this router routed (Serve also reports
+        # broadcasts, e.g. the metrics and the KV-event polls, as completed requests).
+        self._routed: dict[str, str] = {}
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
         self._hashes: dict[str, list[BlockHash]] = {}  # internal request id -> prompt hashes
         self._rng = random.Random()
@@ -162,6 +165,7 @@ class PrefixAwareRouter(RequestRouter):
                           result: ReplicaResult) -> None:
         rid = replica_id.unique_id
         self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+        self._routed[pending_request.metadata.internal_request_id] = rid
         hashes = self._hashes.pop(pending_request.metadata.internal_request_id, None)
         if hashes:
             self.view.note_routed(rid, hashes)
@@ -173,10 +177,10 @@ class PrefixAwareRouter(RequestRouter):
                 self.routing_keys.popitem(last=False)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        rid = replica_id.unique_id
-        if self.in_flight.get(rid, 0) > 0:
-            self.in_flight[rid] -= 1
         self._hashes.pop(internal_request_id, None)
+        rid = self._routed.pop(internal_request_id, None)
+        if rid is not None and self.in_flight.get(rid, 0) > 0:
+            self.in_flight[rid] -= 1
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -187,6 +191,8 @@ class PrefixAwareRouter(RequestRouter):
         rid = pr.metadata.internal_request_id
         hashes = self._hashes.get(rid)
         if hashes is None:
+            if len(self._hashes) >= MAX_ROUTING_KEYS:  # requests cancelled while routing
+                self._hashes.clear()
             salt = pr.args[3] if len(pr.args) > 3 else pr.kwargs.get("cache_salt")
             hashes = prompt_block_hashes(pr.args[0], self.block_size,
                                          salt.encode() if salt else None)
