@@ -13,6 +13,9 @@ replica: a new epoch), or when the entries it missed were trimmed, a snapshot: C
 every medium, then STORED of every hash held now. Either way, applying the answer in order to
 "the set of hashes held per medium" leaves the follower's set equal to the cache map's keys.
 
+Nobody following, nothing recorded: the pools get the log only once `since` was first called
+(`on_follow`), so a replica that no router follows (one replica) pays nothing for it.
+
 The log keeps at most `capacity` entries (one entry is one stored batch or one evicted hash),
 so its memory is bounded whether or not anybody follows it. It is not thread-safe: the
 replica's event loop appends (scheduling) and reads (answering a follower).
@@ -55,7 +58,8 @@ class KVEventLog:
     """
 
     def __init__(self, snapshot: Callable[[], dict[str, Sequence[BlockHash]]] | None = None,
-                 capacity: int = DEFAULT_CAPACITY) -> None:
+                 capacity: int = DEFAULT_CAPACITY,
+                 on_follow: Callable[[], None] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 entry, got {capacity}")
         self.epoch = os.urandom(8).hex()
@@ -63,6 +67,12 @@ class KVEventLog:
         self._entries: deque[Entry] = deque(maxlen=capacity)
         # What is held now, per medium; set by the owner of the pools (KVCacheManager).
         self.snapshot = snapshot or (lambda: {})
+        self.followed = False  # since() was called: the owner now reports into the log
+        self._on_follow = on_follow
+
+    def sink(self) -> KVEventLog | None:
+        """What a pool should report into: this log once followed, else nothing."""
+        return self if self.followed else None
 
     def stored(self, medium: str, hashes: Sequence[BlockHash]) -> None:
         if hashes:
@@ -74,11 +84,17 @@ class KVEventLog:
         self._entries.append((self.seq, EVICTED, medium, (block_hash,)))
 
     def cleared(self, medium: str) -> None:
+        if not self.followed:
+            return
         self.seq += 1
         self._entries.append((self.seq, CLEARED, medium, ()))
 
     def since(self, epoch: str | None, seq: int) -> KVEventBatch:
         """What a follower whose cursor is (epoch, seq) must apply (module docstring)."""
+        if not self.followed:
+            self.followed = True
+            if self._on_follow is not None:
+                self._on_follow()
         entries = self._entries
         oldest = self.seq - len(entries) + 1
         if epoch == self.epoch and oldest <= seq + 1 and seq <= self.seq:

@@ -77,14 +77,15 @@ class KVCacheManager:
         self.watermark = watermark
         self.watermark_blocks = math.ceil(watermark * num_gpu_blocks)
         self._seqs: dict[int, SeqBlocks] = {}
-        self.events = KVEventLog(lambda: {DEVICE: list(self.gpu_pool.cached_block_hash_to_block)})
+        self.events = KVEventLog(lambda: {DEVICE: list(self.gpu_pool.cached_block_hash_to_block)},
+                                 on_follow=lambda: setattr(self.gpu_pool, "events", self.events))
         self.reset()
 
     def reset(self) -> None:
         """Forget every sequence and every cached block: the workers' caches are empty again
         (the engine rebuilt its tensor-parallel group after a rank died)."""
         self.events.cleared(DEVICE)  # what a router following `events` held is gone
-        self.gpu_pool = BlockPool(self.num_gpu_blocks, self.enable_prefix_caching, self.events)
+        self.gpu_pool = BlockPool(self.num_gpu_blocks, self.enable_prefix_caching, self.events.sink())
         self.cpu_pool = BlockPool(self.num_cpu_blocks, enable_caching=False)
         self.prefix = PrefixCache(self.gpu_pool, self.block_size, self.enable_prefix_caching)
         self._seqs.clear()

@@ -48,6 +48,7 @@ def test_following_the_log_reproduces_the_cache_map_through_evictions_and_reset(
 
 def test_evicted_only_when_the_last_block_with_the_hash_goes():
     m = KVCacheManager(num_gpu_blocks=4, num_cpu_blocks=0, block_size=2)
+    m.events.since(None, 0)  # a follower: from now on the pool reports
     m.allocate_slots(1, [7, 7], 2)
     m.allocate_slots(2, [7, 7], 2)  # the same hash filled independently: two blocks, one key
     start = m.events.seq
@@ -79,6 +80,20 @@ def test_a_follower_behind_the_trimmed_log_or_from_another_epoch_gets_a_snapshot
         assert [(op, medium) for _, op, medium, _ in batch.entries] == [
             (CLEARED, "device"), (CLEARED, "cpu"), (STORED, "device")]
         assert batch.entries[-1][3] == (b"a" * 16, b"b" * 16)
+
+
+def test_nothing_is_recorded_until_someone_follows():
+    m = KVCacheManager(num_gpu_blocks=4, num_cpu_blocks=0, block_size=2)
+    m.allocate_slots(1, [1, 2, 3, 4], 4)
+    m.reset()
+    assert m.gpu_pool.events is None and m.events.seq == 0
+    m.allocate_slots(1, [1, 2, 3, 4], 4)
+    first = m.events.since(None, 0)  # a snapshot of what is held now
+    assert first.snapshot and len(first.entries[-1][3]) == 2
+    assert m.gpu_pool.events is m.events
+    m.reset()  # a reset keeps reporting into the followed log
+    assert m.gpu_pool.events is m.events
+    assert [op for _, op, _, _ in m.events.since(first.epoch, first.seq).entries] == [CLEARED]
 
 
 def test_log_capacity_must_be_positive():
