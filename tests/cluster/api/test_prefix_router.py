@@ -196,3 +196,17 @@ def test_one_replica_gets_serves_default_router_and_two_get_the_prefix_aware_one
     _, serving = split_args({"model": "qwen3-tiny", "num_replicas": 2,
                              "request_router": "power_of_two"})
     assert request_router_config(serving, 16) is None
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+])
+def test_prompt_cache_key_must_be_a_string(engine, tokenizer, route, body):
+    from fake_engine import fetch
+
+    bad = fetch(engine, tokenizer, "POST", route, {**body, "prompt_cache_key": 42})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_cache_key"
+    good = fetch(engine, tokenizer, "POST", route, {**body, "prompt_cache_key": "conv-1"})
+    assert good.status_code == 200
+    assert "x-replica-id" not in good.headers  # an engine in this process: no replica to name
