@@ -3,6 +3,7 @@ KVCacheManager's event log, affinity spill, replicas leaving, and the hash acros
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import subprocess
@@ -210,3 +211,51 @@ def test_prompt_cache_key_must_be_a_string(engine, tokenizer, route, body):
     good = fetch(engine, tokenizer, "POST", route, {**body, "prompt_cache_key": "conv-1"})
     assert good.status_code == 200
     assert "x-replica-id" not in good.headers  # an engine in this process: no replica to name
+
+
+class _Replica:
+    """What the router reads of Serve's RunningReplica: its id."""
+
+    def __init__(self, unique_id: str) -> None:
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        self.replica_id = ReplicaID(unique_id, DeploymentID(name="LLMServer", app_name="t"))
+
+
+def test_router_hooks_send_a_prefix_home_and_count_only_what_they_routed():
+    """PrefixAwareRouter itself (no Serve): choose, routed, completed; broadcasts that Serve
+    reports as completed (metrics, KV-event polls) do not lower a replica's load."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from cluster.api.prefix_router import PrefixAwareRouter
+
+    def request(i: int, tokens: list[int], key: str | None = None) -> PendingRequest:
+        return PendingRequest(args=[tokens, None, f"r{i}", None], kwargs={"routing_key": key},
+                              metadata=RequestMetadata(f"r{i}", f"internal-{i}"))
+
+    async def go() -> None:
+        router = PrefixAwareRouter(deployment_id=DeploymentID(name="LLMServer", app_name="t"),
+                                   handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(block_size=16)
+        router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
+        a, b = _Replica("a"), _Replica("b")
+        router.view.retain(["a", "b"])
+        first = request(1, SYSTEM_A + [1] * 8)
+        ranks = await router.choose_replicas([a, b], first)
+        assert len(ranks) == 2 and len(ranks[0]) == 1  # nothing held: either, the other next
+        home = ranks[0][0]
+        router.on_request_routed(first, home.replica_id, None)
+        other = b if home is a else a
+        again = await router.choose_replicas([a, b], request(2, SYSTEM_A + [2] * 8))
+        assert again[0] == [home] and router.last_reason == "prefix"
+        assert router.in_flight == {home.replica_id.unique_id: 1}
+        router.on_request_completed(home.replica_id, "a-broadcast-to-every-replica")
+        assert router.in_flight == {home.replica_id.unique_id: 1}
+        router.on_request_completed(home.replica_id, "internal-1")
+        assert router.in_flight == {home.replica_id.unique_id: 0}
+        router.on_replica_actor_died(home.replica_id)
+        gone = await router.choose_replicas([other], request(3, SYSTEM_A))
+        assert gone == [[other]] and router.view.replica_ids() == [other.replica_id.unique_id]
+
+    asyncio.run(go())
