@@ -21,7 +21,8 @@ Holdings (kv_holdings.py): every `poll_period_s` (0.25 s) a task in the router's
 `LLMServer.kv_events` on every replica with Serve's `DeploymentHandle.broadcast`, passing each
 replica's cursor; each answers with its `KVEventLog` entries since then (kvcache/events.py;
 stored and evicted hashes in order, batched by the polling) and its load. So the view is at
-most one period plus one round trip old (Serve's routing-stats period, 10 s, is not used), and
+most one period plus one round trip old (after 5 s without routing a request the period
+is 1 s; Serve's routing-stats period, 10 s, is not used), and
 the hashes this router just routed count as held meanwhile. A replica that Serve drops or
 reports dead loses its holdings at once; a restarted engine answers with a snapshot (new
 epoch). Per request the router hashes the prompt once and walks each replica's leading blocks
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +54,9 @@ from kvcache.hashing import BlockHash, prompt_block_hashes
 logger = logging.getLogger("ray.serve")
 
 DEFAULT_POLL_PERIOD_S = 0.25
+# After this long without routing a request, poll once a second: an idle deployment's replicas
+# are not asked eight times a second for what has not changed.
+IDLE_AFTER_S, IDLE_POLL_PERIOD_S = 5.0, 1.0
 MAX_ROUTING_KEYS = 100_000  # affinity entries kept, least recently used dropped first
 
 
@@ -99,6 +104,7 @@ class _Shared:
     def __init__(self, recent_ttl_s: float) -> None:
         self.view = HoldingsView(recent_ttl_s)
         self.task: asyncio.Task | None = None
+        self.last_routed = 0.0  # time.monotonic() of the last request routed
 
 
 _SHARED: dict[tuple[str, str], _Shared] = {}
@@ -164,6 +170,7 @@ class PrefixAwareRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         rid = replica_id.unique_id
+        self.shared.last_routed = time.monotonic()
         self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
         self._routed[pending_request.metadata.internal_request_id] = rid
         hashes = self._hashes.pop(pending_request.metadata.internal_request_id, None)
@@ -203,22 +210,24 @@ class PrefixAwareRouter(RequestRouter):
         task = self.shared.task
         if task is None or task.done():
             self.shared.task = asyncio.get_running_loop().create_task(
-                poll_holdings(self.view, self._deployment_id.app_name, self._deployment_id.name,
-                              self.poll_period_s))
+                poll_holdings(self.shared, self._deployment_id.app_name,
+                              self._deployment_id.name, self.poll_period_s))
 
 
 def _routing_key(pr: PendingRequest | None) -> str | None:
     return pr.kwargs.get("routing_key") if pr is not None else None
 
 
-async def poll_holdings(view: HoldingsView, app_name: str, deployment: str,
+async def poll_holdings(shared: _Shared, app_name: str, deployment: str,
                         period_s: float) -> None:
-    """Feed `view` from every replica's `kv_events` each period (the module docstring)."""
+    """Feed the view from every replica's `kv_events` each period (the module docstring)."""
     from ray import serve
 
+    view = shared.view
     handle = serve.get_deployment_handle(deployment, app_name)
     while True:
-        await asyncio.sleep(period_s)
+        idle = time.monotonic() - shared.last_routed > IDLE_AFTER_S
+        await asyncio.sleep(max(period_s, IDLE_POLL_PERIOD_S) if idle else period_s)
         if len(view.replica_ids()) < 2:
             continue
         try:
