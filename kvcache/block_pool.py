@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 
+from kvcache.events import DEVICE, KVEventLog
 from kvcache.hashing import BlockHash
 
 
@@ -127,9 +128,13 @@ class BlockPool:
     freed cached block only when no clean block is left. An evicted block's hash leaves the
     cache map. The map tolerates several blocks with one hash (two sequences that filled
     identical blocks independently).
+
+    With `events` (kvcache/events.py), each hash entering the map and each leaving it is
+    reported, in order, tagged with `medium`.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 events: KVEventLog | None = None, medium: str = DEVICE) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -141,6 +146,8 @@ class BlockPool:
         # Called as on_evict(block_id, block_hash) for each hashed block about to be reused,
         # while its KV is still there (the CPU offload tier copies it out: kvcache/offload.py).
         self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self.events = events
+        self.medium = medium
 
     @property
     def num_free_blocks(self) -> int:
@@ -212,6 +219,8 @@ class BlockPool:
         entry = self.cached_block_hash_to_block[key]
         if isinstance(entry, KVCacheBlock):
             del self.cached_block_hash_to_block[key]
+            if self.events is not None:
+                self.events.evicted(self.medium, key)
         else:
             del entry[block.block_id]
             if len(entry) == 1:
@@ -262,6 +271,8 @@ class BlockPool:
         entry = cache.get(block_hash)
         if entry is None:
             cache[block_hash] = block
+            if self.events is not None:
+                self.events.stored(self.medium, (block_hash,))
         elif isinstance(entry, KVCacheBlock):
             cache[block_hash] = {entry.block_id: entry, block.block_id: block}
         else:
@@ -285,6 +296,8 @@ class BlockPool:
             batch = dict(zip(block_hashes, blocks))
             if len(batch) == n and cache.keys().isdisjoint(batch):
                 cache.update(batch)
+                if self.events is not None:
+                    self.events.stored(self.medium, block_hashes)
                 return
             # a hash already in the map or repeated in the batch: build the shared entries
         for block, h in zip(blocks, block_hashes):

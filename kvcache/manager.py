@@ -36,6 +36,7 @@ from operator import attrgetter
 
 from kvcache import swap
 from kvcache.block_pool import BlockPool
+from kvcache.events import CPU, DEVICE, KVEventLog
 from kvcache.hashing import BlockHash
 from kvcache.invariants import check_manager_invariants
 from kvcache.offload import OffloadTier
@@ -82,15 +83,19 @@ class KVCacheManager:
         self.watermark = watermark
         self.watermark_blocks = math.ceil(watermark * num_gpu_blocks)
         self._seqs: dict[int, SeqBlocks] = {}
+        self.events = KVEventLog.of_pools(lambda: [(DEVICE, self.gpu_pool)] + (
+            [(CPU, self.tier.pool)] if self.tier is not None else []))
         self.reset()
 
     def reset(self) -> None:
         """Forget every sequence and every cached block: the workers' caches are empty again
         (the engine rebuilt its tensor-parallel group after a rank died)."""
-        self.gpu_pool = BlockPool(self.num_gpu_blocks, enable_caching=self.enable_prefix_caching)
+        self.events.cleared(DEVICE, CPU)  # what a router following `events` held is gone
+        self.gpu_pool = BlockPool(self.num_gpu_blocks, self.enable_prefix_caching, self.events.sink())
         self.cpu_pool = BlockPool(self.num_cpu_blocks, enable_caching=False)
         self.prefix = PrefixCache(self.gpu_pool, self.block_size, self.enable_prefix_caching)
-        self.tier = OffloadTier(self.num_offload_blocks) if self.num_offload_blocks else None
+        self.tier = (OffloadTier(self.num_offload_blocks, self.events.sink())
+                     if self.num_offload_blocks else None)
         self.gpu_pool.on_evict = self.tier and self.tier.offload
         self._seqs.clear()
 
@@ -125,13 +130,9 @@ class KVCacheManager:
                          block_hashes: Sequence[BlockHash] | None = None) -> list[int]:
         """Offload-tier block ids continuing a GPU prefix hit of num_prefix_blocks blocks, for
         allocate_new's offloaded_block_ids (otherwise as lookup_prefix); [] without a tier."""
-        max_hit = (len(token_ids) - 1) // self.block_size
-        if self.tier is None or max_hit <= num_prefix_blocks:
+        if self.tier is None:
             return []
-        if block_hashes is None or len(block_hashes) < max_hit:
-            block_hashes = self.prefix.full_block_hashes(token_ids, max_hit, extra_key,
-                                                         block_hashes or ())
-        return self.tier.lookup(block_hashes, num_prefix_blocks, max_hit)
+        return self.tier.lookup(self.prefix, token_ids, num_prefix_blocks, extra_key, block_hashes)
 
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The tier's copies since the last call, for the plan: (GPU, tier) offloads and
@@ -353,8 +354,7 @@ class KVCacheManager:
             prefix.queries += len(token_ids)
             prefix.hits += num_prefix * bs
             if self.tier is not None:
-                self.tier.queries += len(token_ids) - num_prefix * bs
-                self.tier.hits += len(offloaded) * bs
+                self.tier.count(len(token_ids) - num_prefix * bs, len(offloaded) * bs)
         return Allocation(new_ids, [])
 
     # ---- per-seq queries ------------------------------------------------------------------

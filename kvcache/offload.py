@@ -28,17 +28,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvcache.block_pool import BlockPool, KVCacheBlock
+from kvcache.events import CPU, KVEventLog
 from kvcache.hashing import BlockHash
+from kvcache.prefix import PrefixCache
 
 
 class OffloadTier:
     """Which hash is in which CPU block, the LRU, the budget, and this step's copies."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventLog | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_offload_blocks must be >= 0 (0: no tier), got {num_blocks}")
         self.num_blocks = num_blocks
-        self.pool = BlockPool(num_blocks, enable_caching=True)
+        self.pool = BlockPool(num_blocks, True, events, CPU)  # events: what a router follows
         self.offloads: list[tuple[int, int]] = []  # (gpu, tier) this step
         self.loads: list[tuple[int, int]] = []  # (tier, gpu) this step
         self._pinned: list[KVCacheBlock] = []
@@ -68,8 +70,16 @@ class OffloadTier:
         self.offloads.append((gpu_block_id, block.block_id))
         self.num_offloaded += 1
 
-    def lookup(self, block_hashes: Sequence[BlockHash], start: int, stop: int) -> list[int]:
-        """Tier block ids of block_hashes[start:stop] up to the first one not held here."""
+    def lookup(self, prefix: PrefixCache, token_ids: Sequence[int], start: int,
+               extra_key: bytes | None, block_hashes: Sequence[BlockHash] | None) -> list[int]:
+        """Tier block ids of token_ids' full blocks from block `start` (after a GPU hit of that
+        many) up to the first one not held here, never the block of the last token (as
+        PrefixCache.lookup); block_hashes as there, hashed here where too few."""
+        stop = (len(token_ids) - 1) // prefix.block_size
+        if stop <= start:
+            return []
+        if block_hashes is None or len(block_hashes) < stop:
+            block_hashes = prefix.full_block_hashes(token_ids, stop, extra_key, block_hashes or ())
         cache = self.pool.cached_block_hash_to_block
         ids = []
         for h in block_hashes[start:stop]:
@@ -98,6 +108,11 @@ class OffloadTier:
     def add_loads(self, blocks: Sequence[KVCacheBlock], gpu_block_ids: Sequence[int]) -> None:
         self.loads += zip((b.block_id for b in blocks), gpu_block_ids)
         self.num_loaded += len(blocks)
+
+    def count(self, queried: int, hit: int) -> None:
+        """Prompt tokens looked up here after a GPU miss, and of those, loaded from here."""
+        self.queries += queried
+        self.hits += hit
 
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This step's (offloads, loads), in order; unpins the loaded blocks (to the LRU tail)."""

@@ -58,6 +58,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # only sequences with news this step
     finished: bool  # all n sequences finished
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    replica_id: str | None = None  # the serving replica, on a stream's first output (Serve)
 
 
 @dataclass(slots=True)

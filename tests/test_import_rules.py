@@ -34,7 +34,11 @@ RULES: dict[str, Rule] = {
                              "scheduler.plan", "scheduler.sampling_params")),
     "cluster.engine": Rule(allowed=None, forbidden=("cluster.api", "fastapi", "starlette",
                                                     "ray.serve")),
-    "cluster.api": Rule(allowed=None),
+    # The request router hashes prompts as the KV cache does and reads the block pools' event
+    # format: kvcache.hashing and kvcache.events only, never the pools or the manager.
+    "cluster.api": Rule(allowed=None, forbidden=("kvcache.block_pool", "kvcache.manager",
+                                                 "kvcache.prefix", "kvcache.swap",
+                                                 "kvcache.tables", "kvcache.invariants")),
     "cluster": Rule(allowed=None),  # cluster/__init__.py: the lazy facade
 }
 

@@ -97,7 +97,8 @@ class EngineClient(Protocol):
     async def model_info(self) -> ModelInfo: ...
 
     def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 request_id: str, cache_salt: str | None = None) -> AsyncIterator[Any]: ...
+                 request_id: str, cache_salt: str | None = None,
+                 routing_key: str | None = None) -> AsyncIterator[Any]: ...
 
     async def check_health(self) -> None: ...
 
@@ -114,7 +115,8 @@ class LocalEngineClient:
         return ModelInfo.of(self.engine)
 
     def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 request_id: str, cache_salt: str | None = None) -> AsyncIterator[Any]:
+                 request_id: str, cache_salt: str | None = None,
+                 routing_key: str | None = None) -> AsyncIterator[Any]:
         return self.engine.generate(prompt_token_ids, sampling_params, request_id,
                                     cache_salt=cache_salt)
 
@@ -310,14 +312,14 @@ class OpenAIServing:
             params = [req.to_sampling_params(
                 self.prompts.max_tokens(req.max_tokens, len(p), info.max_model_len),
                 info.sampling_defaults) for p in prompts]
-            stream = self._start(prompts, params, rid, req.cache_salt)
+            stream = self._start(prompts, params, rid, req.cache_salt, _routing_key(request, req))
             first = await first_delta(stream)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return error_response(map_exception(e, rid))
         echo = [self.prompts.echo_text(p, req) for p in prompts]
         builder = CompletionBuilder(self.served_model_name, self.prompts.token_text, rid, req,
                                     prompts, echo)
-        return await respond(builder, first, stream, req.stream)
+        return _name_replica(await respond(builder, first, stream, req.stream), first)
 
     async def chat_completions(self, request: Request) -> Response:
         rid = _engine_request_id("chatcmpl")
@@ -335,13 +337,14 @@ class OpenAIServing:
             params = req.to_sampling_params(
                 max_tokens, info.sampling_defaults,
                 reasoning=self.reasoning_parser is not None and req.thinking)
-            stream = self._start([prompt], [params], rid, req.cache_salt)
+            stream = self._start([prompt], [params], rid, req.cache_salt,
+                                 _routing_key(request, req))
             first = await first_delta(stream)
         except Exception as e:  # noqa: BLE001
             return error_response(map_exception(e, rid))
         builder = ChatBuilder(self.served_model_name, self.prompts.token_text, rid, req, prompt,
                               self.reasoning_parser, self.tool_call_parser)
-        return await respond(builder, first, stream, req.stream)
+        return _name_replica(await respond(builder, first, stream, req.stream), first)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, on the chat route's steps (cluster/api/responses_api.py)."""
@@ -429,11 +432,26 @@ class OpenAIServing:
                                code="model_not_found")
 
     def _start(self, prompts: list[list[int]], params: list[SamplingParams], rid: str,
-               cache_salt: str | None) -> AsyncIterator[tuple[int, Any]]:
+               cache_salt: str | None,
+               routing_key: str | None = None) -> AsyncIterator[tuple[int, Any]]:
         if len(prompts) == 1:
-            return tag_stream(0, self.client.generate(prompts[0], params[0], rid, cache_salt))
-        return merge_streams([self.client.generate(p, sp, f"{rid}-{i}", cache_salt)
+            return tag_stream(0, self.client.generate(prompts[0], params[0], rid, cache_salt,
+                                                      routing_key))
+        return merge_streams([self.client.generate(p, sp, f"{rid}-{i}", cache_salt, routing_key)
                               for i, (p, sp) in enumerate(zip(prompts, params))])
+
+
+def _routing_key(request: Request, body: Any) -> str | None:
+    """What keeps a conversation on one replica: `prompt_cache_key`, else `X-Session-Id`."""
+    return body.prompt_cache_key or request.headers.get("x-session-id") or None
+
+
+def _name_replica(response: Response, first: tuple[int, Any] | None) -> Response:
+    """`X-Replica-Id`: the LLMServer replica that served the (first) prompt, when known."""
+    replica_id = getattr(first[1], "replica_id", None) if first is not None else None
+    if replica_id:
+        response.headers["X-Replica-Id"] = replica_id
+    return response
 
 
 def _body_too_large(size: int, limit: int, at_least: bool = False) -> RequestError:

@@ -58,6 +58,23 @@ HISTOGRAMS = (
      "Histogram of inter-token latency in seconds."),
     ("e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
      "Histogram of end to end request latency in seconds."),
+    ("request_queue_time_seconds", "vllm:request_queue_time_seconds",
+     "Histogram of time spent in WAITING phase for request."),
+    ("request_prefill_time_seconds", "vllm:request_prefill_time_seconds",
+     "Histogram of time spent in PREFILL phase for request."),
+    ("request_decode_time_seconds", "vllm:request_decode_time_seconds",
+     "Histogram of time spent in DECODE phase for request."),
+    ("request_inference_time_seconds", "vllm:request_inference_time_seconds",
+     "Histogram of time spent in RUNNING phase for request."),
+)
+# Per replica (label `replica`, from snapshots that carry a `replica_id`): which replica hits.
+PER_REPLICA = (
+    ("prefix_cache_queries", "qwen3_serve:replica_prefix_cache_queries",
+     "Prefix cache queries of one replica, in tokens."),
+    ("prefix_cache_hits", "qwen3_serve:replica_prefix_cache_hits",
+     "Prefix cache hits of one replica, in tokens."),
+    ("num_requests_running", "qwen3_serve:replica_num_requests_running",
+     "Requests in one replica's model execution batches."),
 )
 PREEMPTIONS = ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
 SUCCESS = ("vllm:request_success", "Count of successfully processed requests.")
@@ -128,6 +145,13 @@ def render_prometheus(snapshots: list[dict[str, Any]], model_name: str) -> str:
         lines.append(f'{name}_bucket{{{label},le="+Inf"}} {h.count}')
         lines.append(f"{name}_sum{{{label}}} {_num(h.sum)}")
         lines.append(f"{name}_count{{{label}}} {h.count}")
+    replicas = sorted((s["replica_id"], s) for s in snapshots if s.get("replica_id"))
+    for key, name, help_text in PER_REPLICA if replicas else ():
+        kind = "gauge" if key.startswith("num_") else "counter"
+        header(name, help_text, kind)
+        suffix = "_total" if kind == "counter" else ""
+        for rid, s in replicas:
+            lines.append(f'{name}{suffix}{{{label},replica="{_escape(rid)}"}} {_num(s[key])}')
     return "\n".join(lines) + "\n"
 
 

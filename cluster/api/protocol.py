@@ -22,7 +22,7 @@ from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Top-level request fields that cannot change the output: accepted and ignored. Any other
 # field the models below do not declare is a 400.
-HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier",
                              "safety_identifier", "prediction", "priority", "request_id"})
 
 
@@ -65,6 +65,7 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None  # routes a conversation to one replica (prefix_router)
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions.
     top_k: int | None = None

@@ -28,6 +28,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.api.openai_api import ModelInfo, create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
+from cluster.api.prefix_router import check_router_args, request_router_config
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
 from cluster.engine.config import EngineConfig
 from scheduler.outputs import CompletionOutput, RequestOutput
@@ -51,6 +52,10 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "ingress_num_replicas": 1,
     "ingress_max_ongoing_requests": 1024,
     "max_request_body_bytes": None,  # beyond: 413; None = max(1 MiB, 32 bytes x max_model_len)
+    # prefix_aware | power_of_two (Serve's default); None = prefix_aware when > 1 replica can run
+    "request_router": None,
+    "router_imbalance_abs": 4,   # a replica this many requests above the least loaded one ...
+    "router_imbalance_rel": 1.5,  # ... and this many times its load gets no prefix-routed request
 }
 
 
@@ -74,6 +79,7 @@ class LLMServer:
         bind_replica_grpc_to_node_ip()
         config = EngineConfig.from_dict(engine_args)
         self.engine = AsyncLLMEngine(config, placement_group=ray.util.get_current_placement_group())
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._exporter = RayMetricsExporter(self.engine.model_name)
         self._export_task: asyncio.Task | None = None
 
@@ -94,20 +100,30 @@ class LLMServer:
         return ModelInfo.of(self.engine)
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str, cache_salt: str | None = None) -> AsyncIterator[tuple]:
-        """Stream `pack_output` tuples (not RequestOutput: it repeats the whole prompt)."""
+                       request_id: str, cache_salt: str | None = None,
+                       routing_key: str | None = None) -> AsyncIterator[tuple]:
+        """Stream `pack_output` tuples (not RequestOutput: it repeats the whole prompt); the
+        first names this replica. `routing_key` is the request router's (prefix_router.py)."""
         # Serve cancels this generator when the caller goes away; the engine's generator
         # then aborts the request in its `finally`, freeing its blocks within a step.
         self._ensure_exporter()
+        replica_id = self.replica_id
         async for out in self.engine.generate(prompt_token_ids, sampling_params, request_id,
                                                cache_salt=cache_salt):
-            yield pack_output(out)
+            yield pack_output(out, replica_id)
+            replica_id = None
+
+    async def kv_events(self, cursors: dict[str, tuple[str | None, int]]) -> tuple:
+        """(this replica's id, its KV events since its cursor in `cursors`, its load): what
+        PrefixAwareRouter polls (kvcache/events.py)."""
+        epoch, seq = cursors.get(self.replica_id, (None, 0))
+        return (self.replica_id, *self.engine.kv_events(epoch, seq))
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
     async def metrics(self) -> dict[str, Any]:
-        return self.engine.metrics()
+        return {**self.engine.metrics(), "replica_id": self.replica_id}
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica: only when
@@ -139,18 +155,29 @@ class HandleEngineClient:
         return await self.handle.model_info.remote()
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str, cache_salt: str | None = None) -> AsyncIterator[Any]:
-        gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params, request_id,
-                                                 cache_salt)
-        finished = False
-        try:
-            async for packed in gen:
-                out = unpack_output(request_id, prompt_token_ids, packed)
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:  # client gone or error: cancel the replica-side generator
-                gen.cancel()
+                       request_id: str, cache_salt: str | None = None,
+                       routing_key: str | None = None) -> AsyncIterator[Any]:
+        # A replica that died before sending anything lost nothing: the router (which has
+        # dropped it and its KV holdings) picks another, once.
+        for attempt in range(2):
+            gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params,
+                                                     request_id, cache_salt,
+                                                     routing_key=routing_key)
+            started = finished = False
+            try:
+                async for packed in gen:
+                    out = unpack_output(request_id, prompt_token_ids, packed)
+                    started, finished = True, out.finished
+                    yield out
+                return
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                if started or attempt:
+                    raise
+                logger.warning("LLMServer replica died before %s started (%s); retrying on "
+                               "another replica", request_id, type(e).__name__)
+            finally:
+                if not finished:  # client gone or error: cancel the replica-side generator
+                    gen.cancel()
 
     async def check_health(self) -> None:
         results = await self.handle.broadcast("ready").results_async()
@@ -192,21 +219,22 @@ class OpenAIIngress:
                           tool_call_parser=self.tool_call_parser)
 
 
-def pack_output(out: RequestOutput) -> tuple:
+def pack_output(out: RequestOutput, replica_id: str | None = None) -> tuple:
     """A RequestOutput as plain tuples for the hop to the ingress, without the prompt.
 
     (finished, num_cached_tokens, ((index, token_ids, text, finish_reason, stop_reason,
-    logprobs), ...)); `unpack_output` inverts it given the request id and prompt.
+    logprobs), ...), replica_id); `unpack_output` inverts it given the request id and prompt.
     """
     return (out.finished, out.num_cached_tokens,
             tuple((c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs)
-                  for c in out.outputs))
+                  for c in out.outputs), replica_id)
 
 
 def unpack_output(request_id: str, prompt_token_ids: list[int], packed: tuple) -> RequestOutput:
-    finished, num_cached_tokens, outputs = packed
+    finished, num_cached_tokens, outputs, replica_id = packed
     return RequestOutput(request_id, prompt_token_ids,
-                         [CompletionOutput(*c) for c in outputs], finished, num_cached_tokens)
+                         [CompletionOutput(*c) for c in outputs], finished, num_cached_tokens,
+                         replica_id)
 
 
 def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
@@ -222,6 +250,7 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
                               or limit < 1024):
         raise ValueError("max_request_body_bytes must be an integer >= 1024 (bytes) or null "
                          f"(sized from max_model_len); got {limit!r}")
+    check_router_args(serving)
     return config, serving
 
 
@@ -268,6 +297,9 @@ def build_app(args: dict[str, Any]) -> Application:
     replicas: dict[str, Any] = {"num_replicas": serving["num_replicas"]}
     if serving["autoscaling_config"]:
         replicas = {"autoscaling_config": serving["autoscaling_config"]}
+    router = request_router_config(serving, config.block_size)
+    if router is not None:
+        replicas["request_router_config"] = router
     # With the in-process executor the replica runs the model itself, so it starts with what a
     # worker actor would (on a CPU, OpenMP threads that sleep when idle).
     llm_env = {**REPLICA_ENV_VARS, **worker_env("cuda" if use_gpu else "cpu")}

@@ -19,6 +19,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.errors import EngineDeadError, EngineRecoveringError, OverloadedError
 from cluster.engine.executor import WorkerDiedError
 from cluster.engine.llm_engine import LLMEngine, rebuild_or_raise
+from kvcache.events import KVEventBatch
 from scheduler import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -202,6 +203,11 @@ class AsyncLLMEngine:
 
     def metrics(self) -> dict[str, Any]:
         return self.engine.metrics()
+
+    def kv_events(self, epoch: str | None, seq: int) -> tuple[KVEventBatch, int]:
+        """What the prefix cache gained and lost since a router's cursor (kvcache/events.py),
+        and the load: requests in the engine. On the event loop, between scheduling calls."""
+        return self.engine.scheduler.kv.events.since(epoch, seq), len(self._queues)
 
     def shutdown(self) -> None:
         if self._task is not None:

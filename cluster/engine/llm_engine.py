@@ -265,6 +265,10 @@ class LLMEngine:
     def _submit(self) -> None:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
+        for new in plan.new_seqs:  # (first schedule, or a resume: the first one counts)
+            times = self._times.get(new.request_id)
+            if times is not None and times.scheduled is None:
+                times.scheduled = start
         if self.structured.active:
             self.structured.mark(plan)
         # A plan with nothing for the workers (everyone waits on a token in flight) stays here.
@@ -336,6 +340,10 @@ class LLMEngine:
             "time_to_first_token_seconds": self.latency.ttft.copy(),
             "inter_token_latency_seconds": self.latency.itl.copy(),
             "e2e_request_latency_seconds": self.latency.e2e.copy(),
+            "request_queue_time_seconds": self.latency.queue.copy(),
+            "request_prefill_time_seconds": self.latency.prefill.copy(),
+            "request_decode_time_seconds": self.latency.decode.copy(),
+            "request_inference_time_seconds": self.latency.inference.copy(),
         }
 
     def overhead_fraction(self) -> float:

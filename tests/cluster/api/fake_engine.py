@@ -115,7 +115,11 @@ class FakeEngine:
                 "request_success_total": {"stop": 1, "length": 2, "abort": 0},
                 "time_to_first_token_seconds": ttft,
                 "inter_token_latency_seconds": Histogram((0.01,)),
-                "e2e_request_latency_seconds": Histogram((1.0,))}
+                "e2e_request_latency_seconds": Histogram((1.0,)),
+                "request_queue_time_seconds": Histogram((0.3,), [1, 0], 0.2, 1),
+                "request_prefill_time_seconds": Histogram((0.3,)),
+                "request_decode_time_seconds": Histogram((0.3,)),
+                "request_inference_time_seconds": Histogram((0.3,))}
 
 
 def fetch(engine: FakeEngine, tokenizer: Any, method: str, path: str, body: Any = None,

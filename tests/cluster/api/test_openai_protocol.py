@@ -239,8 +239,11 @@ def test_pack_output_round_trip_drops_only_the_prompt() -> None:
         finished=False, num_cached_tokens=16)
     packed = pack_output(out)
     assert packed == (False, 16, ((0, [5, 6], "ab", None, None, None),
-                                  (1, [7], "c", "stop", 151645, [{7: -0.25, 9: -1.5}])))
+                                  (1, [7], "c", "stop", 151645, [{7: -0.25, 9: -1.5}])), None)
     assert unpack_output("cmpl-1", [11, 12, 13], packed) == out
+    # A stream's first output names the replica that serves it (the X-Replica-Id header).
+    first = unpack_output("cmpl-1", [11, 12, 13], pack_output(out, "replica-a"))
+    assert first.replica_id == "replica-a" and first.outputs == out.outputs
 
 
 def test_tokenize_counts_what_the_generation_routes_send_the_engine(engine: FakeEngine,

@@ -39,6 +39,37 @@ def test_metrics_render_vllm_names_in_prometheus_format(engine: FakeEngine,
     assert "# TYPE vllm:inter_token_latency_seconds histogram" in resp.text
 
 
+def test_request_phase_histograms_follow_vllms_definitions() -> None:
+    from cluster.engine.metrics import LatencyMetrics, RequestTimes
+
+    lat = LatencyMetrics()
+    t = RequestTimes(arrival=10.0, scheduled=10.5)
+    lat.on_tokens(t, 11.0, 1)
+    lat.on_tokens(t, 13.0, 2)
+    lat.on_finished(t, 13.0, "length")
+    assert [(h.sum, h.count) for h in (lat.queue, lat.prefill, lat.decode, lat.inference)] == [
+        (0.5, 1), (0.5, 1), (2.0, 1), (2.5, 1)]
+    never_ran = RequestTimes(arrival=10.0)
+    lat.on_finished(never_ran, 12.0, "abort")  # aborted while waiting: no phase to observe
+    assert lat.queue.count == 1 and lat.e2e.count == 2
+
+
+def test_phase_histograms_and_per_replica_series_in_one_view(engine: FakeEngine) -> None:
+    snaps = [{**engine.metrics(), "replica_id": "r-b"}, {**engine.metrics(), "replica_id": "r-a",
+                                                         "prefix_cache_hits": 30}]
+    text = render_prometheus(snaps, "m")
+    m = parse_prometheus(text)
+    assert m['vllm:request_queue_time_seconds_count{model_name="m"}'] == 2
+    assert m['vllm:request_queue_time_seconds_bucket{model_name="m",le="0.3"}'] == 2
+    assert "# TYPE vllm:request_inference_time_seconds histogram" in text
+    assert m['vllm:prefix_cache_hits_total{model_name="m"}'] == 46  # merged
+    assert m['qwen3_serve:replica_prefix_cache_hits_total{model_name="m",replica="r-a"}'] == 30
+    assert m['qwen3_serve:replica_prefix_cache_hits_total{model_name="m",replica="r-b"}'] == 16
+    assert m['qwen3_serve:replica_num_requests_running{model_name="m",replica="r-a"}'] == 2
+    # An engine in this process (no replica id) renders no per-replica series.
+    assert "replica=" not in render_prometheus([engine.metrics()], "m")
+
+
 def test_metrics_of_two_replicas_are_summed(engine: FakeEngine) -> None:
     m = parse_prometheus(render_prometheus([engine.metrics(), engine.metrics()], "m"))
     assert m['vllm:num_requests_running{model_name="m"}'] == 4

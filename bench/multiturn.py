@@ -1,0 +1,220 @@
+"""Multi-turn chat benchmark: Serve's default router against the prefix-aware one (issue 24).
+
+Workload (fixed seeds): `--system-prompts` system prompts of `--system-tokens` token ids each,
+`--conversations` conversations (conversation i uses system prompt i mod the count) of
+`--turns` turns; turn t sends the system prompt, every earlier user message and answer, and a
+new user message of ~`--user-tokens` ids; the answer (`--max-tokens`, greedy, ignore_eos) is
+re-tokenized from its text, as a chat client resends it. A conversation waits `--think-s`
+between turns; `--concurrency` conversations run at once. `--unique` gives every conversation
+its own system prompt (nothing shared: the routers should then match in throughput).
+
+For each router (`power_of_two`, Serve's default, then `prefix_aware`) it deploys
+`--manifest`'s app with that `request_router` as `serve run` does (build_app on a fresh Ray
+cluster, so fresh caches; free ports, no dashboard), runs the workload over HTTP through Serve's
+front (streamed /v1/completions, each with its conversation's `prompt_cache_key`) and reads
+/metrics. Reports the prefix-cache hit rate (hit / queried prompt
+tokens), prompt tokens computed (queried - hit), TTFT p50/p99 and output tokens/s; and the
+ideal hit rate: one replica with an unbounded cache, the same prompts in the same order
+(simulated with the engine's block hashes; the engine computes at least a prompt's last token).
+
+  source /work/bin/wt-env; .venv/bin/python bench/multiturn.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from cluster.api.prometheus import parse_prometheus  # noqa: E402
+from kvcache.hashing import prompt_block_hashes  # noqa: E402
+from workers.distributed import get_free_port  # noqa: E402
+
+TOKEN_RANGE = (100, 150000)
+ROUTERS = ("power_of_two", "prefix_aware")
+
+
+def make_conversations(args: argparse.Namespace) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """(system prompts, per conversation its user messages), from fixed seeds."""
+    rng = random.Random(24)
+    n_sys = args.conversations if args.unique else args.system_prompts
+    systems = [[rng.randrange(*TOKEN_RANGE) for _ in range(args.system_tokens)]
+               for _ in range(n_sys)]
+    users = [[[rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(
+        args.user_tokens * 3 // 4, args.user_tokens * 5 // 4))] for _ in range(args.turns)]
+        for _ in range(args.conversations)]
+    return systems, users
+
+
+async def turn(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
+               session: str) -> tuple[float, int, str]:
+    """(TTFT, output tokens, answer text) of one streamed completion."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "prompt_cache_key": session}
+    start = time.perf_counter()
+    ttft, tokens, text = 0.0, 0, []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if not chunk.get("choices"):
+                continue
+            if tokens == 0:
+                ttft = time.perf_counter() - start
+            tokens += 1
+            text.append(chunk["choices"][0]["text"])
+    return ttft, tokens, "".join(text)
+
+
+async def run_workload(url: str, args: argparse.Namespace, tokenizer: Any
+                       ) -> tuple[list[float], int, float, list[list[int]]]:
+    """(TTFTs, output tokens, wall seconds, every prompt in the order it was sent)."""
+    systems, users = make_conversations(args)
+    ttfts: list[float] = []
+    sent: list[list[int]] = []
+    out_tokens = 0
+    gate = asyncio.Semaphore(args.concurrency)
+
+    async def conversation(i: int, client: httpx.AsyncClient) -> None:
+        nonlocal out_tokens
+        async with gate:
+            history = list(systems[i % len(systems)])
+            for t, user in enumerate(users[i]):
+                if t:
+                    await asyncio.sleep(args.think_s)
+                history += user
+                sent.append(list(history))
+                ttft, n, answer = await turn(client, url, history, args.max_tokens, f"conv-{i}")
+                ttfts.append(ttft)
+                out_tokens += n
+                history += tokenizer.encode(answer, add_special_tokens=False)
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(conversation(i, client) for i in range(args.conversations)))
+    return ttfts, out_tokens, time.perf_counter() - start, sent
+
+
+def ideal_hit_rate(prompts: list[list[int]], block_size: int) -> float:
+    """One replica, unbounded cache, prompts in the order sent (module docstring)."""
+    seen: set[bytes] = set()
+    hit = queried = 0
+    for p in prompts:
+        hashes = prompt_block_hashes(p, block_size)
+        n = 0
+        while n < len(hashes) and hashes[n] in seen:
+            n += 1
+        hit += min(n, (len(p) - 1) // block_size) * block_size
+        queried += len(p)
+        seen.update(hashes)
+    return hit / queried
+
+
+def start_app(manifest: Path, router: str, overrides: list[str]) -> str:
+    """The manifest's app with that router, as `serve run` deploys it, on a fresh Ray cluster
+    (free ports, no dashboard: other clusters share this machine)."""
+    import ray
+    from ray import serve
+
+    from cluster.api.serve_app import build_app
+    from cluster.api.serve_env import apply_proxy_env
+
+    apply_proxy_env()
+    args = dict(yaml.safe_load(manifest.read_text())["applications"][0]["args"])
+    args["request_router"] = router
+    for item in overrides:  # --set key=value (YAML value), e.g. router_imbalance_abs=8
+        key, _, value = item.partition("=")
+        args[key] = yaml.safe_load(value)
+    port = get_free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args), name="bench", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def stop_app() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(p / 100 * len(s)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--manifest", type=Path, default=ROOT / "manifests" / "qwen3-tiny-2x.yaml")
+    ap.add_argument("--system-prompts", type=int, default=8)
+    ap.add_argument("--system-tokens", type=int, default=2000)
+    ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--user-tokens", type=int, default=100)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--think-s", type=float, default=0.5)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--unique", action="store_true", help="no shared system prompts")
+    ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a manifest arg for every run (e.g. router_imbalance_abs=8)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from workers.tiny_model import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("qwen3-tiny"))
+    block_size = yaml.safe_load(args.manifest.read_text())["applications"][0]["args"].get(
+        "block_size", 16)
+    rows, ideal = [], None
+    for router in args.routers.split(","):
+        url = start_app(args.manifest, router, args.set)
+        try:
+            ttfts, out_tokens, wall, sent = asyncio.run(run_workload(url, args, tokenizer))
+            m = {k.split("{")[0]: v for k, v in parse_prometheus(
+                httpx.get(f"{url}/metrics", timeout=30).text).items() if "replica=" not in k}
+        finally:
+            stop_app()
+        ideal = ideal_hit_rate(sent, block_size)
+        hits, queried = m["vllm:prefix_cache_hits_total"], m["vllm:prefix_cache_queries_total"]
+        rows.append({"router": router, "hit_rate": round(hits / queried, 4),
+                     "prefill_tokens": int(queried - hits),
+                     "ttft_p50_s": round(pct(ttfts, 50), 4),
+                     "ttft_p99_s": round(pct(ttfts, 99), 4),
+                     "output_tok_s": round(out_tokens / wall, 1)})
+        print(rows[-1], flush=True)
+    print(f"\nideal hit rate (one replica, unbounded cache): {ideal:.4f}")
+    print(f"{'router':<14}{'hit rate':>10}{'prefill tok':>13}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'out tok/s':>11}")
+    for r in rows:
+        print(f"{r['router']:<14}{r['hit_rate']:>10.3f}{r['prefill_tokens']:>13}"
+              f"{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['output_tok_s']:>11.1f}")
+    if args.json:
+        args.json.write_text(json.dumps({"ideal_hit_rate": round(ideal, 4), "rows": rows,
+                                         "args": {k: (str(v) if isinstance(v, Path) else v)
+                                                  for k, v in vars(args).items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""What each LLMServer replica's prefix cache holds, as a router in front of them sees it.
+
+One `ReplicaHoldings` per replica: the block hashes it holds per medium (a set each), kept
+exact by applying the replica's own `KVEventLog` answers in order (kvcache/events.py), plus
+the hashes this router sent it in the last `recent_ttl_s` seconds, which count as held until
+the events catch up (so a burst of one new prefix does not scatter before the first events
+arrive). `HoldingsView` is the set of them for one deployment: the router's process keeps
+one per deployment, shared by its request routers and the poller that feeds it.
+
+A replica that leaves the view (Serve stopped or replaced it, its actor died) takes its
+holdings with it; one whose log has a new epoch (a restarted engine in the same replica)
+sends a snapshot, whose CLEARED entries drop everything first. Hashes are never trusted
+beyond what the replica's log or this router's own recent routing says.
+
+Thread-safe: Serve may call a router's hooks from its long-poll thread while the routing loop
+reads; one lock guards every change and every lookup.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from kvcache.events import CLEARED, CPU, DEVICE, EVICTED, STORED, KVEventBatch
+from kvcache.hashing import BlockHash
+
+# A block held only in a CPU tier costs a copy back to the device, not a recompute, and may
+# be gone by then: it counts this much of a device block when routing.
+TIER_WEIGHT = {DEVICE: 1.0, CPU: 0.5}
+# How long a routed request's hashes count as held without the replica confirming them.
+DEFAULT_RECENT_TTL_S = 5.0
+
+
+class ReplicaHoldings:
+    """One replica's held hashes per medium, its log cursor and its recently routed hashes."""
+
+    __slots__ = ("epoch", "seq", "held", "recent", "load")
+
+    def __init__(self) -> None:
+        self.epoch: str | None = None
+        self.seq = 0
+        self.held: dict[str, set[BlockHash]] = {DEVICE: set(), CPU: set()}
+        self.recent: dict[BlockHash, float] = {}  # hash -> when it stops counting
+        self.load = 0  # requests in the replica's engine, as it last reported
+
+    def apply(self, batch: KVEventBatch) -> None:
+        for _, op, medium, hashes in batch.entries:
+            held = self.held.setdefault(medium, set())
+            if op == STORED:
+                held.update(hashes)
+            elif op == EVICTED:
+                held.difference_update(hashes)
+            elif op == CLEARED:
+                held.clear()
+                self.recent.clear()
+        self.epoch, self.seq = batch.epoch, batch.seq
+
+    def leading_blocks(self, hashes: Sequence[BlockHash], now: float) -> float:
+        """Leading blocks of `hashes` held, each weighted by its best tier (0.0 for none)."""
+        device, cpu, recent = self.held[DEVICE], self.held.get(CPU, ()), self.recent
+        score = 0.0
+        for h in hashes:
+            if h in device:
+                score += 1.0
+            elif (until := recent.get(h)) is not None and until > now:
+                score += 1.0
+            elif h in cpu:
+                score += TIER_WEIGHT[CPU]
+            else:
+                break
+        return score
+
+    def expire(self, now: float) -> None:
+        self.recent = {h: t for h, t in self.recent.items() if t > now}
+
+
+class HoldingsView:
+    """Holdings of every replica of one deployment, by Serve replica id (module docstring)."""
+
+    def __init__(self, recent_ttl_s: float = DEFAULT_RECENT_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.recent_ttl_s = recent_ttl_s
+        self.clock = clock
+        self._replicas: dict[str, ReplicaHoldings] = {}
+        self._lock = threading.Lock()
+
+    def replica_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._replicas)
+
+    def retain(self, replica_ids: Iterable[str]) -> None:
+        """The replicas Serve routes to now: new ones start empty, the others are dropped."""
+        keep = set(replica_ids)
+        with self._lock:
+            for rid in list(self._replicas):
+                if rid not in keep:
+                    del self._replicas[rid]
+            for rid in keep:
+                self._replicas.setdefault(rid, ReplicaHoldings())
+
+    def drop(self, replica_id: str) -> None:
+        with self._lock:
+            self._replicas.pop(replica_id, None)
+
+    def cursors(self) -> dict[str, tuple[str | None, int]]:
+        """(epoch, seq) per replica, what `LLMServer.kv_events` takes."""
+        with self._lock:
+            return {rid: (r.epoch, r.seq) for rid, r in self._replicas.items()}
+
+    def apply(self, replica_id: str, batch: KVEventBatch, load: int) -> None:
+        """A replica's answer; ignored for a replica no longer in the view (it died)."""
+        now = self.clock()
+        with self._lock:
+            r = self._replicas.get(replica_id)
+            if r is None:
+                return
+            r.apply(batch)
+            r.load = load
+            r.expire(now)
+
+    def note_routed(self, replica_id: str, hashes: Sequence[BlockHash]) -> None:
+        until = self.clock() + self.recent_ttl_s
+        with self._lock:
+            r = self._replicas.get(replica_id)
+            if r is not None:
+                r.recent.update(dict.fromkeys(hashes, until))
+
+    def matches(self, hashes: Sequence[BlockHash],
+                replica_ids: Iterable[str]) -> dict[str, float]:
+        """Weighted leading blocks of `hashes` each replica holds (0.0 for unknown ones)."""
+        now = self.clock()
+        with self._lock:
+            out = {}
+            for rid in replica_ids:
+                r = self._replicas.get(rid)
+                out[rid] = r.leading_blocks(hashes, now) if r is not None else 0.0
+            return out
+
+    def loads(self) -> dict[str, int]:
+        with self._lock:
+            return {rid: r.load for rid, r in self._replicas.items()}
+
+    def sizes(self) -> dict[str, int]:
+        """Device blocks each replica holds or was just sent (recent, expired or not)."""
+        with self._lock:
+            return {rid: len(r.held[DEVICE]) + len(r.recent) for rid, r in self._replicas.items()}
+
+    def num_held(self, replica_id: str, medium: str = DEVICE) -> int:
+        with self._lock:
+            r = self._replicas.get(replica_id)
+            return len(r.held.get(medium, ())) if r is not None else 0

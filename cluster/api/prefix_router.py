@@ -1,0 +1,277 @@
+"""PrefixAwareRouter: the Serve request router for LLMServer that routes by exact KV holdings.
+
+Policy (`rank_replicas`, one screen, Ray Serve LLM's PrefixCacheAffinityRouter / SGLang's
+cache_aware shape with exact block hashes instead of approximate text trees):
+  1. Balance first: if the most loaded replica has more than `imbalance_abs` requests more than
+     the least loaded one and more than `imbalance_rel` times as many, rank by load alone.
+  2. Affinity: a request with a routing key (OpenAI's `prompt_cache_key`, else the
+     `X-Session-Id` header) goes back to the replica its key last went to, unless that replica
+     is overloaded (the same two thresholds against the least loaded): then it spills, and
+     the key follows it.
+  3. Best match: the replica holding most of the request's leading blocks (the chained xxh3
+     hashes of kvcache/hashing.py over the prompt the ingress tokenized, with the request's
+     cache salt), the least loaded among equals; unless it is overloaded. No replica holding
+     the first block: the least loaded (among equals, the one holding fewest blocks).
+The others follow, least loaded first, so Serve falls through to them when the first refuses
+(max_ongoing_requests). Load is the larger of what this router has in flight on a replica and
+the requests in its engine as the replica last reported. One candidate: taken as it is, nothing
+hashed.
+
+Holdings (kv_holdings.py): every `poll_period_s` (0.25 s) a task in the router's process calls
+`LLMServer.kv_events` on every replica with Serve's `DeploymentHandle.broadcast`, passing each
+replica's cursor; each answers with its `KVEventLog` entries since then (kvcache/events.py;
+stored and evicted hashes in order, batched by the polling) and its load. So the view is at
+most one period plus one round trip old (after 5 s without routing a request the period
+is 1 s; Serve's routing-stats period, 10 s, is not used), and
+the hashes this router just routed count as held meanwhile. A replica that Serve drops or
+reports dead loses its holdings at once; a restarted engine answers with a snapshot (new
+epoch). Per request the router hashes the prompt once and walks each replica's leading blocks
+in set lookups, stopping at the first miss; docs/benchmarks.md has the measured time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from cluster.api.kv_holdings import DEFAULT_RECENT_TTL_S, HoldingsView
+from kvcache.hashing import BlockHash, prompt_block_hashes
+
+logger = logging.getLogger("ray.serve")
+
+DEFAULT_POLL_PERIOD_S = 0.25
+# After this long without routing a request, poll once a second: an idle deployment's replicas
+# are not asked eight times a second for what has not changed.
+IDLE_AFTER_S, IDLE_POLL_PERIOD_S = 5.0, 1.0
+MAX_ROUTING_KEYS = 100_000  # affinity entries kept, least recently used dropped first
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingThresholds:
+    """When a replica counts as overloaded against the least loaded one (both must hold)."""
+
+    imbalance_abs: int = 4  # requests more than the least loaded replica
+    imbalance_rel: float = 1.5  # times the least loaded replica's requests
+
+    def overloaded(self, load: int, least: int) -> bool:
+        return load - least > self.imbalance_abs and load > self.imbalance_rel * least
+
+
+def rank_replicas(replica_ids: Sequence[str], loads: dict[str, int], matches: dict[str, float],
+                  affinity: str | None, th: RoutingThresholds, rng: random.Random,
+                  sizes: dict[str, int] | None = None) -> tuple[list[str], str]:
+    """Replica ids best first and why the first one (the module docstring's policy).
+
+    Among equally loaded replicas the one holding fewer blocks (`sizes`) comes first, so new
+    prefixes spread over the replicas' caches; then a random one.
+    """
+    sizes = sizes or {}
+    by_load = sorted(replica_ids,
+                     key=lambda r: (loads.get(r, 0), sizes.get(r, 0), rng.random()))
+    least = loads.get(by_load[0], 0)
+    if th.overloaded(loads.get(by_load[-1], 0), least):
+        return by_load, "balance"
+
+    def first(r: str) -> list[str]:
+        return [r] + [x for x in by_load if x != r]
+
+    if affinity in loads and affinity in replica_ids:
+        if not th.overloaded(loads[affinity], least):
+            return first(affinity), "affinity"
+    best = max(by_load, key=lambda r: matches.get(r, 0.0))  # by_load order breaks ties
+    if matches.get(best, 0.0) > 0.0 and not th.overloaded(loads.get(best, 0), least):
+        return first(best), "prefix"
+    return by_load, "load"
+
+
+class _Shared:
+    """One deployment's holdings in this process, fed by one poll task."""
+
+    def __init__(self, recent_ttl_s: float) -> None:
+        self.view = HoldingsView(recent_ttl_s)
+        self.task: asyncio.Task | None = None
+        self.last_routed = 0.0  # time.monotonic() of the last request routed
+
+
+_SHARED: dict[tuple[str, str], _Shared] = {}
+
+
+class PrefixAwareRouter(RequestRouter):
+    """Serve's request router for LLMServer (module docstring); kwargs from the manifest.
+
+    Not FIFOMixin: a replica chosen for a request's blocks must go to that request (Serve's
+    base router matches the internal request id), not to the oldest one waiting.
+    """
+
+    def initialize_state(self, block_size: int = 16, imbalance_abs: int = 4,
+                         imbalance_rel: float = 1.5,
+                         poll_period_s: float = DEFAULT_POLL_PERIOD_S,
+                         recent_ttl_s: float = DEFAULT_RECENT_TTL_S, **_: Any) -> None:
+        self.block_size = block_size
+        self.thresholds = RoutingThresholds(imbalance_abs, imbalance_rel)
+        self.poll_period_s = poll_period_s
+        key = (self._deployment_id.app_name, self._deployment_id.name)
+        self.shared = _SHARED.setdefault(key, _Shared(recent_ttl_s))
+        self.view = self.shared.view
+        self.in_flight: dict[str, int] = {}
+        # internal request id -> replica, for requests this router routed (Serve also reports
+        # broadcasts, e.g. the metrics and the KV-event polls, as completed requests).
+        self._routed: dict[str, str] = {}
+        self.routing_keys: OrderedDict[str, str] = OrderedDict()
+        self._hashes: dict[str, list[BlockHash]] = {}  # internal request id -> prompt hashes
+        self._rng = random.Random()
+        self.last_reason = ""
+
+    # ---- Serve's hooks ---------------------------------------------------------------------
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        ids = [r.replica_id.unique_id for r in replicas]
+        self.view.retain(ids)
+        self.in_flight = {r: self.in_flight.get(r, 0) for r in ids}
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.view.drop(replica_id.unique_id)
+        self.in_flight.pop(replica_id.unique_id, None)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        if len(candidate_replicas) <= 1:
+            return [candidate_replicas] if candidate_replicas else []
+        self._ensure_poller()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        ids = list(by_id)
+        hashes = self._prompt_hashes(pending_request)
+        matches = self.view.matches(hashes, ids) if hashes else {}
+        reported = self.view.loads()
+        loads = {r: max(self.in_flight.get(r, 0), reported.get(r, 0)) for r in ids}
+        key = _routing_key(pending_request)
+        affinity = self.routing_keys.get(key) if key is not None else None
+        ranked, self.last_reason = rank_replicas(ids, loads, matches, affinity,
+                                                 self.thresholds, self._rng, self.view.sizes())
+        return [[by_id[ranked[0]]], [by_id[r] for r in ranked[1:]]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        rid = replica_id.unique_id
+        self.shared.last_routed = time.monotonic()
+        self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+        self._routed[pending_request.metadata.internal_request_id] = rid
+        hashes = self._hashes.pop(pending_request.metadata.internal_request_id, None)
+        if hashes:
+            self.view.note_routed(rid, hashes)
+        key = _routing_key(pending_request)
+        if key is not None:
+            self.routing_keys[key] = rid
+            self.routing_keys.move_to_end(key)
+            if len(self.routing_keys) > MAX_ROUTING_KEYS:
+                self.routing_keys.popitem(last=False)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._hashes.pop(internal_request_id, None)
+        rid = self._routed.pop(internal_request_id, None)
+        if rid is not None and self.in_flight.get(rid, 0) > 0:
+            self.in_flight[rid] -= 1
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _prompt_hashes(self, pr: PendingRequest | None) -> list[BlockHash]:
+        """The request's prompt block hashes, computed once per request (Serve may ask again)."""
+        if pr is None or not pr.args or not isinstance(pr.args[0], list):
+            return []
+        rid = pr.metadata.internal_request_id
+        hashes = self._hashes.get(rid)
+        if hashes is None:
+            if len(self._hashes) >= MAX_ROUTING_KEYS:  # requests cancelled while routing
+                self._hashes.clear()
+            salt = pr.args[3] if len(pr.args) > 3 else pr.kwargs.get("cache_salt")
+            hashes = prompt_block_hashes(pr.args[0], self.block_size,
+                                         salt.encode() if salt else None)
+            self._hashes[rid] = hashes
+        return hashes
+
+    def _ensure_poller(self) -> None:
+        task = self.shared.task
+        if task is None or task.done():
+            self.shared.task = asyncio.get_running_loop().create_task(
+                poll_holdings(self.shared, self._deployment_id.app_name,
+                              self._deployment_id.name, self.poll_period_s))
+
+
+def _routing_key(pr: PendingRequest | None) -> str | None:
+    return pr.kwargs.get("routing_key") if pr is not None else None
+
+
+async def poll_holdings(shared: _Shared, app_name: str, deployment: str,
+                        period_s: float) -> None:
+    """Feed the view from every replica's `kv_events` each period (the module docstring)."""
+    from ray import serve
+
+    view = shared.view
+    handle = serve.get_deployment_handle(deployment, app_name)
+    while True:
+        idle = time.monotonic() - shared.last_routed > IDLE_AFTER_S
+        await asyncio.sleep(max(period_s, IDLE_POLL_PERIOD_S) if idle else period_s)
+        if len(view.replica_ids()) < 2:
+            continue
+        try:
+            answers = await handle.broadcast("kv_events", view.cursors()).results_async(
+                timeout_s=max(2.0, 4 * period_s), return_exceptions=True)
+        except Exception as e:  # noqa: BLE001 - the next period retries; routing goes on
+            logger.debug("polling KV holdings failed: %s", e)
+            continue
+        for answer in answers:
+            if not isinstance(answer, BaseException):
+                view.apply(*answer)
+
+
+# The manifest's `request_router` names; None picks prefix_aware when the deployment can run
+# more than one replica, else Serve's default (one replica has nothing to choose).
+ROUTERS = ("prefix_aware", "power_of_two")
+
+
+def check_router_args(serving: dict[str, Any]) -> None:
+    """ValueError naming what to change in the manifest's router keys."""
+    name = serving["request_router"]
+    if name is not None and name not in ROUTERS:
+        raise ValueError(f"request_router {name!r} is unknown; choose one of {list(ROUTERS)} "
+                         "(or leave it out: prefix_aware when num_replicas or max_replicas > 1)")
+    absolute, rel = serving["router_imbalance_abs"], serving["router_imbalance_rel"]
+    if isinstance(absolute, bool) or not isinstance(absolute, int) or absolute < 0:
+        raise ValueError(f"router_imbalance_abs must be an integer >= 0 (requests); got {absolute!r}")
+    if isinstance(rel, bool) or not isinstance(rel, (int, float)) or rel < 1.0:
+        raise ValueError(f"router_imbalance_rel must be a number >= 1.0 (times); got {rel!r}")
+
+
+def request_router_config(serving: dict[str, Any], block_size: int) -> Any | None:
+    """Serve's RequestRouterConfig for LLMServer, or None for Serve's default router."""
+    from ray.serve.config import RequestRouterConfig
+
+    name = serving["request_router"]
+    if name is None:
+        autoscaling = serving["autoscaling_config"] or {}
+        most = autoscaling.get("max_replicas", 1) if autoscaling else serving["num_replicas"]
+        name = "prefix_aware" if isinstance(most, int) and most > 1 else "power_of_two"
+    if name == "power_of_two":
+        return None
+    return RequestRouterConfig(
+        request_router_class=PrefixAwareRouter,
+        request_router_kwargs={"block_size": block_size,
+                               "imbalance_abs": serving["router_imbalance_abs"],
+                               "imbalance_rel": float(serving["router_imbalance_rel"])})

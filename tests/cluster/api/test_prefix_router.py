@@ -1,0 +1,261 @@
+"""The prefix-aware router's pieces without Serve: the policy, the holdings view fed by a real
+KVCacheManager's event log, affinity spill, replicas leaving, and the hash across processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster.api.kv_holdings import HoldingsView
+from cluster.api.prefix_router import RoutingThresholds, rank_replicas
+from kvcache import KVCacheManager, prompt_block_hashes
+from kvcache.events import CPU, DEVICE, STORED, KVEventBatch
+
+TH = RoutingThresholds(imbalance_abs=4, imbalance_rel=1.5)
+SYSTEM_A = list(range(1000, 1064))  # four blocks of 16
+SYSTEM_B = list(range(2000, 2064))
+
+
+def rank(loads, matches=None, affinity=None, sizes=None, th=TH):
+    return rank_replicas(list(loads), loads, matches or {}, affinity, th, random.Random(0),
+                         sizes)
+
+
+def test_best_match_wins_while_loads_are_within_the_thresholds():
+    assert rank({"a": 3, "b": 0}, {"a": 4.0, "b": 1.0}) == (["a", "b"], "prefix")
+    assert rank({"a": 0, "b": 0}, {"a": 1.0, "b": 3.0}) == (["b", "a"], "prefix")
+    # equal matches: the less loaded one
+    assert rank({"a": 2, "b": 1}, {"a": 2.0, "b": 2.0}) == (["b", "a"], "prefix")
+
+
+def test_imbalance_guard_ranks_by_load_past_both_thresholds():
+    # 5 more than the least loaded and more than 1.5x: the prefix match does not matter
+    assert rank({"a": 5, "b": 0}, {"a": 4.0}) == (["b", "a"], "balance")
+    assert rank({"a": 16, "b": 11}, {"a": 4.0}) == (["a", "b"], "prefix")  # 16 < 1.5 x 11
+    assert rank({"a": 4, "b": 0}, {"a": 4.0}) == (["a", "b"], "prefix")  # only 4 more
+
+
+def test_no_match_goes_to_the_least_loaded_then_the_emptier_cache():
+    assert rank({"a": 1, "b": 0}) == (["b", "a"], "load")
+    assert rank({"a": 0, "b": 0}, sizes={"a": 10, "b": 2}) == (["b", "a"], "load")
+
+
+def test_affinity_keeps_a_session_until_its_replica_is_overloaded_then_spills():
+    assert rank({"a": 0, "b": 3}, {"a": 4.0}, affinity="b") == (["b", "a"], "affinity")
+    assert rank({"a": 0, "b": 5}, {"a": 4.0, "b": 4.0}, affinity="b")[0][0] == "a"
+    assert rank({"a": 0, "b": 0}, affinity="gone")[1] == "load"  # a replica no longer there
+
+
+def batch_of(m: KVCacheManager, cursor):
+    return m.events.since(*cursor)
+
+
+def test_view_follows_stored_and_evicted_blocks_and_scores_leading_blocks():
+    m = KVCacheManager(num_gpu_blocks=8, num_cpu_blocks=0, block_size=16)
+    view = HoldingsView()
+    view.retain(["r1", "r2"])
+    m.allocate_slots(1, SYSTEM_A + [7] * 10, 74)
+    view.apply("r1", batch_of(m, (None, 0)), load=1)
+    hashes_a = prompt_block_hashes(SYSTEM_A + [9] * 20, 16)
+    assert view.matches(hashes_a, ["r1", "r2"]) == {"r1": 4.0, "r2": 0.0}
+    assert view.loads() == {"r1": 1, "r2": 0}
+    cursor = (m.events.epoch, m.events.seq)
+    m.free(1)
+    m.allocate_slots(2, SYSTEM_B + [8] * 64, 128)  # all 8 blocks: A's are evicted
+    view.apply("r1", batch_of(m, cursor), load=1)
+    assert view.matches(hashes_a, ["r1"]) == {"r1": 0.0}
+    assert view.matches(prompt_block_hashes(SYSTEM_B, 16), ["r1"]) == {"r1": 4.0}
+    assert view.num_held("r1") == len(m.gpu_pool.cached_block_hash_to_block) == 8
+
+
+def test_leading_blocks_stop_at_the_first_miss_and_a_cpu_tier_counts_half():
+    view = HoldingsView()
+    view.retain(["r"])
+    h = prompt_block_hashes(SYSTEM_A, 16)
+    view.apply("r", KVEventBatch("e", 2, [(1, STORED, DEVICE, (h[0], h[2], h[3])),
+                                          (2, STORED, CPU, (h[1],))], False), load=0)
+    assert view.matches(h, ["r"]) == {"r": 3.5}
+    view.apply("r", KVEventBatch("e", 3, [(3, 1, CPU, (h[1],))], False), load=0)  # evicted
+    assert view.matches(h, ["r"]) == {"r": 1.0}
+
+
+def test_just_routed_hashes_count_until_they_expire():
+    now = [100.0]
+    view = HoldingsView(recent_ttl_s=5.0, clock=lambda: now[0])
+    view.retain(["r1", "r2"])
+    h = prompt_block_hashes(SYSTEM_A, 16)
+    view.note_routed("r2", h)
+    assert view.matches(h, ["r1", "r2"]) == {"r1": 0.0, "r2": 4.0}
+    assert view.sizes() == {"r1": 0, "r2": 4}
+    now[0] += 5.5
+    assert view.matches(h, ["r2"]) == {"r2": 0.0}
+
+
+def test_a_replica_that_leaves_takes_its_holdings_and_late_answers_are_ignored():
+    m = KVCacheManager(num_gpu_blocks=8, num_cpu_blocks=0, block_size=16)
+    m.allocate_slots(1, SYSTEM_A, 64)
+    view = HoldingsView()
+    view.retain(["r1", "r2"])
+    view.apply("r1", batch_of(m, (None, 0)), load=3)
+    view.retain(["r2", "r3"])  # Serve replaced r1
+    h = prompt_block_hashes(SYSTEM_A, 16)
+    assert view.matches(h, ["r1", "r2", "r3"]) == {"r1": 0.0, "r2": 0.0, "r3": 0.0}
+    view.apply("r1", batch_of(m, (None, 0)), load=3)  # an answer in flight when it died
+    assert view.replica_ids() == ["r2", "r3"] and view.num_held("r1") == 0
+    view.drop("r2")
+    assert view.replica_ids() == ["r3"]
+
+
+def test_a_restarted_engine_sends_a_snapshot_that_replaces_what_was_held():
+    old = KVCacheManager(num_gpu_blocks=8, num_cpu_blocks=0, block_size=16)
+    old.allocate_slots(1, SYSTEM_A, 64)
+    view = HoldingsView()
+    view.retain(["r"])
+    view.apply("r", batch_of(old, (None, 0)), load=0)
+    new = KVCacheManager(num_gpu_blocks=8, num_cpu_blocks=0, block_size=16)  # new epoch
+    new.allocate_slots(1, SYSTEM_B, 64)
+    batch = new.events.since(*view.cursors()["r"])
+    assert batch.snapshot
+    view.apply("r", batch, load=0)
+    assert view.matches(prompt_block_hashes(SYSTEM_A, 16), ["r"]) == {"r": 0.0}
+    assert view.matches(prompt_block_hashes(SYSTEM_B, 16), ["r"]) == {"r": 4.0}
+
+
+def test_routing_cost_at_8_replicas_of_100k_blocks_is_under_a_millisecond():
+    """The router's own work per request: hash a 2,000-token prompt, score 8 full replicas."""
+    rng = random.Random(0)
+    view = HoldingsView()
+    ids = [f"r{i}" for i in range(8)]
+    view.retain(ids)
+    prompt = [rng.randrange(150_000) for _ in range(2000)]
+    shared = prompt_block_hashes(prompt, 16)
+    for i, rid in enumerate(ids):
+        n = 100_000 - len(shared)
+        raw = os.urandom(16 * n)
+        filler = tuple(raw[j:j + 16] for j in range(0, 16 * n, 16))
+        held = (tuple(shared[: 40 + 10 * i]) if i % 2 else ()) + filler
+        view.apply(rid, KVEventBatch("e", 1, [(1, STORED, DEVICE, tuple(held))], False), 0)
+    loads = dict.fromkeys(ids, 0)
+    best = []
+    for _ in range(50):
+        t = time.perf_counter()
+        hashes = prompt_block_hashes(prompt, 16)
+        matches = view.matches(hashes, ids)
+        ranked, _ = rank_replicas(ids, loads, matches, None, TH, rng, view.sizes())
+        best.append(time.perf_counter() - t)
+    assert ranked[0] == "r7" and matches["r7"] == 110.0
+    assert sorted(best)[len(best) // 2] < 1e-3  # the median; a busy shared machine adds noise
+
+
+HASH_SCRIPT = ("from kvcache.hashing import prompt_block_hashes;"
+               "print(b''.join(prompt_block_hashes(list(range(5000, 5100)), 16, b'salt')).hex())")
+
+
+def test_block_hashes_are_equal_across_processes_whatever_the_hash_seed():
+    outs = set()
+    for seed in ("1", "2", "random"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outs.add(subprocess.run([sys.executable, "-c", HASH_SCRIPT], env=env, check=True,
+                                capture_output=True, text=True).stdout.strip())
+    here = b"".join(prompt_block_hashes(list(range(5000, 5100)), 16, b"salt")).hex()
+    assert outs == {here} and len(here) == 6 * 32
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("request_router", "round_robin", "request_router 'round_robin' is unknown; choose one of "
+                                      "['prefix_aware', 'power_of_two']"),
+    ("router_imbalance_abs", -1, "router_imbalance_abs must be an integer >= 0"),
+    ("router_imbalance_rel", 0.5, "router_imbalance_rel must be a number >= 1.0"),
+])
+def test_router_keys_fail_at_start_naming_the_choice(key, value, message):
+    from cluster.api.serve_app import split_args
+
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        split_args({"model": "qwen3-tiny", key: value})
+
+
+def test_one_replica_gets_serves_default_router_and_two_get_the_prefix_aware_one():
+    from cluster.api.prefix_router import PrefixAwareRouter, request_router_config
+    from cluster.api.serve_app import split_args
+
+    config, serving = split_args({"model": "qwen3-tiny"})
+    assert request_router_config(serving, config.block_size) is None
+    _, serving = split_args({"model": "qwen3-tiny", "num_replicas": 2})
+    cfg = request_router_config(serving, 16)
+    assert cfg.request_router_class is PrefixAwareRouter or cfg.request_router_class.endswith(
+        "PrefixAwareRouter")
+    assert cfg.request_router_kwargs == {"block_size": 16, "imbalance_abs": 4,
+                                         "imbalance_rel": 1.5}
+    _, serving = split_args({"model": "qwen3-tiny", "autoscaling_config": {"max_replicas": 4}})
+    assert request_router_config(serving, 16) is not None
+    _, serving = split_args({"model": "qwen3-tiny", "num_replicas": 2,
+                             "request_router": "power_of_two"})
+    assert request_router_config(serving, 16) is None
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+])
+def test_prompt_cache_key_must_be_a_string(engine, tokenizer, route, body):
+    from fake_engine import fetch
+
+    bad = fetch(engine, tokenizer, "POST", route, {**body, "prompt_cache_key": 42})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_cache_key"
+    good = fetch(engine, tokenizer, "POST", route, {**body, "prompt_cache_key": "conv-1"})
+    assert good.status_code == 200
+    assert "x-replica-id" not in good.headers  # an engine in this process: no replica to name
+
+
+class _Replica:
+    """What the router reads of Serve's RunningReplica: its id."""
+
+    def __init__(self, unique_id: str) -> None:
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        self.replica_id = ReplicaID(unique_id, DeploymentID(name="LLMServer", app_name="t"))
+
+
+def test_router_hooks_send_a_prefix_home_and_count_only_what_they_routed():
+    """PrefixAwareRouter itself (no Serve): choose, routed, completed; broadcasts that Serve
+    reports as completed (metrics, KV-event polls) do not lower a replica's load."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from cluster.api.prefix_router import PrefixAwareRouter
+
+    def request(i: int, tokens: list[int], key: str | None = None) -> PendingRequest:
+        return PendingRequest(args=[tokens, None, f"r{i}", None], kwargs={"routing_key": key},
+                              metadata=RequestMetadata(f"r{i}", f"internal-{i}"))
+
+    async def go() -> None:
+        router = PrefixAwareRouter(deployment_id=DeploymentID(name="LLMServer", app_name="t"),
+                                   handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(block_size=16)
+        router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
+        a, b = _Replica("a"), _Replica("b")
+        router.view.retain(["a", "b"])
+        first = request(1, SYSTEM_A + [1] * 8)
+        ranks = await router.choose_replicas([a, b], first)
+        assert len(ranks) == 2 and len(ranks[0]) == 1  # nothing held: either, the other next
+        home = ranks[0][0]
+        router.on_request_routed(first, home.replica_id, None)
+        other = b if home is a else a
+        again = await router.choose_replicas([a, b], request(2, SYSTEM_A + [2] * 8))
+        assert again[0] == [home] and router.last_reason == "prefix"
+        assert router.in_flight == {home.replica_id.unique_id: 1}
+        router.on_request_completed(home.replica_id, "a-broadcast-to-every-replica")
+        assert router.in_flight == {home.replica_id.unique_id: 1}
+        router.on_request_completed(home.replica_id, "internal-1")
+        assert router.in_flight == {home.replica_id.unique_id: 0}
+        router.on_replica_actor_died(home.replica_id)
+        gone = await router.choose_replicas([other], request(3, SYSTEM_A))
+        assert gone == [[other]] and router.view.replica_ids() == [other.replica_id.unique_id]
+
+    asyncio.run(go())
