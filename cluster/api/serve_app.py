@@ -26,6 +26,7 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
+from cluster.api.failover import resuming_stream
 from cluster.api.openai_api import ModelInfo, create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
@@ -95,13 +96,17 @@ class LLMServer:
         return ModelInfo.of(self.engine)
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str, cache_salt: str | None = None) -> AsyncIterator[tuple]:
-        """Stream `pack_output` tuples (not RequestOutput: it repeats the whole prompt)."""
+                       request_id: str, cache_salt: str | None = None,
+                       resume_token_ids: list[int] | None = None) -> AsyncIterator[tuple]:
+        """Stream `pack_output` tuples (not RequestOutput: it repeats the whole prompt).
+        `resume_token_ids`: the request comes from a lost replica with these outputs
+        (cluster/api/failover.py)."""
         # Serve cancels this generator when the caller goes away; the engine's generator
         # then aborts the request in its `finally`, freeing its blocks within a step.
         self._ensure_exporter()
         async for out in self.engine.generate(prompt_token_ids, sampling_params, request_id,
-                                               cache_salt=cache_salt):
+                                               cache_salt=cache_salt,
+                                               resume_token_ids=resume_token_ids):
             yield pack_output(out)
 
     async def abort(self, request_id: str) -> None:
@@ -139,10 +144,19 @@ class HandleEngineClient:
     async def model_info(self) -> ModelInfo:
         return await self.handle.model_info.remote()
 
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str, cache_salt: str | None = None) -> AsyncIterator[Any]:
+    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 request_id: str, cache_salt: str | None = None) -> AsyncIterator[Any]:
+        """The request's deltas; resumed on another replica if the one serving it is lost."""
+        def open_stream(resume_token_ids: list[int]) -> AsyncIterator[Any]:
+            return self._generate(prompt_token_ids, sampling_params, request_id, cache_salt,
+                                  resume_token_ids or None)
+        return resuming_stream(open_stream, request_id, sampling_params.n)
+
+    async def _generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                        request_id: str, cache_salt: str | None,
+                        resume_token_ids: list[int] | None) -> AsyncIterator[Any]:
         gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params, request_id,
-                                                 cache_salt)
+                                                 cache_salt, resume_token_ids)
         finished = False
         try:
             async for packed in gen:
