@@ -52,9 +52,15 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "ingress_num_cpus": 1.0,
     "ingress_num_replicas": 1,
     "ingress_max_ongoing_requests": 1024,
+    # Pin the ingress to the head node, beside the proxy of `proxy_location: HeadOnly`, so a
+    # node holding only LLM replicas can die without cutting a client's connection.
+    "ingress_on_head_node": False,
     "max_request_body_bytes": None,  # beyond: 413; None = max(1 MiB, 32 bytes x max_model_len)
 }
 
+
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+HEAD_NODE_SHARE = 0.001  # of it per ingress replica: up to 1000 of them fit on the head
 
 # A stopping replica checks for unfinished requests every SHUTDOWN_POLL_S (Serve's default:
 # 2 s, the least it waits even when idle): part of how long Ctrl-C on `./dev serve` takes.
@@ -168,12 +174,18 @@ class HandleEngineClient:
                 gen.cancel()
 
     async def check_health(self) -> None:
-        results = await self.handle.broadcast("ready").results_async()
+        """Healthy while any replica is ready: one lost replica (its requests resume on the
+        others) does not take the whole server out of a load balancer."""
+        results = await self.handle.broadcast("ready").results_async(return_exceptions=True)
         if not results:
             raise RuntimeError("no LLMServer replica is running yet")
+        if all(isinstance(r, BaseException) for r in results):
+            raise results[0]
 
     async def metrics(self) -> list[dict[str, Any]]:
-        return await self.handle.broadcast("metrics").results_async()
+        """Every reachable replica's (a lost one is left out, not an error)."""
+        results = await self.handle.broadcast("metrics").results_async(return_exceptions=True)
+        return [r for r in results if not isinstance(r, BaseException)]
 
 
 @serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["ingress_max_ongoing_requests"],
@@ -271,10 +283,13 @@ def build_app(args: dict[str, Any]) -> Application:
         max_queued_requests=serving["max_queued_requests"],
         backpressure_config=backpressure, **replicas,
     ).bind(config.to_dict())
+    ingress_actor: dict[str, Any] = {"num_cpus": float(serving["ingress_num_cpus"]),
+                                     "runtime_env": {"env_vars": REPLICA_ENV_VARS}}
+    if serving["ingress_on_head_node"]:  # (Ray gives the head node this resource, amount 1)
+        ingress_actor["resources"] = {HEAD_NODE_RESOURCE: HEAD_NODE_SHARE}
     ingress = OpenAIIngress.options(
         num_replicas=serving["ingress_num_replicas"],
-        ray_actor_options={"num_cpus": float(serving["ingress_num_cpus"]),
-                           "runtime_env": {"env_vars": REPLICA_ENV_VARS}},
+        ray_actor_options=ingress_actor,
         max_ongoing_requests=serving["ingress_max_ongoing_requests"],
         backpressure_config=backpressure,
     ).bind(llm, config.model, serving["served_model_name"],
