@@ -185,23 +185,6 @@ def test_placement_ingress_beside_the_proxy_replicas_on_different_nodes(sim: Sim
     assert len(nodes) == 2 and len(set(nodes)) == 2 and head not in nodes
 
 
-def test_replica_killed_mid_stream_loses_nothing(sim: Sim, reference: list[tuple]) -> None:
-    from ray import serve
-
-    before = _resumes_logged()
-    victim = _actors(REPLICA_CLASS)[0]
-
-    def kill() -> None:  # the replica's process crashes (SIGKILL: no clean-up of any kind)
-        os.kill(victim["Pid"], signal.SIGKILL)
-
-    got, statuses = asyncio.run(_under_failure(sim.url, kill))
-    assert got == reference
-    assert _resumes_logged() > before, "no request was on the killed replica"
-    assert set(statuses) == {200}
-    _wait_for_replicas(2)
-    assert serve.status().applications[APP].status == "RUNNING"
-
-
 def test_node_killed_under_load_loses_nothing_and_capacity_returns(
         sim: Sim, reference: list[tuple]) -> None:
     before = _resumes_logged()
@@ -223,3 +206,53 @@ def test_node_killed_under_load_loses_nothing_and_capacity_returns(
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc"):
         assert [v for k, v in metrics.items() if k.split("{")[0] == name] == [0.0], name
+
+
+def _deploy(args: dict[str, Any]) -> None:
+    from ray import serve
+
+    from cluster.api.serve_app import build_app
+
+    serve.run(build_app(args), name=APP, route_prefix="/")
+
+
+def test_scale_down_under_load_drains_and_hands_the_rest_over(
+        sim: Sim, reference: list[tuple]) -> None:
+    """1 of 2 replicas stopped while every request streams: what it cannot finish within
+    graceful_shutdown_timeout_s resumes on the other one."""
+    got, statuses = asyncio.run(_under_failure(
+        sim.url, lambda: _deploy({**ARGS, "max_num_seqs": 12, "num_replicas": 1})))
+    assert got == reference
+    assert set(statuses) == {200}
+    _wait_for_replicas(1)
+
+
+def test_rolling_update_under_load_loses_nothing(sim: Sim, reference: list[tuple]) -> None:
+    """A changed engine config (max_num_seqs) replaces the one replica while requests stream.
+    Serve stops it before its successor is up: the requests wait and resume on the new one,
+    /v1/models answers, and /health says 503 (no replica ready) for that gap."""
+    got, statuses = asyncio.run(_under_failure(
+        sim.url, lambda: _deploy({**ARGS, "num_replicas": 1, "max_num_seqs": 10})))
+    assert got == reference
+    assert set(statuses[1::2]) == {200}  # /v1/models
+    assert set(statuses[0::2]) <= {200, 503}  # /health
+    _wait_for_replicas(1)
+
+
+def test_replica_killed_mid_stream_loses_nothing(sim: Sim, reference: list[tuple]) -> None:
+    from ray import serve
+
+    _deploy({**ARGS, "max_num_seqs": 12})  # two replicas again (after the scale-down)
+    _wait_for_replicas(2)
+    before = _resumes_logged()
+    victim = _actors(REPLICA_CLASS)[0]
+
+    def kill() -> None:  # the replica's process crashes (SIGKILL: no clean-up of any kind)
+        os.kill(victim["Pid"], signal.SIGKILL)
+
+    got, statuses = asyncio.run(_under_failure(sim.url, kill))
+    assert got == reference
+    assert _resumes_logged() > before, "no request was on the killed replica"
+    assert set(statuses) == {200}
+    _wait_for_replicas(2)
+    assert serve.status().applications[APP].status == "RUNNING"
