@@ -221,7 +221,7 @@ def test_scale_down_under_load_drains_and_hands_the_rest_over(
     """1 of 2 replicas stopped while every request streams: what it cannot finish within
     graceful_shutdown_timeout_s resumes on the other one."""
     got, statuses = asyncio.run(_under_failure(
-        sim.url, lambda: _deploy({**ARGS, "max_num_seqs": 12, "num_replicas": 1})))
+        sim.url, lambda: _deploy({**ARGS, "num_replicas": 1})))
     assert got == reference
     assert set(statuses) == {200}
     _wait_for_replicas(1)
@@ -242,7 +242,7 @@ def test_rolling_update_under_load_loses_nothing(sim: Sim, reference: list[tuple
 def test_replica_killed_mid_stream_loses_nothing(sim: Sim, reference: list[tuple]) -> None:
     from ray import serve
 
-    _deploy({**ARGS, "max_num_seqs": 12})  # two replicas again (after the scale-down)
+    _deploy({**ARGS, "max_num_seqs": 10})  # two replicas again, of the updated config
     _wait_for_replicas(2)
     before = _resumes_logged()
     victim = _actors(REPLICA_CLASS)[0]
