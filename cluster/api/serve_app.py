@@ -185,7 +185,10 @@ class HandleEngineClient:
     async def metrics(self) -> list[dict[str, Any]]:
         """Every reachable replica's (a lost one is left out, not an error)."""
         results = await self.handle.broadcast("metrics").results_async(return_exceptions=True)
-        return [r for r in results if not isinstance(r, BaseException)]
+        snapshots = [r for r in results if not isinstance(r, BaseException)]
+        if results and not snapshots:
+            raise results[0]
+        return snapshots
 
 
 @serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["ingress_max_ongoing_requests"],
