@@ -218,6 +218,23 @@ def check_prompt(request_id: str, prompt: list[int], sp: SamplingParams,
             f"{num_gpu_blocks}; shorten the prompt, lower n, or give the cache more memory")
 
 
+def check_resumable(req: Request, outputs: list[int], vocab_size: int | None) -> None:
+    """Raise ValueError for tokens a resumed request (Scheduler.add_request's
+    output_token_ids) cannot go on from: with n > 1, out of the vocabulary, or already at its
+    length limit (such a request finished before it could be resumed)."""
+    rid = req.request_id
+    if req.n != 1:
+        raise ValueError(f"request {rid!r}: only a request with n=1 can be resumed with the "
+                         f"tokens it generated; this one has n={req.n}")
+    if min(outputs) < 0 or (vocab_size is not None and max(outputs) >= vocab_size):
+        raise ValueError(f"request {rid!r}: resumed output token ids must be in "
+                         f"[0, {vocab_size if vocab_size is not None else 'vocab size'}); got "
+                         f"min {min(outputs)}, max {max(outputs)}")
+    if len(outputs) >= req.max_output:
+        raise ValueError(f"request {rid!r}: resumed with {len(outputs)} output tokens, but it "
+                         f"may generate at most {req.max_output}: it has finished already")
+
+
 def min_blocks(num_prompt: int, n: int, block_size: int) -> int:
     """Blocks a request needs to sample its first tokens: the prompt but its last token,
     then that token once per sequence (in the shared last block, copied per child, or in

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvcache import KVCacheManager, KVCacheStats, prompt_block_hashes
 from scheduler import ahead
@@ -51,7 +51,7 @@ from scheduler.outputs import SchedulerStats, StepOutcome
 from scheduler.plan import StepPlan, StepResult
 from scheduler.preemption import Preemptor
 from scheduler.queues import RequestQueues
-from scheduler.request import Request, Seq, SequenceStatus, check_prompt
+from scheduler.request import Request, Seq, SequenceStatus, check_prompt, check_resumable
 from scheduler.results import ResultApplier
 from scheduler.sampling_params import SamplingParams
 from scheduler.step_builder import StepBuilder
@@ -93,8 +93,14 @@ class Scheduler:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> None:
-        """Queue a request; raise ValueError if it is malformed or could never be scheduled."""
+                    cache_salt: str | None = None, output_token_ids: Sequence[int] = ()) -> None:
+        """Queue a request; raise ValueError if it is malformed or could never be scheduled.
+
+        `output_token_ids`: a request resumed from another replica (which died or drained)
+        arrives with the tokens it already generated there. They are recomputed with the
+        prompt, then sampling goes on from output index len(output_token_ids): the prompt
+        length, the length limit, min_tokens, penalties and a seeded stream's counter are
+        those of the original request, so its tokens are the ones it would have drawn."""
         sp = sampling_params
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
@@ -104,11 +110,16 @@ class Scheduler:
         check_prompt(request_id, prompt, sp, self.config, self.kv.num_gpu_blocks,
                      self.block_size, self.vocab_size)
         num_prompt = len(prompt)
-        parent = Seq(next(self._seq_ids), 0, list(prompt), num_prompt, SequenceStatus.WAITING)
+        outputs = list(map(int, output_token_ids))
+        parent = Seq(next(self._seq_ids), 0, prompt + outputs, num_prompt,
+                     SequenceStatus.WAITING)
         req = Request(request_id, prompt, sp,
                       time.monotonic() if arrival_time is None else arrival_time,
                       cache_salt.encode() if cache_salt else None, parent,
                       self.eos_token_ids, self.config.max_model_len)
+        if outputs:
+            check_resumable(req, outputs, self.vocab_size)
+            req.forked = True  # its one sequence computes all it has, then samples
         self.results.watch_stop_ids(req.stop_token_ids)
         if self.kv.enable_prefix_caching:
             req.block_hashes = prompt_block_hashes(prompt, self.block_size, req.extra_key)

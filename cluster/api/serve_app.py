@@ -26,6 +26,7 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
+from cluster.api.failover import resuming_stream
 from cluster.api.openai_api import ModelInfo, create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
 from cluster.api.prefix_router import check_router_args, request_router_config
@@ -51,6 +52,9 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "ingress_num_cpus": 1.0,
     "ingress_num_replicas": 1,
     "ingress_max_ongoing_requests": 1024,
+    # Pin the ingress to the head node, beside the proxy of `proxy_location: HeadOnly`, so a
+    # node holding only LLM replicas can die without cutting a client's connection.
+    "ingress_on_head_node": False,
     "max_request_body_bytes": None,  # beyond: 413; None = max(1 MiB, 32 bytes x max_model_len)
     # prefix_aware | power_of_two (Serve's default); None = prefix_aware when > 1 replica can run
     "request_router": None,
@@ -58,6 +62,9 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "router_imbalance_rel": 1.5,  # ... and this many times its load gets no prefix-routed request
 }
 
+
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+HEAD_NODE_SHARE = 0.001  # of it per ingress replica: up to 1000 of them fit on the head
 
 # A stopping replica checks for unfinished requests every SHUTDOWN_POLL_S (Serve's default:
 # 2 s, the least it waits even when idle): part of how long Ctrl-C on `./dev serve` takes.
@@ -101,15 +108,19 @@ class LLMServer:
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str, cache_salt: str | None = None,
-                       routing_key: str | None = None) -> AsyncIterator[tuple]:
+                       routing_key: str | None = None,
+                       resume_token_ids: list[int] | None = None) -> AsyncIterator[tuple]:
         """Stream `pack_output` tuples (not RequestOutput: it repeats the whole prompt); the
-        first names this replica. `routing_key` is the request router's (prefix_router.py)."""
+        first names this replica. `routing_key` is the request router's (prefix_router.py);
+        `resume_token_ids`: the request comes from a lost replica with these outputs
+        (cluster/api/failover.py)."""
         # Serve cancels this generator when the caller goes away; the engine's generator
         # then aborts the request in its `finally`, freeing its blocks within a step.
         self._ensure_exporter()
         replica_id = self.replica_id
         async for out in self.engine.generate(prompt_token_ids, sampling_params, request_id,
-                                               cache_salt=cache_salt):
+                                               cache_salt=cache_salt,
+                                               resume_token_ids=resume_token_ids):
             yield pack_output(out, replica_id)
             replica_id = None
 
@@ -154,38 +165,48 @@ class HandleEngineClient:
     async def model_info(self) -> ModelInfo:
         return await self.handle.model_info.remote()
 
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str, cache_salt: str | None = None,
-                       routing_key: str | None = None) -> AsyncIterator[Any]:
-        # A replica that died before sending anything lost nothing: the router (which has
-        # dropped it and its KV holdings) picks another, once.
-        for attempt in range(2):
-            gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params,
-                                                     request_id, cache_salt,
-                                                     routing_key=routing_key)
-            started = finished = False
-            try:
-                async for packed in gen:
-                    out = unpack_output(request_id, prompt_token_ids, packed)
-                    started, finished = True, out.finished
-                    yield out
-                return
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                if started or attempt:
-                    raise
-                logger.warning("LLMServer replica died before %s started (%s); retrying on "
-                               "another replica", request_id, type(e).__name__)
-            finally:
-                if not finished:  # client gone or error: cancel the replica-side generator
-                    gen.cancel()
+    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 request_id: str, cache_salt: str | None = None,
+                 routing_key: str | None = None) -> AsyncIterator[Any]:
+        """The request's deltas; resumed on another replica if the one serving it is lost
+        (the request router has dropped that replica and its KV holdings)."""
+        def open_stream(resume_token_ids: list[int]) -> AsyncIterator[Any]:
+            return self._generate(prompt_token_ids, sampling_params, request_id, cache_salt,
+                                  routing_key, resume_token_ids or None)
+        return resuming_stream(open_stream, request_id, sampling_params.n)
+
+    async def _generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                        request_id: str, cache_salt: str | None, routing_key: str | None,
+                        resume_token_ids: list[int] | None) -> AsyncIterator[Any]:
+        gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params, request_id,
+                                                 cache_salt, routing_key=routing_key,
+                                                 resume_token_ids=resume_token_ids)
+        finished = False
+        try:
+            async for packed in gen:
+                out = unpack_output(request_id, prompt_token_ids, packed)
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # client gone or error: cancel the replica-side generator
+                gen.cancel()
 
     async def check_health(self) -> None:
-        results = await self.handle.broadcast("ready").results_async()
+        """Healthy while any replica is ready: one lost replica (its requests resume on the
+        others) does not take the whole server out of a load balancer."""
+        results = await self.handle.broadcast("ready").results_async(return_exceptions=True)
         if not results:
             raise RuntimeError("no LLMServer replica is running yet")
+        if all(isinstance(r, BaseException) for r in results):
+            raise results[0]
 
     async def metrics(self) -> list[dict[str, Any]]:
-        return await self.handle.broadcast("metrics").results_async()
+        """Every reachable replica's (a lost one is left out, not an error)."""
+        results = await self.handle.broadcast("metrics").results_async(return_exceptions=True)
+        snapshots = [r for r in results if not isinstance(r, BaseException)]
+        if results and not snapshots:
+            raise results[0]
+        return snapshots
 
 
 @serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["ingress_max_ongoing_requests"],
@@ -311,10 +332,13 @@ def build_app(args: dict[str, Any]) -> Application:
         max_queued_requests=serving["max_queued_requests"],
         backpressure_config=backpressure, **replicas,
     ).bind(config.to_dict())
+    ingress_actor: dict[str, Any] = {"num_cpus": float(serving["ingress_num_cpus"]),
+                                     "runtime_env": {"env_vars": REPLICA_ENV_VARS}}
+    if serving["ingress_on_head_node"]:  # (Ray gives the head node this resource, amount 1)
+        ingress_actor["resources"] = {HEAD_NODE_RESOURCE: HEAD_NODE_SHARE}
     ingress = OpenAIIngress.options(
         num_replicas=serving["ingress_num_replicas"],
-        ray_actor_options={"num_cpus": float(serving["ingress_num_cpus"]),
-                           "runtime_env": {"env_vars": REPLICA_ENV_VARS}},
+        ray_actor_options=ingress_actor,
         max_ongoing_requests=serving["ingress_max_ongoing_requests"],
         backpressure_config=backpressure,
     ).bind(llm, config.model, serving["served_model_name"],

@@ -4,6 +4,12 @@
 the `LLMEngine` while any request is unfinished, parks the workers when none is, probes them
 when idle so a dead rank is found within seconds, and rebuilds the tensor-parallel group after
 one died (each unfinished request resumes by recompute). Its invariants are the class's.
+
+Two things for the cluster's failover: `generate(resume_token_ids=...)` re-admits a request
+another replica started (it goes on from the tokens it has, see LLMEngine.add_request), and
+`check_health` fails once the loop has made no step for `engine_stall_timeout_s` while it had
+work (a hung collective, a wedged device), so Serve replaces a replica that still answers
+pings but serves nobody.
 """
 
 from __future__ import annotations
@@ -16,7 +22,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.errors import EngineDeadError, EngineRecoveringError, OverloadedError
+from cluster.engine.errors import (
+    EngineDeadError,
+    EngineRecoveringError,
+    EngineStalledError,
+    OverloadedError,
+)
 from cluster.engine.executor import WorkerDiedError
 from cluster.engine.llm_engine import LLMEngine, rebuild_or_raise
 from kvcache.events import KVEventBatch
@@ -50,6 +61,8 @@ class AsyncLLMEngine:
         self._task: asyncio.Task | None = None
         self._dead: str | None = None
         self._recovering: str | None = None  # why, while the workers are being rebuilt
+        # When the loop last made progress (a step applied, work picked up after idling).
+        self._last_progress = time.monotonic()
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
@@ -58,7 +71,10 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None,
+                       resume_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's output deltas. `resume_token_ids`: the tokens it already
+        generated on another replica; the deltas start after them."""
         self.check_health()
         self._ensure_loop()
         request_id = request_id or uuid.uuid4().hex
@@ -70,7 +86,10 @@ class AsyncLLMEngine:
             if waiting >= self.config.max_waiting_requests:
                 raise OverloadedError(f"{waiting} requests are already waiting "
                                       f"(max_waiting_requests={self.config.max_waiting_requests})")
-        self.engine.add_request(request_id, prompt_token_ids, sampling_params, cache_salt)
+        if not self.engine.has_unfinished():
+            self._last_progress = time.monotonic()  # idle until now: not a stall
+        self.engine.add_request(request_id, prompt_token_ids, sampling_params, cache_salt,
+                                resume_token_ids)
         self._queues[request_id] = queue
         assert self._wake is not None
         self._wake.set()
@@ -144,6 +163,7 @@ class AsyncLLMEngine:
                 finally:
                     self._stepping = False
                 undelivered = engine.finish_step(plan, result, start, defer_text=True)
+                self._last_progress = time.monotonic()
                 self._apply_pending_aborts()
         except Exception as e:  # noqa: BLE001 — anything here kills the engine; say why
             self._die(e)
@@ -165,6 +185,7 @@ class AsyncLLMEngine:
             await asyncio.to_thread(rebuild_or_raise, self.engine.executor, error)
         finally:
             self._recovering = None
+            self._last_progress = time.monotonic()
         self.engine.resume_after_rebuild()
         logger.warning("engine: workers rebuilt in %.1f s; %d requests resume by recompute",
                        time.perf_counter() - start, len(self.engine.scheduler.requests))
@@ -187,9 +208,17 @@ class AsyncLLMEngine:
 
     def check_health(self) -> None:
         """Raise EngineDeadError when the engine cannot serve again. A dead worker is not
-        that: the step loop rebuilds the workers (see check_ready)."""
+        that: the step loop rebuilds the workers (see check_ready). EngineStalledError when
+        the loop has had work and made no step for engine_stall_timeout_s."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        stalled = time.monotonic() - self._last_progress
+        if (stalled > self.config.engine_stall_timeout_s and self._recovering is None
+                and self.engine.has_unfinished()):
+            raise EngineStalledError(
+                f"the engine loop has made no step for {stalled:.1f} s with "
+                f"{len(self.engine.scheduler.requests)} requests "
+                f"(engine_stall_timeout_s={self.config.engine_stall_timeout_s})")
 
     def check_ready(self) -> None:
         """check_health, and EngineRecoveringError while a worker is dead or being rebuilt."""

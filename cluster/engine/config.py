@@ -73,6 +73,10 @@ class EngineConfig:
     # constrained answer cannot spend its max_tokens on whitespace. Per request:
     # structured_outputs.disable_any_whitespace.
     disable_any_whitespace: bool = False
+    # A replica whose engine loop made no step for this many seconds while it had requests
+    # fails its health check (Serve replaces it; its requests resume on another replica).
+    # Longer than the longest step (a whole-batch prefill); never fires while idle.
+    engine_stall_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -117,6 +121,11 @@ class EngineConfig:
                              "kv_offloading_size 0")
         if not (isinstance(self.worker_num_cpus, (int, float)) and self.worker_num_cpus > 0):
             raise ValueError(f"worker_num_cpus must be > 0; got {self.worker_num_cpus!r}")
+        if not (isinstance(self.engine_stall_timeout_s, (int, float))
+                and not isinstance(self.engine_stall_timeout_s, bool)
+                and self.engine_stall_timeout_s > 0):
+            raise ValueError("engine_stall_timeout_s must be > 0 seconds; "
+                             f"got {self.engine_stall_timeout_s!r}")
         if self.executor == "inprocess" and self.tensor_parallel_size > 1:
             raise ValueError("executor 'inprocess' runs one worker; use executor 'ray' (or 'auto') "
                              f"for tensor_parallel_size {self.tensor_parallel_size}")

@@ -12,6 +12,11 @@ class EngineDeadError(RuntimeError):
     """The engine cannot serve any more requests (a worker died); the replica must be replaced."""
 
 
+class EngineStalledError(EngineDeadError):
+    """The engine loop has made no step for engine_stall_timeout_s while it had requests: the
+    replica fails its health check and is replaced; its requests resume on another one."""
+
+
 class EngineRecoveringError(RuntimeError):
     """A worker died and the engine is rebuilding its tensor-parallel group (not ready yet)."""
 

@@ -198,14 +198,22 @@ class LLMEngine:
             self.structured.compile(params.structured_outputs)  # cached for add_request
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams | None = None, cache_salt: str | None = None) -> None:
+                    params: SamplingParams | None = None, cache_salt: str | None = None,
+                    output_token_ids: list[int] | None = None) -> None:
+        """Queue a request. `output_token_ids`: it is resumed from another replica with the
+        tokens it generated there (Scheduler.add_request); its deltas start after them."""
         params = params or self.default_sampling_params()
         self.validate(prompt_token_ids, params)
+        outputs = list(output_token_ids or ())
+        self.scheduler.add_request(request_id, list(prompt_token_ids), params,
+                                   cache_salt=cache_salt, output_token_ids=outputs)
         if params.structured_outputs is not None:
             self.structured.add_request(request_id, params.structured_outputs)
-        self.scheduler.add_request(request_id, list(prompt_token_ids), params,
-                                   cache_salt=cache_salt)
-        self.output_processor.add_request(request_id, prompt_token_ids, params)
+            if outputs:  # the matcher is where the grammar was after those tokens
+                seq_id = self.scheduler.requests[request_id].seqs[0].seq_id
+                self.structured.add_seq(seq_id, request_id, 0)
+                self.structured.accept(seq_id, outputs)
+        self.output_processor.add_request(request_id, prompt_token_ids, params, outputs)
         self._times[request_id] = RequestTimes(arrival=time.perf_counter())
 
     def abort(self, request_id: str) -> RequestOutput | None:

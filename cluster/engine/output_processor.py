@@ -110,12 +110,26 @@ class OutputProcessor:
                              "(use stop_token_ids)")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        """Start tracking a request the scheduler accepted (validate it first)."""
+                    params: SamplingParams, output_token_ids: list[int] | None = None) -> None:
+        """Start tracking a request the scheduler accepted (validate it first).
+
+        A request resumed with `output_token_ids` (generated on another replica, whose deltas
+        its client has) replays them through its detokenizer and stop-string buffer, dropping
+        their text: what the first replica had sent is exactly what the replay gives, so the
+        state after it (characters and a stop-string window held back) is that replica's,
+        and the next deltas continue its text with nothing repeated or lost."""
         self.validate(params)
         text = self.tokenizer is not None
         if text or params.logprobs is not None:
-            self._states[request_id] = _RequestState(params, list(prompt_token_ids), text)
+            state = self._states[request_id] = _RequestState(params, list(prompt_token_ids),
+                                                             text)
+            text_state = self._seq_text(state, 0) if output_token_ids else None
+            if text_state is not None:
+                assert output_token_ids is not None
+                for i, token in enumerate(output_token_ids):
+                    piece = text_state.token_text(token, False, False)
+                    if text_state.stop_buffer is not None:
+                        text_state.stop_buffer.feed(piece, i + 1 > params.min_tokens)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort the request in the scheduler; its final delta (None for an unknown id)."""

@@ -1,0 +1,110 @@
+"""Node loss under load on a simulated 3-node Ray cluster (ray.cluster_utils.Cluster, one host).
+
+The head holds Serve's controller, the HeadOnly proxy and the ingress; two worker nodes hold
+one LLMServer replica each (qwen3-tiny, tp 1, CPU). N greedy streams run at once; once each has
+its first tokens, one worker node is killed (raylet and every process on it). Prints requests
+lost, how many were resumed, p50/p99 end-to-end latency of all requests in the run with the
+loss against the same run before it, and the seconds until a node that joins after the loss serves again
+(full capacity). Fixed prompts; greedy outputs are checked against a run before the loss.
+
+    source /work/bin/wt-env && python bench/node_loss.py --requests 16 --max-tokens 64 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "cluster",
+                                "multinode"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+    import httpx
+    import ray
+    import test_node_loss as t
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from cluster.api.serve_app import build_app
+    from workers.distributed import get_free_port
+
+    t.PROMPTS[:] = [f"Request {i}: the quick brown fox" for i in range(args.requests)]
+    t.MAX_TOKENS = args.max_tokens
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0,
+                                                            "include_dashboard": False})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        port = get_free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(t.ARGS), name=t.APP, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+
+        async def timed(client: httpx.AsyncClient, prompt: str, started: asyncio.Event):
+            start = time.perf_counter()
+            result = await t._stream(client, prompt, started)
+            return result, time.perf_counter() - start
+
+        async def run(fail) -> tuple[list, list[float]]:
+            async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+                started = [asyncio.Event() for _ in t.PROMPTS]
+                tasks = [asyncio.create_task(timed(client, p, e))
+                         for p, e in zip(t.PROMPTS, started)]
+                await asyncio.gather(*(e.wait() for e in started))
+                if fail is not None:
+                    await asyncio.to_thread(fail)
+                done = await asyncio.gather(*tasks, return_exceptions=True)
+            return done
+
+        reference = asyncio.run(run(None))
+        victim = t._node_of(t._actors(t.REPLICA_CLASS)[0])
+        node = next(n for n in cluster.worker_nodes if n.node_id == victim)
+        before = t._resumes_logged()
+        killed_at = time.monotonic()
+        got = asyncio.run(run(lambda: cluster.remove_node(node, allow_graceful=False)))
+        resumed = t._resumes_logged() - before
+        cluster.add_node(num_cpus=1)
+        t._wait_for_replicas(2)
+        capacity_s = time.monotonic() - killed_at
+        lost = sum(1 for g in got if isinstance(g, BaseException))
+        wrong = sum(1 for g, r in zip(got, reference)
+                    if not isinstance(g, BaseException) and g[0] != r[0])
+        lat = sorted(g[1] for g in got if not isinstance(g, BaseException))
+        base = sorted(r[1] for r in reference)
+
+        def pct(xs: list[float], q: float) -> float:
+            return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+        out = {"requests": args.requests, "max_tokens": args.max_tokens, "lost": lost,
+               "outputs_differing": wrong, "resumed": resumed,
+               "p50_s_with_node_loss": pct(lat, 0.5), "p99_s_with_node_loss": pct(lat, 0.99),
+               "p50_s_before": pct(base, 0.5), "p99_s_before": pct(base, 0.99),
+               "seconds_to_full_capacity": capacity_s}
+        print("\n".join(f"{k:28s} {v}" for k, v in out.items()))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""A Ray cluster of three nodes simulated on this machine (ray.cluster_utils.Cluster): the
+head with no CPU to offer (Serve's controller, the one proxy of `proxy_location: HeadOnly`,
+the ingress pinned there by `ingress_on_head_node`) and two worker nodes with one CPU each, so each holds exactly one LLMServer replica (qwen3-tiny, tp 1).
+
+What is pinned: the placement (ingress beside the proxy, the replicas on different nodes); a
+replica actor killed mid-stream and a whole node killed under load lose no request and change
+no greedy output, token for token; /health and /v1/models answer throughout; Serve brings the
+lost replica back on a node that joins; nothing is left running on the survivor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from cluster.api.prometheus import parse_prometheus
+from workers.distributed import get_free_port
+
+pytestmark = pytest.mark.slow
+
+APP = "qwen3"
+REPLICA_CLASS = f"ServeReplica:{APP}:LLMServer"
+INGRESS_CLASS = f"ServeReplica:{APP}:OpenAIIngress"
+MAX_TOKENS = 48
+PROMPTS = [f"Request {i}: the quick brown fox" for i in range(8)]
+ARGS: dict[str, Any] = dict(
+    model="qwen3-tiny", tensor_parallel_size=1, device="cpu", executor="inprocess",
+    swap_space=0.01, max_num_seqs=16, num_replicas=2,
+    replica_num_cpus=1.0,  # a worker node's whole CPU: one replica per node
+    ingress_num_cpus=0.0, ingress_on_head_node=True)  # the head has no CPU for an LLM replica
+
+
+class Sim:
+    """The simulated cluster and the app's URL."""
+
+    def __init__(self, cluster: Any, url: str) -> None:
+        self.cluster = cluster
+        self.url = url
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[Sim]:
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from cluster.api.serve_app import build_app
+
+    if ray.is_initialized():  # the session's one-node cluster (tests/cluster/conftest.py)
+        serve.shutdown()
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        port = get_free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(ARGS), name=APP, route_prefix="/")
+        yield Sim(cluster, f"http://127.0.0.1:{port}")
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def _actors(class_name: str) -> list[dict[str, Any]]:
+    import ray
+
+    return [a for a in ray._private.state.actors().values()
+            if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
+
+
+def _node_of(actor: dict[str, Any]) -> str:
+    return actor["Address"]["NodeID"]
+
+
+async def _stream(client: httpx.AsyncClient, prompt: str, started: asyncio.Event | None = None
+                  ) -> tuple[str, int, str | None]:
+    """(text, usage.completion_tokens, finish_reason) of one greedy streamed completion."""
+    body = {"model": "qwen3-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    text, usage, reason, chunks = "", -1, None, 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                text += choice["text"]
+                reason = choice["finish_reason"] or reason
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            chunks += 1
+            if started is not None and chunks == 3:
+                started.set()
+    return text, usage, reason
+
+
+async def _under_failure(url: str, fail: Any) -> tuple[list[tuple], list[int]]:
+    """Run every prompt streamed at once; once each has its first tokens, call `fail()`.
+    Returns the results and every /health and /v1/models status seen meanwhile."""
+    statuses: list[int] = []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        started = [asyncio.Event() for _ in PROMPTS]
+        tasks = [asyncio.create_task(_stream(client, p, e)) for p, e in zip(PROMPTS, started)]
+        done = asyncio.Event()
+
+        async def probe() -> None:
+            while not done.is_set():
+                for path in ("/health", "/v1/models"):
+                    statuses.append((await client.get(path)).status_code)
+                await asyncio.sleep(0.2)
+
+        prober = asyncio.create_task(probe())
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+        await asyncio.to_thread(fail)
+        results = await asyncio.gather(*tasks)
+        done.set()
+        await prober
+    return list(results), statuses
+
+
+def _resumes_logged() -> int:
+    """How many times an ingress logged resuming a request (the Serve replica logs)."""
+    import ray
+
+    logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    count = 0
+    for path in glob.glob(os.path.join(logs, "serve", "replica_*OpenAIIngress*.log")):
+        with open(path, errors="replace") as f:
+            count += f.read().count("resuming on another replica")
+    return count
+
+
+def _wait_for_replicas(count: int, timeout: float = 120) -> float:
+    """Seconds until `count` LLMServer replicas are RUNNING."""
+    from ray import serve
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        status = serve.status().applications[APP].deployments["LLMServer"]
+        if status.replica_states.get("RUNNING", 0) == count and status.status == "HEALTHY":
+            return time.monotonic() - start
+        time.sleep(0.5)
+    raise AssertionError(f"LLMServer did not get back to {count} replicas: {status}")
+
+
+@pytest.fixture(scope="module")
+def reference(sim: Sim) -> list[tuple]:
+    async def run() -> list[tuple]:
+        async with httpx.AsyncClient(base_url=sim.url, timeout=120) as client:
+            return list(await asyncio.gather(*(_stream(client, p) for p in PROMPTS)))
+
+    got = asyncio.run(run())
+    assert all(usage == MAX_TOKENS and reason == "length" for _, usage, reason in got)
+    return got
+
+
+def test_placement_ingress_beside_the_proxy_replicas_on_different_nodes(sim: Sim) -> None:
+    import ray
+
+    head = ray.get_runtime_context().get_node_id()  # the driver runs on the head node
+    ingress = _actors(INGRESS_CLASS)
+    assert [_node_of(a) for a in ingress] == [head]
+    proxies = [a for a in _actors("ProxyActor")]
+    assert [_node_of(a) for a in proxies] == [head]
+    nodes = [_node_of(a) for a in _actors(REPLICA_CLASS)]
+    assert len(nodes) == 2 and len(set(nodes)) == 2 and head not in nodes
+
+
+def test_node_killed_under_load_loses_nothing_and_capacity_returns(
+        sim: Sim, reference: list[tuple]) -> None:
+    before = _resumes_logged()
+    replicas = _actors(REPLICA_CLASS)
+    victim_node = _node_of(replicas[0])
+    node = next(n for n in sim.cluster.worker_nodes if n.node_id == victim_node)
+    got, statuses = asyncio.run(_under_failure(
+        sim.url, lambda: sim.cluster.remove_node(node, allow_graceful=False)))
+    assert got == reference
+    assert _resumes_logged() > before, "no request was on the killed node"
+    assert set(statuses) == {200}
+    # A node joins; Serve puts the lost replica there.
+    sim.cluster.add_node(num_cpus=1)
+    _wait_for_replicas(2)
+    nodes = {_node_of(a) for a in _actors(REPLICA_CLASS)}
+    assert victim_node not in nodes and len(nodes) == 2
+    # Nothing left on the survivors: no request, every KV block free.
+    metrics = parse_prometheus(httpx.get(f"{sim.url}/metrics", timeout=30).text)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc"):
+        assert [v for k, v in metrics.items() if k.split("{")[0] == name] == [0.0], name
+
+
+def _deploy(args: dict[str, Any]) -> None:
+    from ray import serve
+
+    from cluster.api.serve_app import build_app
+
+    serve.run(build_app(args), name=APP, route_prefix="/")
+
+
+def test_scale_down_under_load_drains_and_hands_the_rest_over(
+        sim: Sim, reference: list[tuple]) -> None:
+    """1 of 2 replicas stopped while every request streams: what it cannot finish within
+    graceful_shutdown_timeout_s resumes on the other one."""
+    got, statuses = asyncio.run(_under_failure(
+        sim.url, lambda: _deploy({**ARGS, "num_replicas": 1})))
+    assert got == reference
+    assert set(statuses[1::2]) == {200}  # /v1/models
+    # A changed num_replicas is a new version of the ingress too (its bound arguments hold the
+    # LLMServer deployment): Serve starts a new ingress and drains the old one, which keeps
+    # the streams it has. The new one's first /health checks can run before its router knows
+    # any LLMServer replica, and say 503 (a known gap, see the report of issue 27).
+    assert set(statuses[0::2]) <= {200, 503}  # /health
+    _wait_for_replicas(1)
+
+
+def test_rolling_update_under_load_loses_nothing(sim: Sim, reference: list[tuple]) -> None:
+    """A changed engine config (max_num_seqs) replaces the one replica while requests stream.
+    Serve stops it before its successor is up: the requests wait and resume on the new one,
+    /v1/models answers, and /health says 503 (no replica ready) for that gap."""
+    got, statuses = asyncio.run(_under_failure(
+        sim.url, lambda: _deploy({**ARGS, "num_replicas": 1, "max_num_seqs": 10})))
+    assert got == reference
+    assert set(statuses[1::2]) == {200}  # /v1/models
+    assert set(statuses[0::2]) <= {200, 503}  # /health
+    _wait_for_replicas(1)
+
+
+def test_replica_killed_mid_stream_loses_nothing(sim: Sim, reference: list[tuple]) -> None:
+    from ray import serve
+
+    _deploy({**ARGS, "max_num_seqs": 10})  # two replicas again, of the updated config
+    _wait_for_replicas(2)
+    before = _resumes_logged()
+    victim = _actors(REPLICA_CLASS)[0]
+
+    def kill() -> None:  # the replica's process crashes (SIGKILL: no clean-up of any kind)
+        os.kill(victim["Pid"], signal.SIGKILL)
+
+    got, statuses = asyncio.run(_under_failure(sim.url, kill))
+    assert got == reference
+    assert _resumes_logged() > before, "no request was on the killed replica"
+    assert set(statuses) == {200}
+    _wait_for_replicas(2)
+    assert serve.status().applications[APP].status == "RUNNING"
