@@ -102,15 +102,17 @@ def main(argv: list[str]) -> int:
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="serve-", delete=False) as f:
             yaml.safe_dump(config, f)
         run_path = f.name
-    # Ray as `serve run` starts it (or joins RAY_ADDRESS's), started here so that the SIGTERM
-    # handler can be put back after it: ray.init replaces it with one that exits without
-    # shutting Serve down, and its C++ core installs a crash handler that dumps a stack.
+    # A Ray cluster of its own (or RAY_ADDRESS's, to join one), started here so that the
+    # SIGTERM handler can be put back after it: ray.init replaces it with one that exits
+    # without shutting Serve down, and its C++ core installs a crash handler that dumps a
+    # stack. "local", not None: None would join whatever cluster this machine's Ray temp dir
+    # names as the latest (another app's, a test session's), and shut its Serve down on exit.
     import ray
     from ray.serve._private.constants import SERVE_NAMESPACE
     from ray.serve.scripts import cli
 
     try:
-        ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=SERVE_NAMESPACE)
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace=SERVE_NAMESPACE)
     except KeyboardInterrupt:
         return 130
     signal.signal(signal.SIGTERM, _interrupt)
