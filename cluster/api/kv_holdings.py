@@ -18,6 +18,7 @@ reads; one lock guards every change and every lookup.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -150,3 +151,16 @@ class HoldingsView:
         with self._lock:
             r = self._replicas.get(replica_id)
             return len(r.held.get(medium, ())) if r is not None else 0
+
+
+class Shared:
+    """One deployment's holdings in this process, fed by one poll task (prefix_router.py):
+    every router of the deployment in the process (one per handle) reads the same view."""
+
+    def __init__(self, recent_ttl_s: float) -> None:
+        self.view = HoldingsView(recent_ttl_s)
+        self.task: asyncio.Task | None = None
+        self.last_routed = 0.0  # time.monotonic() of the last request routed
+
+
+SHARED: dict[tuple[str, str], Shared] = {}  # (app, deployment) -> its holdings here

@@ -48,7 +48,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from cluster.api.kv_holdings import DEFAULT_RECENT_TTL_S, HoldingsView
+from cluster.api import kv_holdings
+from cluster.api.kv_holdings import DEFAULT_RECENT_TTL_S
 from kvcache.hashing import BlockHash, prompt_block_hashes
 
 logger = logging.getLogger("ray.serve")
@@ -98,18 +99,6 @@ def rank_replicas(replica_ids: Sequence[str], loads: dict[str, int], matches: di
     return by_load, "load"
 
 
-class _Shared:
-    """One deployment's holdings in this process, fed by one poll task."""
-
-    def __init__(self, recent_ttl_s: float) -> None:
-        self.view = HoldingsView(recent_ttl_s)
-        self.task: asyncio.Task | None = None
-        self.last_routed = 0.0  # time.monotonic() of the last request routed
-
-
-_SHARED: dict[tuple[str, str], _Shared] = {}
-
-
 class PrefixAwareRouter(RequestRouter):
     """Serve's request router for LLMServer (module docstring); kwargs from the manifest.
 
@@ -125,7 +114,9 @@ class PrefixAwareRouter(RequestRouter):
         self.thresholds = RoutingThresholds(imbalance_abs, imbalance_rel)
         self.poll_period_s = poll_period_s
         key = (self._deployment_id.app_name, self._deployment_id.name)
-        self.shared = _SHARED.setdefault(key, _Shared(recent_ttl_s))
+        # Through the module, not a name of this one: Serve pickles this module by value
+        # (RequestRouterConfig), which would copy a global dict and whatever it holds.
+        self.shared = kv_holdings.SHARED.setdefault(key, kv_holdings.Shared(recent_ttl_s))
         self.view = self.shared.view
         self.in_flight: dict[str, int] = {}
         # internal request id -> replica, for requests this router routed (Serve also reports
@@ -218,7 +209,7 @@ def _routing_key(pr: PendingRequest | None) -> str | None:
     return pr.kwargs.get("routing_key") if pr is not None else None
 
 
-async def poll_holdings(shared: _Shared, app_name: str, deployment: str,
+async def poll_holdings(shared: kv_holdings.Shared, app_name: str, deployment: str,
                         period_s: float) -> None:
     """Feed the view from every replica's `kv_events` each period (the module docstring)."""
     from ray import serve

@@ -34,6 +34,7 @@ MAX_QUEUED = 64
 @pytest.fixture(scope="module")
 def base_url(ray_cluster: None) -> Iterator[str]:
     from ray import serve
+    from ray.serve.context import _get_global_client
 
     from cluster.api.serve_app import build_app
 
@@ -41,8 +42,8 @@ def base_url(ray_cluster: None) -> Iterator[str]:
     args = dict(manifest["applications"][0]["args"])
     args.update(api_key=API_KEY, max_ongoing_requests=MAX_ONGOING,
                 max_queued_requests=MAX_QUEUED)
-    port = get_free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": get_free_port()})
+    port = _get_global_client().http_config.port  # (Serve may already run with its own)
     serve.run(build_app(args), name="qwen3", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.delete("qwen3")
