@@ -8,6 +8,7 @@ from typing import Any
 
 from cluster.engine.reasoning import REASONING_PARSERS
 from cluster.engine.tool_parsers import TOOL_CALL_PARSERS
+from scheduler.speculative import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -73,6 +74,13 @@ class EngineConfig:
     # constrained answer cannot spend its max_tokens on whitespace. Per request:
     # structured_outputs.disable_any_whitespace.
     disable_any_whitespace: bool = False
+    # vLLM's speculative_config: {method: ngram, num_speculative_tokens: k (1..16),
+    # prompt_lookup_min, prompt_lookup_max} proposes tokens by n-gram prompt lookup; the
+    # target verifies them in one forward and keeps exactly its own tokens (greedy tokens as
+    # without speculation; sampled ones from its distribution). disable_by_batch_size: no
+    # speculation in steps with more running sequences. Turns async scheduling off.
+    # (scheduler/speculative.py; a draft model, {model: dir}, is not supported yet.)
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -120,6 +128,8 @@ class EngineConfig:
         if self.executor == "inprocess" and self.tensor_parallel_size > 1:
             raise ValueError("executor 'inprocess' runs one worker; use executor 'ray' (or 'auto') "
                              f"for tensor_parallel_size {self.tensor_parallel_size}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode 'swap' needs swap_space > 0 GiB")
 

@@ -142,6 +142,8 @@ class OutputProcessor:
         result = outcome.result
         for req, seq, token, status, row in zip(outcome.reqs, outcome.seqs, outcome.token_ids,
                                                 outcome.finished, outcome.rows):
+            if status is None and seq.status.is_finished:
+                continue  # a stop string earlier in this step's run of tokens (speculation)
             state = states_get(req.request_id)
             if status is None and req.n == 1 and (
                     state is None or (defer_text and state.deferrable)):
