@@ -208,13 +208,14 @@ class KVCacheManager:
             return self._allocate_new(seq_id, token_ids, num_new_tokens, (), None, False, (), ())
         return self._grow(seq_id, seq, token_ids, num_new_tokens, num_pending)
 
-    def rollback_slots(self, seq_id: int, token_ids: Sequence[int], num_slots: int) -> None:
-        """Give back the seq's slots from num_slots on (rejected proposals: kvcache/rollback.py);
-        token_ids, the seq's known tokens now, hashes the blocks its accepted tokens filled."""
+    def rollback_slots(self, seq_id: int, token_ids: Sequence[int], num_slots: int) -> int:
+        """Give back the seq's slots from num_slots on (rejected proposals: kvcache/rollback.py),
+        returning the blocks freed; token_ids (its known tokens) hash what accepted ones filled."""
         seq = self._seqs[seq_id]
-        rollback_slots(seq, self.gpu_pool, self.block_size, num_slots)
+        freed = rollback_slots(seq, self.gpu_pool, self.block_size, num_slots)
         if self.enable_prefix_caching:
             self.prefix.cache_full_blocks(seq, token_ids)
+        return freed
 
     def allocate_decode_slots(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
                               num_pending: int, new_blocks: dict[int, list[int]]) -> int:

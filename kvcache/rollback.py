@@ -14,8 +14,9 @@ from kvcache.block_pool import BlockPool
 from kvcache.tables import SeqBlocks
 
 
-def rollback_slots(seq: SeqBlocks, pool: BlockPool, block_size: int, num_slots: int) -> None:
-    """Shrink `seq` (on the GPU) to its first num_slots slots, freeing blocks left empty."""
+def rollback_slots(seq: SeqBlocks, pool: BlockPool, block_size: int, num_slots: int) -> int:
+    """Shrink `seq` (on the GPU) to its first num_slots slots, freeing blocks left empty;
+    returns how many were freed (the workers' copy of the table must then shrink too)."""
     if seq.swapped:
         raise ValueError("a swapped-out sequence has no slots to give back")
     if not 0 < num_slots <= seq.num_slots:
@@ -25,9 +26,11 @@ def rollback_slots(seq: SeqBlocks, pool: BlockPool, block_size: int, num_slots: 
                          "(proposals) can be given back")
     keep = -(-num_slots // block_size)
     table = seq.block_ids
-    if keep < len(table):
+    freed = len(table) - keep
+    if freed:
         blocks = pool.blocks
         pool.free_blocks(blocks[b] for b in reversed(table[keep:]))
         del table[keep:]
     seq.num_slots = num_slots
     seq.tail_room = keep * block_size - num_slots
+    return freed

@@ -194,6 +194,8 @@ class Scheduler:
 
         if not step.preempted and (queues.swapped or queues.waiting):
             self._schedule_resumed_and_new(step)
+        if self.spec is not None and self.spec.shrunk:
+            self.spec.resend_tables(step, self.kv)
         queues.drops = []  # (the plan carries the list it had)
         self.inflight.launch(step.step_id)
         return step.to_plan(*self.kv.take_transfers())

@@ -7,7 +7,8 @@ hashed), the workers sample at each of the row's positions and keep the longest 
 prefix plus the next token (workers/rejection_sampler.py), and `apply` appends those tokens
 one by one (a stop token or max_tokens inside the accepted run cuts it there), then rolls
 num_computed and the KV slots back to the accepted tokens (KVCacheManager.rollback_slots:
-blocks only rejected tokens filled are freed; the accepted tokens' full blocks are hashed).
+blocks only rejected tokens filled are freed; the accepted tokens' full blocks are hashed;
+the next plan replaces the workers' copy of a table that lost blocks).
 
 Off switches: a request with penalties, a logit bias or structured outputs never speculates
 (the workers' per-sequence penalty counts and grammar advance one token per step); a sequence
@@ -26,6 +27,7 @@ from scheduler.ngram import NgramProposer
 from scheduler.outputs import StepOutcome
 from scheduler.plan import StepPlan, StepResult
 from scheduler.request import Request, Seq, SequenceStatus
+from scheduler.step_builder import StepBuilder
 
 MAX_SPECULATIVE_TOKENS = 16
 TRIAL_TOKENS = 32  # proposed tokens a sequence gets before its acceptance rate is judged
@@ -96,6 +98,15 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
+        self.shrunk: list[tuple[Request, Seq]] = []  # tables that lost blocks since the last plan
+
+    def resend_tables(self, step: StepBuilder, kv) -> None:
+        """The next plan replaces the workers' tables of sequences whose rollback freed blocks
+        (still on the workers; a dropped one gets its whole table in a NewSeq anyway)."""
+        for req, seq in self.shrunk:
+            if seq.on_worker and not seq.status.is_finished and kv.has_seq(seq.seq_id):
+                step.replaced[seq.seq_id] = list(kv.block_table(seq.seq_id))
+        self.shrunk = []
 
     def enabled_for(self, num_running_seqs: int) -> bool:
         """The per-batch off switch."""
@@ -149,7 +160,8 @@ class Speculator:
                     break
             if d and status is None:  # (all accepted: hashes the blocks they filled)
                 seq.num_computed = len(seq.token_ids) - 1
-                kv.rollback_slots(sid, seq.token_ids, seq.num_computed)
+                if kv.rollback_slots(sid, seq.token_ids, seq.num_computed):
+                    self.shrunk.append((req, seq))
         return out
 
     def _count(self, seq: Seq, drafted: int, accepted: int) -> None:

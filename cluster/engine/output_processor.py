@@ -140,9 +140,10 @@ class OutputProcessor:
         states_get = self._states.get
         todo = self._text_todo.append
         result = outcome.result
+        cut: set[int] = set()  # sequences a stop string finished in this step
         for req, seq, token, status, row in zip(outcome.reqs, outcome.seqs, outcome.token_ids,
                                                 outcome.finished, outcome.rows):
-            if status is None and seq.status.is_finished:
+            if cut and seq.seq_id in cut:
                 continue  # a stop string earlier in this step's run of tokens (speculation)
             state = states_get(req.request_id)
             if status is None and req.n == 1 and (
@@ -172,6 +173,8 @@ class OutputProcessor:
             else:
                 comp = self._token_output(state, req, seq, token, status, result, row,
                                           defer_text)
+                if status is None and comp.finish_reason is not None:
+                    cut.add(seq.seq_id)
             if req.n == 1:
                 finished = comp.finish_reason is not None
                 emit(RequestOutput(req.request_id, req.prompt_token_ids, [comp],
