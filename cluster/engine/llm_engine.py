@@ -321,6 +321,18 @@ class LLMEngine:
 
     # ----- observability ----------------------------------------------------------------
 
+    def _spec_metrics(self) -> dict[str, Any]:
+        """vLLM's speculative decoding counters (zeros with speculation off)."""
+        spec = self.scheduler.spec
+        if spec is None:
+            return {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                    "spec_decode_num_accepted_tokens": 0,
+                    "spec_decode_num_accepted_tokens_per_pos": []}
+        return {"spec_decode_num_drafts": spec.num_drafts,
+                "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(spec.accepted_per_pos)}
+
     def metrics(self) -> dict[str, Any]:
         s = self.scheduler.stats()
         return {
@@ -340,6 +352,7 @@ class LLMEngine:
             "num_preemptions_swap": s.preemptions_swap,
             "num_preemptions_recompute": s.preemptions_recompute,
             "num_worker_recoveries": self.recoveries,
+            **self._spec_metrics(),
             "request_success_total": dict(self.latency.finished),
             "time_to_first_token_seconds": self.latency.ttft.copy(),
             "inter_token_latency_seconds": self.latency.itl.copy(),

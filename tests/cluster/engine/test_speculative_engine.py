@@ -66,6 +66,11 @@ def test_greedy_tokens_equal_off_with_n2_chunks_and_preemption(engines) -> None:
     spec = on.engine.scheduler.spec
     assert spec.num_accepted_tokens - before > 10  # it did speculate, and was right
     assert spec.num_accepted_tokens < spec.num_draft_tokens  # and wrong
+    m = on.engine.metrics()
+    assert (m["spec_decode_num_drafts"], m["spec_decode_num_draft_tokens"],
+            m["spec_decode_num_accepted_tokens"]) == (
+        spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+    assert sum(m["spec_decode_num_accepted_tokens_per_pos"]) == spec.num_accepted_tokens
     stats = on.engine.scheduler.stats()
     assert stats.preemptions_swap + stats.preemptions_recompute > 0
     kv = on.engine.scheduler.kv
