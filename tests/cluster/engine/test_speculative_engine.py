@@ -105,3 +105,20 @@ def test_stop_string_and_max_tokens_inside_an_accepted_run(engines) -> None:
     got = _run(on, params)
     assert got == _run(off, params)
     assert got[0][0][2] == "stop" and got[1][0][2] == "length"
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_off_at_tp2_on_ray(ray_cluster: None, engines) -> None:
+    """tp = 2 (gloo): verify rows run on both ranks, rank 0 accepts; async scheduling, asked
+    for, is turned off."""
+    off, _ = engines
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, n=n)
+              for m, n in ((20, 1), (9, 2), (14, 1), (6, 1))]
+    cfg = {k: v for k, v in ENGINE.items() if k != "executor"}
+    with LLM(**cfg, tensor_parallel_size=2, worker_num_cpus=0.5, async_scheduling=True,
+             speculative_config=SPEC) as tp2:
+        assert not tp2.engine.async_scheduling
+        spec = tp2.engine.scheduler.spec
+        spec.proposer = Perturbed(spec.proposer)
+        assert _run(tp2, params) == _run(off, params)
+        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
