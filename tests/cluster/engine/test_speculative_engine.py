@@ -122,3 +122,15 @@ def test_greedy_tokens_equal_off_at_tp2_on_ray(ray_cluster: None, engines) -> No
         spec.proposer = Perturbed(spec.proposer)
         assert _run(tp2, params) == _run(off, params)
         assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+
+
+@pytest.mark.parametrize("cfg", [{"method": "ngram", "num_speculative_tokens": 0},
+                                 {"method": "ngram", "num_speculative_tokens": 17},
+                                 {"method": "medusa", "num_speculative_tokens": 2},
+                                 {"model": "/ckpt/qwen3-0.6b", "num_speculative_tokens": 2},
+                                 "ngram"])
+def test_engine_config_refuses_a_bad_speculative_config_at_start(cfg) -> None:
+    from cluster.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineConfig(speculative_config=cfg)
