@@ -74,8 +74,10 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.block_size = kv.block_size
         self.spec = Speculator(speculative) if speculative is not None else None
-        # (the decode lane's rows are one token each: with speculation nobody joins it)
-        self.lane = DecodeLane(kv.block_size, *((1 << 62,) if self.spec else ()))
+        # (the decode lane's rows are one token each: with speculation it runs only when the
+        # batch is too large to speculate)
+        self.lane = DecodeLane(kv.block_size, *(
+            (speculative.disable_by_batch_size + 1,) if speculative is not None else ()))
         self.queues = RequestQueues(kv, self.lane)
         self.inflight = PlansInFlight()
         mode = config.preemption_mode or ("swap" if kv.num_cpu_blocks > 0 else "recompute")

@@ -13,7 +13,8 @@ the next plan replaces the workers' copy of a table that lost blocks).
 Off switches: a request with penalties, a logit bias or structured outputs never speculates
 (the workers' per-sequence penalty counts and grammar advance one token per step); a sequence
 whose acceptance rate falls under `MIN_ACCEPTANCE` after `TRIAL_TOKENS` proposed tokens stops;
-with more running sequences than `disable_by_batch_size`, nobody speculates that step.
+with more running sequences than `disable_by_batch_size`, nobody speculates that step (the
+decode lane, which only takes one-token decodes, runs exactly then).
 Async scheduling is turned off when speculation is on (the engine logs it): a verify step's
 token count is only known once its result is in.
 """
@@ -30,6 +31,11 @@ from scheduler.request import Request, Seq, SequenceStatus
 from scheduler.step_builder import StepBuilder
 
 MAX_SPECULATIVE_TOKENS = 16
+# Above this many running sequences a step does not speculate (and the decode lane runs):
+# on the 2-core CPU a verify row's k + 1 logit rows cost 2-3x a decode's one (fp32 GEMM vs
+# GEMV over the 152k-row LM head), so only batch 1-2 gains (docs/benchmarks.md); unmeasured
+# on GPUs.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 TRIAL_TOKENS = 32  # proposed tokens a sequence gets before its acceptance rate is judged
 MIN_ACCEPTANCE = 0.2  # below this accepted / proposed, the sequence stops speculating
 _STOPPED = SequenceStatus.FINISHED_STOPPED
@@ -42,13 +48,14 @@ _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prom
 class SpeculativeConfig:
     """vLLM's speculative_config keys: {method: ngram, num_speculative_tokens,
     prompt_lookup_min, prompt_lookup_max} (n-gram prompt lookup), and
-    disable_by_batch_size (no speculation in a step with more running sequences)."""
+    disable_by_batch_size (no speculation in a step with more running sequences; null:
+    DEFAULT_DISABLE_BY_BATCH_SIZE)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 5
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int = 2
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> SpeculativeConfig:
@@ -80,9 +87,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
                              f"prompt_lookup_max ({hi})")
         bs = cfg.get("disable_by_batch_size")
-        if bs is not None and (not isinstance(bs, int) or isinstance(bs, bool) or bs < 1):
+        bs = DEFAULT_DISABLE_BY_BATCH_SIZE if bs is None else bs
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
             raise ValueError("speculative_config.disable_by_batch_size must be an integer >= 1 "
-                             f"or null; got {bs!r}")
+                             f"or null (default {DEFAULT_DISABLE_BY_BATCH_SIZE}); got {bs!r}")
         return cls(method, k, lo, hi, bs)
 
 
@@ -110,8 +118,7 @@ class Speculator:
 
     def enabled_for(self, num_running_seqs: int) -> bool:
         """The per-batch off switch."""
-        limit = self.config.disable_by_batch_size
-        return limit is None or num_running_seqs <= limit
+        return num_running_seqs <= self.config.disable_by_batch_size
 
     def propose(self, req: Request, seq: Seq, budget: int) -> list[int]:
         """Proposed tokens for the sequence's decode this step ([]: a plain decode)."""

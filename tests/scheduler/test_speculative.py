@@ -27,7 +27,7 @@ from scheduler.ngram import NgramProposer
 from scheduler.speculative import SpeculativeConfig
 
 BS = 4
-GPU_BLOCKS = 24
+GPU_BLOCKS = 14
 MAX_MODEL_LEN = 48
 
 
@@ -61,12 +61,17 @@ def workloads(draw: st.DrawFn) -> dict:
         "p": draw(st.sampled_from([0.0, 0.7, 1.0])),
         "seed": draw(st.integers(0, 1000)),
         "max_num_seqs": draw(st.integers(2, 6)),
+        # the batch off switch (and the decode lane, which runs when it is off)
+        "disable_by_batch_size": draw(st.sampled_from([1, 3, 100])),
     }
     reqs = []
     for i in range(draw(st.integers(1, 6))):
         prompt = draw(st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=14))
         n = draw(st.integers(1, 2))
         max_tokens = draw(st.integers(1, 24))
+        # every request must fit the cache alone (else it ends early with "length")
+        if n * -(-(len(prompt) + max_tokens - 1) // BS) > GPU_BLOCKS:
+            n = 1
         sp = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens,
                             min_tokens=draw(st.integers(0, min(2, max_tokens))),
                             ignore_eos=draw(st.booleans()),
@@ -81,8 +86,8 @@ def workloads(draw: st.DrawFn) -> dict:
 def test_verify_rows_match_reference_roll_back_and_free_everything(w: dict) -> None:
     cfg = w["cfg"]
     num_cpu = 16 if cfg["mode"] == "swap" else 0
-    spec = SpeculativeConfig.from_dict({"method": "ngram",
-                                        "num_speculative_tokens": cfg["k"]})
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": cfg["k"],
+                                        "disable_by_batch_size": cfg["disable_by_batch_size"]})
     sched, kv, worker = make(
         num_gpu_blocks=GPU_BLOCKS, num_cpu_blocks=num_cpu, block_size=BS,
         enable_prefix_caching=cfg["prefix_caching"], max_num_seqs=cfg["max_num_seqs"],
@@ -127,6 +132,7 @@ def test_verify_rows_match_reference_roll_back_and_free_everything(w: dict) -> N
     assert sum(s.accepted_per_pos) == s.num_accepted_tokens
     if cfg["p"] == 1.0 and all(sp.n == 1 for _, _, sp, _, _ in w["reqs"]):
         assert s.num_accepted_tokens == s.num_draft_tokens
+    event(f"lane steps {sched.lane.steps > 0}")
     event(f"p={cfg['p']}: verified {worker.num_verified > 0}, "
           f"rejected {s.num_accepted_tokens < s.num_draft_tokens}")
     stats = sched.stats()

@@ -18,7 +18,8 @@ from cluster import LLM, SamplingParams
 # rows and sequences are preempted
 ENGINE = dict(model="qwen3-tiny", device="cpu", executor="inprocess", num_gpu_blocks_override=12,
               max_num_batched_tokens=48, max_num_seqs=8, max_model_len=256)
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+        "disable_by_batch_size": 16}
 
 
 def _prompts() -> list[dict]:
