@@ -185,7 +185,7 @@ class ModelRunner:
                _padded(table.rng_key[sample_rows], pad, 0), _padded(s_counter, pad, 0),
                _padded(rows, pad, 0), logits_idx, pending, pending_src,
                diff_rows if diff_rows.size else None, diff_cols if diff_rows.size else None,
-               *pen[:4]]
+               *pen[:4], *((None, None) if spec is None else (a.reshape(-1) for a in spec))]
         i32 = [_padded(seq_lens, pad, 1), cu, table.top_k[sample_rows] if features & TOP_K
                else None, diff_ids if diff_ids.size else None]
         f32 = [_padded(s_temp, pad, 0.0), table.top_p[sample_rows] if features & TOP_P else None,
@@ -193,7 +193,7 @@ class ModelRunner:
         (v64, v32, vf), regions = self.stager.stage(i64, i32, f32)
         (d_ids, d_pos, d_slots, d_key, d_counter, d_rows, d_logits_idx, d_pending,
          d_pending_src, d_diff_rows, d_diff_cols, d_pen_rows, d_pen_slots, d_pen_tokens,
-         d_tok_slot) = v64
+         d_tok_slot, d_gather, d_proposal) = v64
         d_seq_lens, d_cu, d_top_k, d_diff_ids = v32
         d_temp, d_top_p, d_min_p, d_is_prompt, d_rep, d_freq, d_pres = vf
         if d_diff_ids is not None and not table.device_is_host:
@@ -234,8 +234,8 @@ class ModelRunner:
                                                           d_pres),
             sample_rows=sample_rows, sampled_seq_ids=sampled_seq_ids, rows=rows,
             constrained_rows=constrained,
-            verify=None if spec is None else tuple(torch.from_numpy(a).to(self.device)
-                                                   for a in spec))
+            verify=None if spec is None else (d_gather.view(spec[0].shape),
+                                               d_proposal.view(spec[1].shape)))
 
     def _penalty_arrays(self, sample_rows: np.ndarray, token_rows: np.ndarray,
                         positions: np.ndarray) -> tuple[np.ndarray | None, ...]:
