@@ -36,7 +36,7 @@ MAX_SPECULATIVE_TOKENS = 16
 # GEMV over the 152k-row LM head), so only batch 1-2 gains (docs/benchmarks.md); unmeasured
 # on GPUs.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 2
-TRIAL_TOKENS = 32  # proposed tokens a sequence gets before its acceptance rate is judged
+TRIAL_TOKENS = 16  # proposed tokens a sequence gets before its acceptance rate is judged
 MIN_ACCEPTANCE = 0.2  # below this accepted / proposed, the sequence stops speculating
 _STOPPED = SequenceStatus.FINISHED_STOPPED
 _LENGTH = SequenceStatus.FINISHED_LENGTH
