@@ -9,7 +9,7 @@ made wrong otherwise. Rows:
   acceptance 0.7, batch 32  a loaded batch
   ngram, batch 1            vLLM's n-gram lookup on prompts with repeated motifs
 Each row times off and on alternately (`--repeats` times each, medians), engines built once in
-this process, greedy, ignore_eos; tok/s is output tokens over wall time (prefill included,
+this process and warmed up first, greedy, ignore_eos; tok/s is output tokens over wall time (prefill included,
 prompts are short). Acceptance length = 1 + accepted / drafts (tokens per verify row).
 
     .venv/bin/python bench/spec_decode.py [--k 4] [--tokens 256] [--batch-tokens 64]
@@ -86,6 +86,8 @@ def main() -> None:
     on = LLM(**engine, speculative_config={"method": "ngram", "num_speculative_tokens": a.k})
     spec = on.engine.scheduler.spec
     ngram = spec.proposer
+    for llm in (off, on):  # warm up both (first-call costs; verify rows on `on`)
+        _timed(llm, _prompts(1, True, seed=99), 32)
     rows = []
     for item in a.rows.split(","):
         acc, batch = item.split(":")
