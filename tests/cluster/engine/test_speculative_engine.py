@@ -135,3 +135,22 @@ def test_engine_config_refuses_a_bad_speculative_config_at_start(cfg) -> None:
 
     with pytest.raises(ValueError, match="speculative_config"):
         EngineConfig(speculative_config=cfg)
+
+
+def test_verify_rows_beside_constrained_and_penalized_rows(engines) -> None:
+    """Structured outputs and penalties do not speculate, but share steps with verify rows
+    (the bitmask's rows and the penalties' rows are remapped past the verify rows)."""
+    from cluster import StructuredOutputsParams
+
+    off, on = engines
+    params = [SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=(
+                  StructuredOutputsParams(regex="[a-c]{4,8}"))),
+              SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True,
+                             repetition_penalty=1.3, logit_bias={5: 3.0}),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)]
+    before = on.engine.scheduler.spec.num_drafts
+    got = _run(on, params)
+    assert got == _run(off, params)
+    assert on.engine.scheduler.spec.num_drafts > before
+    assert all(ch in "abc" for ch in got[1][0][1]) and len(got[1][0][1]) >= 4
