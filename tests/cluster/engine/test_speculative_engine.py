@@ -102,10 +102,13 @@ def test_stop_string_and_max_tokens_inside_an_accepted_run(engines) -> None:
               SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, stop=[stop],
                              include_stop_str_in_output=True),
-              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)]
+              # its text repeats from the start: min_tokens decides where it stops
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                             stop=[base[3][0][1][:2]], min_tokens=6)]
     got = _run(on, params)
     assert got == _run(off, params)
     assert got[0][0][2] == "stop" and got[1][0][2] == "length"
+    assert got[3][0][2] == "stop" and len(got[3][0][0]) == 7
 
 
 @pytest.mark.slow
