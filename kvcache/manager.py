@@ -41,6 +41,7 @@ from kvcache.hashing import BlockHash
 from kvcache.invariants import check_manager_invariants
 from kvcache.offload import OffloadTier
 from kvcache.prefix import PrefixCache
+from kvcache.rollback import rollback_slots
 from kvcache.tables import NOTHING_NEW, Allocation, KVCacheStats, SeqBlocks
 
 _block_id = attrgetter("block_id")
@@ -108,15 +109,10 @@ class KVCacheManager:
     def num_free_cpu_blocks(self) -> int:
         return self.cpu_pool.free_block_queue.num_free_blocks
 
-    def lookup_prefix(
-        self,
-        token_ids: Sequence[int],
-        extra_key: bytes | None = None,
-        block_hashes: Sequence[BlockHash] | None = None,
-    ) -> list[int]:
-        """GPU block ids of the longest cached full-block prefix of token_ids.
-
-        Never covers the last token (at most (len(token_ids) - 1) // block_size blocks), so a
+    def lookup_prefix(self, token_ids: Sequence[int], extra_key: bytes | None = None,
+                      block_hashes: Sequence[BlockHash] | None = None) -> list[int]:
+        """GPU block ids of the longest cached full-block prefix of token_ids. Never covers
+        the last token (at most (len(token_ids) - 1) // block_size blocks), so a
         request always has at least one token to compute. No side effects on blocks or stats.
         block_hashes, if given, must be prompt_block_hashes(token_ids[:k * block_size],
         block_size, extra_key) for some k (a request hashes its prompt once, on arrival); the
@@ -189,13 +185,10 @@ class KVCacheManager:
 
     def allocate_slots(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
                        num_pending: int = 0) -> Allocation | None:
-        """Reserve KV slots for the seq's next num_new_tokens tokens: the one way a sequence
-        grows, by a prefill chunk or a decode (see the diagram above; a batch of decodes may
-        take its slots in one allocate_decode_slots call). An unknown seq is created, as
-        allocate_new without a prefix. token_ids is the seq's whole known token list,
-        followed by num_pending tokens still being sampled (async scheduling): blocks those
-        fill are hashed later. Returns None and changes nothing when too few GPU blocks are
-        free."""
+        """Reserve slots for the seq's next num_new_tokens tokens: the one way a sequence grows
+        (prefill chunk, decode, verify row); an unknown seq is created. token_ids: the seq's
+        known tokens, then num_pending unknown ones (in flight, or proposals being verified:
+        see rollback_slots), whose blocks are hashed later. None (no change): too few free."""
         seq = self._seqs.get(seq_id)
         # The common decode: one slot, the last block the seq's own, with room or full (a new
         # block opens). Decided from small ints on the seq alone: touching the table or the
@@ -215,6 +208,15 @@ class KVCacheManager:
         if seq is None:
             return self._allocate_new(seq_id, token_ids, num_new_tokens, (), None, False, (), ())
         return self._grow(seq_id, seq, token_ids, num_new_tokens, num_pending)
+
+    def rollback_slots(self, seq_id: int, token_ids: Sequence[int], num_slots: int) -> int:
+        """Give back the seq's slots from num_slots on (rejected proposals: kvcache/rollback.py),
+        returning the blocks freed; token_ids (its known tokens) hash what accepted ones filled."""
+        seq = self._seqs[seq_id]
+        freed = rollback_slots(seq, self.gpu_pool, self.block_size, num_slots)
+        if self.enable_prefix_caching:
+            self.prefix.cache_full_blocks(seq, token_ids)
+        return freed
 
     def allocate_decode_slots(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
                               num_pending: int, new_blocks: dict[int, list[int]]) -> int:
@@ -380,8 +382,7 @@ class KVCacheManager:
     # ---- fork / free ----------------------------------------------------------------------
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
-        """The child shares every block of the parent (ref_cnt += 1) and its hash chain; the
-        first write into a shared partially filled block copies it (allocate_slots)."""
+        """The child shares the parent's blocks (ref_cnt += 1) and hashes (copy on write)."""
         parent = self._seqs.get(parent_seq_id)
         if parent is None:
             raise ValueError(f"cannot fork unknown seq {parent_seq_id}")
@@ -397,10 +398,8 @@ class KVCacheManager:
         )
 
     def free(self, seq_id: int) -> None:
-        """Release the seq's blocks tail-first so shared prefixes are evicted last.
-
-        Unknown ids are ignored (a request may be aborted before it was ever allocated).
-        """
+        """Release the seq's blocks tail-first (shared prefixes are evicted last); unknown
+        ids are ignored (a request may be aborted before it was ever allocated)."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
@@ -437,7 +436,5 @@ class KVCacheManager:
         return KVCacheStats.of(self)
 
     def check_invariants(self) -> None:
-        """Raise AssertionError naming the first violation: every block is free xor referenced,
-        ref counts equal the number of tables holding the block, the cache map only points at
-        blocks whose hash matches, free counts add up, tables match num_slots."""
+        """Raise AssertionError naming the first violation (kvcache/invariants.py)."""
         check_manager_invariants(self)

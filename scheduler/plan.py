@@ -19,7 +19,10 @@ A worker executes a plan in this order:
   4. run the forward pass over the batch (`seq_ids` order), writing KV at the slots given
      by each sequence's block table and positions `start_pos[i] .. start_pos[i]+query_lens[i]-1`;
   5. sample one token for every sequence with `do_sample[i]`, in batch order (rank 0 returns
-     them in a StepResult).
+     them in a StepResult); a row with `num_draft_tokens[i] = d > 0` (speculative decoding: a
+     verify row, its last d input ids are proposed tokens) samples at its last d + 1
+     positions and keeps the longest prefix agreeing with the proposal plus the next token
+     (workers/rejection_sampler.py).
 
 Async scheduling: the scheduler may build plan N+1 before it has plan N's result. A decode
 in plan N+1 whose input is the token plan N samples for that sequence carries
@@ -99,6 +102,10 @@ class StepPlan:
     # do_sample rows) are constrained by a grammar. Their bitmask reaches rank 0 after the
     # plan, through Executor.provide_bitmask; rank 0 samples the step once it has it.
     constrained_rows: np.ndarray = field(default_factory=lambda: _EMPTY_ROWS)
+    # Speculative decoding: int32 [B] proposed tokens at the end of each row (None: no row
+    # has any). A verify row samples; its rejected proposals' slots are the scheduler's to
+    # give back once the result is in.
+    num_draft_tokens: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -142,6 +149,10 @@ class StepResult:
     top_token_ids: np.ndarray | None = None  # int64 [S, K]
     top_logprobs: np.ndarray | None = None  # float32 [S, K]
     forward_seconds: float = 0.0  # time rank 0 spent executing the plan (for overhead metrics)
+    # Speculative decoding (the plan had num_draft_tokens): int32 [S] tokens each sampled row
+    # yields (its accepted proposals + 1). The per-token arrays above then hold d + 1 entries
+    # per sampled row (d its proposals), the first num_tokens[i] of which are its tokens.
+    num_tokens: np.ndarray | None = None
 
     def owned(self) -> StepResult:
         """This result with arrays that own their memory. A result read from a Ray Compiled
@@ -152,4 +163,4 @@ class StepResult:
 
         return StepResult(self.step_id, own(self.seq_ids), own(self.token_ids),
                           own(self.logprobs), own(self.top_token_ids), own(self.top_logprobs),
-                          self.forward_seconds)
+                          self.forward_seconds, own(self.num_tokens))

@@ -78,7 +78,7 @@ class Seq:
     """
 
     __slots__ = ("seq_id", "index", "token_ids", "prompt_len", "num_computed", "status",
-                 "on_worker", "stop_reason", "max_len")
+                 "on_worker", "stop_reason", "max_len", "spec_drafted", "spec_accepted")
 
     def __init__(self, seq_id: int, index: int, token_ids: list[int], prompt_len: int,
                  status: SequenceStatus) -> None:
@@ -94,6 +94,9 @@ class Seq:
         # len(token_ids) at which it finishes with "length": prompt_len + the request's
         # max_output (set by the Scheduler once the Request exists)
         self.max_len = prompt_len + 1
+        # speculative decoding: tokens proposed for it and accepted (its off switch)
+        self.spec_drafted = 0
+        self.spec_accepted = 0
 
     @property
     def num_output_tokens(self) -> int:

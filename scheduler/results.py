@@ -20,6 +20,7 @@ from scheduler.outputs import StepOutcome
 from scheduler.plan import StepPlan, StepResult
 from scheduler.queues import RequestQueues
 from scheduler.request import Request, Seq, SequenceStatus
+from scheduler.speculative import Speculator
 
 _in_lane = attrgetter("in_lane")
 _STOPPED = SequenceStatus.FINISHED_STOPPED
@@ -31,8 +32,10 @@ class ResultApplier:
     array, to screen the decode lane's rows at once), the sequences finished outside a step
     still to report, and the count of tokens appended. `apply` is the entry point."""
 
-    def __init__(self, queues: RequestQueues, lane: DecodeLane, inflight: PlansInFlight) -> None:
+    def __init__(self, queues: RequestQueues, lane: DecodeLane, inflight: PlansInFlight,
+                 spec: Speculator | None = None) -> None:
         self.queues = queues
+        self.spec = spec
         self.lane = lane
         self.inflight = inflight
         self._stop_ids: set[int] = set()
@@ -66,6 +69,10 @@ class ResultApplier:
                              f"tokens does not answer plan {plan.step_id} "
                              f"({num_sampled} sequences sample)")
         self.inflight.land()
+        if result.num_tokens is not None:  # verify rows: several tokens per row
+            out = self.spec.apply(plan, result, early, self.queues, self.queues.kv)
+            self.generation_tokens_total += len(out.token_ids)
+            return out
         lane_rows = self.lane.take_rows(plan.step_id)
         fast = self._fast_rows(lane_rows, plan, result) if lane_rows is not None else None
         seq_ids = result.seq_ids.tolist()

@@ -54,6 +54,7 @@ from scheduler.queues import RequestQueues
 from scheduler.request import Request, Seq, SequenceStatus, check_prompt, check_resumable
 from scheduler.results import ResultApplier
 from scheduler.sampling_params import SamplingParams
+from scheduler.speculative import SpeculativeConfig, Speculator
 from scheduler.step_builder import StepBuilder
 
 _RUNNING = SequenceStatus.RUNNING
@@ -63,19 +64,25 @@ class Scheduler:
     """Requests in, StepPlans out, token ids and finish decisions back (StepOutcome)."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 eos_token_ids: Iterable[int] = (), vocab_size: int | None = None) -> None:
-        """vocab_size, when known, bounds the prompt token ids add_request accepts."""
+                 eos_token_ids: Iterable[int] = (), vocab_size: int | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
+        """vocab_size, when known, bounds the prompt token ids add_request accepts; with
+        `speculative`, decodes may verify proposed tokens (scheduler/speculative.py)."""
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size
         self.block_size = kv.block_size
-        self.lane = DecodeLane(kv.block_size)
+        self.spec = Speculator(speculative) if speculative is not None else None
+        # (the decode lane's rows are one token each: with speculation it runs only when the
+        # batch is too large to speculate)
+        self.lane = DecodeLane(kv.block_size, *(
+            (speculative.disable_by_batch_size + 1,) if speculative is not None else ()))
         self.queues = RequestQueues(kv, self.lane)
         self.inflight = PlansInFlight()
         mode = config.preemption_mode or ("swap" if kv.num_cpu_blocks > 0 else "recompute")
         self.preemptor = Preemptor(mode, kv, self.queues)
-        self.results = ResultApplier(self.queues, self.lane, self.inflight)
+        self.results = ResultApplier(self.queues, self.lane, self.inflight, self.spec)
         self._seq_ids = itertools.count()
         self._step_id = 0
         self.prompt_tokens_total = 0
@@ -200,6 +207,8 @@ class Scheduler:
 
         if not step.preempted and (queues.swapped or queues.waiting):
             self._schedule_resumed_and_new(step)
+        if self.spec is not None and self.spec.shrunk:
+            self.spec.resend_tables(step, self.kv)
         queues.drops = []  # (the plan carries the list it had)
         self.inflight.launch(step.step_id)
         return step.to_plan(*self.kv.take_transfers())
@@ -262,6 +271,9 @@ class Scheduler:
         kv = self.kv
         allocate = kv.allocate_slots
         join = self.lane.join if self.lane.joining else None
+        spec = self.spec
+        if spec is not None and not spec.enabled_for(self.queues.num_running_seqs()):
+            spec = None
         for req in reqs:
             if step.budget == 0 or step.seq_slots == 0:
                 break
@@ -285,6 +297,12 @@ class Scheduler:
                     continue
                 if step.budget == 0 or step.seq_slots == 0:
                     break
+                drafts = spec.propose(req, seq, step.budget) if spec is not None else None
+                if drafts:
+                    alloc = allocate(seq.seq_id, seq.token_ids, 1 + len(drafts), len(drafts))
+                    if alloc is not None:
+                        step.add(req, seq, alloc, seq.num_computed, 1 + len(drafts), kv, drafts)
+                        continue
                 alloc = allocate(seq.seq_id, seq.token_ids, 1, pending)
                 if alloc is None:
                     if self._schedule_seq(req, seq, step, may_preempt=True) < 0:

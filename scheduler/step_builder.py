@@ -14,7 +14,7 @@ class StepBuilder:
     then prefill chunks) and the table / swap / copy diffs, turned into arrays once."""
 
     __slots__ = ("step_id", "budget", "seq_slots", "preempted", "lane", "dec_ids", "dec_pos",
-                 "dec_tokens", "pre_ids", "pre_lens", "pre_pos", "pre_sample", "pre_tokens",
+                 "dec_tokens", "pre_ids", "pre_lens", "pre_pos", "pre_sample", "pre_tokens", "pre_drafts",
                  "new_seqs", "appended", "replaced", "dropped", "swap_out", "swap_in", "copies")
 
     def __init__(self, step_id: int, budget: int, seq_slots: int, dropped: list[int]) -> None:
@@ -32,6 +32,7 @@ class StepBuilder:
         self.pre_pos: list[int] = []
         self.pre_sample: list[bool] = []
         self.pre_tokens: list[int] = []
+        self.pre_drafts: list[int] | None = None  # proposals per chunk, once a verify row exists
         self.new_seqs: list[NewSeq] = []
         self.appended: dict[int, list[int]] = {}
         self.replaced: dict[int, list[int]] = {}
@@ -41,10 +42,11 @@ class StepBuilder:
         self.copies: list[tuple[int, int]] = []
 
     def add(self, req: Request, seq: Seq, alloc: Allocation, start: int, chunk: int,
-            kv: KVCacheManager) -> None:
+            kv: KVCacheManager, drafts: list[int] | None = None) -> None:
         """Add a scheduled chunk of `chunk` tokens from position `start`, its slots reserved
-        by `alloc` (a decode when it is the sequence's next token): batch entry, table diff,
-        copy-on-write pairs, the budget. Advances seq.num_computed."""
+        by `alloc` (a decode when it is the sequence's next token; a verify row when `drafts`,
+        proposed tokens, follow that token): batch entry, table diff, copy-on-write pairs, the
+        budget. Advances seq.num_computed."""
         sid = seq.seq_id
         seq.num_computed = end = start + chunk
         req.scheduled_step = self.step_id
@@ -65,7 +67,17 @@ class StepBuilder:
             self.copies.extend(copies)
         tokens = seq.token_ids
         num_known = len(tokens)
-        if chunk == 1 and end >= num_known:  # a decode (end > num_known: its token in flight)
+        if drafts:  # a verify row: its last known token, then the proposals
+            if self.pre_drafts is None:
+                self.pre_drafts = [0] * len(self.pre_ids)
+            self.pre_ids.append(sid)
+            self.pre_lens.append(chunk)
+            self.pre_pos.append(start)
+            self.pre_sample.append(True)
+            self.pre_tokens.append(tokens[start])
+            self.pre_tokens.extend(drafts)
+            self.pre_drafts.append(len(drafts))
+        elif chunk == 1 and end >= num_known:  # a decode (end > num_known: its token in flight)
             self.dec_ids.append(sid)
             self.dec_pos.append(start)
             # the token in flight is PENDING_TOKEN to the workers (scheduler/ahead.py)
@@ -76,6 +88,8 @@ class StepBuilder:
             self.pre_pos.append(start)
             self.pre_sample.append(end == len(tokens))
             self.pre_tokens.extend(tokens[start:end])
+            if self.pre_drafts is not None:
+                self.pre_drafts.append(0)
 
     def to_plan(self, offload: list[tuple[int, int]], load: list[tuple[int, int]]) -> StepPlan:
         """The plan, with the offload tier's copies of the step (KVCacheManager.take_transfers)."""
@@ -94,6 +108,10 @@ class StepBuilder:
         query_lens[num_lane + nd:] = self.pre_lens
         do_sample = np.ones(len(seq_ids), dtype=bool)
         do_sample[num_lane + nd:] = self.pre_sample
+        num_draft = None
+        if self.pre_drafts is not None:
+            num_draft = np.zeros(len(seq_ids), dtype=np.int32)
+            num_draft[num_lane + nd:] = self.pre_drafts
         return StepPlan(
             step_id=self.step_id,
             seq_ids=seq_ids,
@@ -110,6 +128,7 @@ class StepBuilder:
             copies=_pairs(self.copies),
             offload=_pairs(offload),
             load=_pairs(load),
+            num_draft_tokens=num_draft,
         )
 
 

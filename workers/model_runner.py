@@ -58,10 +58,13 @@ class StepBatch:
     sampled_seq_ids: np.ndarray  # int64 [S]
     rows: np.ndarray  # table rows of the batch
     constrained_rows: np.ndarray  # the plan's (sampled rows waiting for a grammar bitmask)
+    # verify rows (speculative decoding): rejection_sampler.num_accepted's (gather, drafts)
+    verify: tuple[Tensor, Tensor] | None = None
 
     @property
     def num_sampled(self) -> int:
-        return int(self.sampled_seq_ids.shape[0])
+        """Logit rows sampled: one per sampled sequence, d + 1 for a verify row."""
+        return int(self.sample_rows.shape[0])
 
 
 class ModelRunner:
@@ -164,6 +167,15 @@ class ModelRunner:
         diff_rows, diff_cols, diff_ids = table.take_block_diff()
         s_seq_lens = seq_lens if all_sample else seq_lens[sample]
         s_counter = s_seq_lens - table.prompt_len[sample_rows]
+        sampled_seq_ids = plan.seq_ids if all_sample else plan.seq_ids[sample]
+        constrained = plan.constrained_rows
+        spec = None
+        if plan.num_draft_tokens is not None and num_sampled:
+            drafts = plan.num_draft_tokens if all_sample else plan.num_draft_tokens[sample]
+            sample_rows, logits_idx, s_counter, constrained, spec = _verify_rows(
+                drafts.astype(np.int64), sample_rows, logits_idx, s_counter, constrained,
+                input_ids)
+            num_sampled = int(sample_rows.shape[0])
         s_temp = table.temperature[sample_rows]
         pen = _NO_PENALTIES
         if table.penalties.num_used:  # (sequences with penalties are rare: skip it all)
@@ -173,7 +185,7 @@ class ModelRunner:
                _padded(table.rng_key[sample_rows], pad, 0), _padded(s_counter, pad, 0),
                _padded(rows, pad, 0), logits_idx, pending, pending_src,
                diff_rows if diff_rows.size else None, diff_cols if diff_rows.size else None,
-               *pen[:4]]
+               *pen[:4], *((None, None) if spec is None else (a.reshape(-1) for a in spec))]
         i32 = [_padded(seq_lens, pad, 1), cu, table.top_k[sample_rows] if features & TOP_K
                else None, diff_ids if diff_ids.size else None]
         f32 = [_padded(s_temp, pad, 0.0), table.top_p[sample_rows] if features & TOP_P else None,
@@ -181,7 +193,7 @@ class ModelRunner:
         (v64, v32, vf), regions = self.stager.stage(i64, i32, f32)
         (d_ids, d_pos, d_slots, d_key, d_counter, d_rows, d_logits_idx, d_pending,
          d_pending_src, d_diff_rows, d_diff_cols, d_pen_rows, d_pen_slots, d_pen_tokens,
-         d_tok_slot) = v64
+         d_tok_slot, d_gather, d_proposal) = v64
         d_seq_lens, d_cu, d_top_k, d_diff_ids = v32
         d_temp, d_top_p, d_min_p, d_is_prompt, d_rep, d_freq, d_pres = vf
         if d_diff_ids is not None and not table.device_is_host:
@@ -220,9 +232,10 @@ class ModelRunner:
                                                               d_is_prompt),
             penalty_rows=None if d_pen_rows is None else (d_pen_rows, d_pen_slots, d_rep, d_freq,
                                                           d_pres),
-            sample_rows=sample_rows,
-            sampled_seq_ids=plan.seq_ids if all_sample else plan.seq_ids[sample],
-            rows=rows, constrained_rows=plan.constrained_rows)
+            sample_rows=sample_rows, sampled_seq_ids=sampled_seq_ids, rows=rows,
+            constrained_rows=constrained,
+            verify=None if spec is None else (d_gather.view(spec[0].shape),
+                                               d_proposal.view(spec[1].shape)))
 
     def _penalty_arrays(self, sample_rows: np.ndarray, token_rows: np.ndarray,
                         positions: np.ndarray) -> tuple[np.ndarray | None, ...]:
@@ -306,6 +319,30 @@ class ModelRunner:
                 repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres,
                 logit_bias=state.logit_bias.index_select(0, slots))
         return self.sampler(logits, md)
+
+
+def _verify_rows(drafts: np.ndarray, sample_rows: np.ndarray, logits_idx: np.ndarray,
+                 s_counter: np.ndarray, constrained: np.ndarray, input_ids: np.ndarray
+                 ) -> tuple[np.ndarray, ...]:
+    """Expand the sampled rows for verify rows: a row with d proposals samples at its last
+    d + 1 positions, each with the random stream of its own output index. Returns the
+    expanded (table rows, logits indices, rng counters), the constrained rows' new indices,
+    and rejection_sampler.num_accepted's (gather, drafts) arrays."""
+    reps = drafts + 1
+    starts = np.zeros(reps.shape[0] + 1, dtype=np.int64)
+    np.cumsum(reps, out=starts[1:])
+    total = int(starts[-1])
+    row_of = np.repeat(np.arange(reps.shape[0]), reps)
+    j = np.arange(total, dtype=np.int64) - starts[row_of]  # position within the row
+    idx = np.repeat(logits_idx - drafts, reps) + j
+    width = int(reps.max())
+    gather = np.minimum(starts[:-1, None] + np.arange(width), starts[1:, None] - 1)
+    proposal = np.full((reps.shape[0], width), -1, dtype=np.int64)
+    is_draft = j < drafts[row_of]
+    # position idx predicts the token at idx + 1: the proposal there
+    proposal[row_of[is_draft], j[is_draft]] = input_ids[idx[is_draft] + 1]
+    return (np.repeat(sample_rows, reps), idx, np.repeat(s_counter - drafts, reps) + j,
+            starts[constrained], (gather, proposal))
 
 
 def _padded(a: np.ndarray, pad: int, value: float) -> np.ndarray:

@@ -30,6 +30,8 @@ class _Slot:
         self.top_ids = torch.empty(rows, MAX_LOGPROBS + 1, dtype=torch.int64, pin_memory=pin)
         self.top_logprobs = torch.empty(rows, MAX_LOGPROBS + 1, dtype=torch.float32,
                                         pin_memory=pin)
+        self.num_tokens = torch.empty(rows, dtype=torch.int32, pin_memory=pin)
+        self.num_verified = -1  # sampled rows with a num_tokens (verify steps); -1: none
         self.start = torch.cuda.Event(enable_timing=True) if pin else None
         self.done = torch.cuda.Event(enable_timing=True) if pin else None
         self.rows = 0
@@ -52,17 +54,23 @@ class StepOutputs:
         self._next = (index + 1) % self.depth
         slot = self._slots[index]
         slot.rows, slot.num_top, slot.seconds = 0, -1, time.perf_counter()
+        slot.num_verified = -1
         if slot.start is not None:
             slot.start.record()
         return index
 
-    def put(self, index: int, out: SamplerOutput, rows: int) -> None:
-        """Enqueue the copies of a step's sampled rows into its slot."""
+    def put(self, index: int, out: SamplerOutput, rows: int,
+            num_tokens: torch.Tensor | None = None) -> None:
+        """Enqueue the copies of a step's sampled rows into its slot (and of num_tokens, a
+        verify step's tokens per sampled sequence: StepResult.num_tokens)."""
         slot = self._slots[index]
         if rows > slot.tokens.shape[0]:  # a batch larger than max_num_seqs (profiling)
             self._slots[index] = slot = self._grown(slot, rows)
         slot.rows = rows
         slot.tokens[:rows].copy_(out.token_ids, non_blocking=True)
+        if num_tokens is not None:
+            slot.num_verified = n = num_tokens.shape[0]
+            slot.num_tokens[:n].copy_(num_tokens, non_blocking=True)
         if out.logprobs is not None:
             k = out.top_token_ids.shape[1]
             slot.num_top = k
@@ -77,6 +85,7 @@ class StepOutputs:
     def _grown(self, slot: _Slot, rows: int) -> _Slot:
         grown = _Slot(rows, self.device)
         grown.start, grown.done, grown.seconds = slot.start, slot.done, slot.seconds
+        grown.num_verified = slot.num_verified
         return grown
 
     def ready(self, index: int) -> bool:
@@ -98,5 +107,7 @@ class StepOutputs:
             result.logprobs = slot.logprobs.numpy()[:n].copy()
             result.top_token_ids = slot.top_ids.numpy()[:n, :k].copy()
             result.top_logprobs = slot.top_logprobs.numpy()[:n, :k].copy()
+        if slot.num_verified >= 0:
+            result.num_tokens = slot.num_tokens.numpy()[:slot.num_verified].copy()
         result.forward_seconds = seconds
         return result

@@ -28,6 +28,7 @@ from workers.loader import load_model
 from workers.model_config import ModelConfig, load_model_config
 from workers.model_runner import ModelRunner, StepBatch
 from workers.qwen3 import Qwen3ForCausalLM
+from workers.rejection_sampler import num_accepted
 from workers.sampler import SamplerOutput
 from workers.step_outputs import StepOutputs
 from workers.warmup import warmup_plans
@@ -342,7 +343,9 @@ class Worker:
         copied to pinned memory for collect."""
         assert step.batch is not None
         _loaded(self.model_runner).pending.sampled(out.token_ids)
-        self._outputs.put(step.slot, out, step.batch.num_sampled)
+        verify = step.batch.verify
+        num_tokens = None if verify is None else num_accepted(out.token_ids, *verify) + 1
+        self._outputs.put(step.slot, out, step.batch.num_sampled, num_tokens)
         step.has_output = True
 
     def collect(self, step_id: int) -> tuple[StepResult | None, torch.Tensor | None]:

@@ -50,7 +50,15 @@ COUNTERS = (
      "Preemptions that freed a request's KV blocks for recomputation."),
     ("num_worker_recoveries", "qwen3_serve:num_worker_recoveries",
      "Tensor-parallel groups rebuilt after a worker died (their requests recomputed)."),
+    ("spec_decode_num_drafts", "vllm:spec_decode_num_drafts",
+     "Number of spec decoding drafts (verify rows with proposed tokens)."),
+    ("spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens",
+     "Number of draft tokens."),
+    ("spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+     "Number of accepted tokens."),
 )
+PER_POS = ("vllm:spec_decode_num_accepted_tokens_per_pos",
+           "Accepted tokens per draft position.")
 HISTOGRAMS = (
     ("time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
      "Histogram of time to first token in seconds."),
@@ -94,6 +102,12 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         for reason, n in s["request_success_total"].items():
             success[reason] = success.get(reason, 0) + n
     merged["request_success_total"] = success
+    per_pos: list[int] = []
+    for s in snapshots:
+        lst = s["spec_decode_num_accepted_tokens_per_pos"]
+        per_pos += [0] * (len(lst) - len(per_pos))
+        per_pos = [a + b for a, b in zip(per_pos, lst + [0] * (len(per_pos) - len(lst)))]
+    merged["spec_decode_num_accepted_tokens_per_pos"] = per_pos
     for key, _, _ in HISTOGRAMS:
         hists = [s[key] for s in snapshots]
         buckets = tuple(hists[0].buckets)
@@ -135,6 +149,10 @@ def render_prometheus(snapshots: list[dict[str, Any]], model_name: str) -> str:
     header(*SUCCESS, "counter")
     for reason, n in sorted(m["request_success_total"].items()):
         lines.append(f'{SUCCESS[0]}_total{{{label},finished_reason="{reason}"}} {n}')
+    if m["spec_decode_num_accepted_tokens_per_pos"]:
+        header(*PER_POS, "counter")
+        for pos, n in enumerate(m["spec_decode_num_accepted_tokens_per_pos"]):
+            lines.append(f'{PER_POS[0]}_total{{{label},position="{pos}"}} {n}')
     for key, name, help_text in HISTOGRAMS:
         h = m[key]
         header(name, help_text, "histogram")
@@ -192,6 +210,8 @@ class RayMetricsExporter:
                           for key, name, help_text in COUNTERS}
         self._success = ray_metrics.Counter(ray_name(SUCCESS[0]), SUCCESS[1],
                                             tag_keys=tags + ("finished_reason",))
+        self._per_pos = ray_metrics.Counter(ray_name(PER_POS[0]), PER_POS[1],
+                                            tag_keys=tags + ("position",))
         self._histograms: dict[str, Any] = {}
         self._ray_name = ray_name
         self._ray_metrics = ray_metrics
@@ -210,6 +230,12 @@ class RayMetricsExporter:
             delta = n - self._last.get(key, 0)
             if delta > 0:
                 self._success.inc(delta, tags={**self._tags, "finished_reason": reason})
+            self._last[key] = n
+        for pos, n in enumerate(snapshot["spec_decode_num_accepted_tokens_per_pos"]):
+            key = f"per_pos:{pos}"
+            delta = n - self._last.get(key, 0)
+            if delta > 0:
+                self._per_pos.inc(delta, tags={**self._tags, "position": str(pos)})
             self._last[key] = n
         for key, name, help_text in HISTOGRAMS:
             h = snapshot[key]

@@ -8,6 +8,7 @@ from typing import Any
 
 from cluster.engine.reasoning import REASONING_PARSERS
 from cluster.engine.tool_parsers import TOOL_CALL_PARSERS
+from scheduler.speculative import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -77,6 +78,13 @@ class EngineConfig:
     # fails its health check (Serve replaces it; its requests resume on another replica).
     # Longer than the longest step (a whole-batch prefill); never fires while idle.
     engine_stall_timeout_s: float = 120.0
+    # vLLM's speculative_config: {method: ngram, num_speculative_tokens: k (1..16),
+    # prompt_lookup_min, prompt_lookup_max} proposes tokens by n-gram prompt lookup; the
+    # target verifies them in one forward and keeps exactly its own tokens (greedy tokens as
+    # without speculation; sampled ones from its distribution). disable_by_batch_size: no
+    # speculation in steps with more running sequences. Turns async scheduling off.
+    # (scheduler/speculative.py; a draft model, {model: dir}, is not supported yet.)
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -129,6 +137,8 @@ class EngineConfig:
         if self.executor == "inprocess" and self.tensor_parallel_size > 1:
             raise ValueError("executor 'inprocess' runs one worker; use executor 'ray' (or 'auto') "
                              f"for tensor_parallel_size {self.tensor_parallel_size}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode 'swap' needs swap_space > 0 GiB")
 

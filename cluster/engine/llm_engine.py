@@ -39,6 +39,7 @@ from scheduler import (
     StepPlan,
     StepResult,
 )
+from scheduler.speculative import SpeculativeConfig
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
 from workers.loader import checkpoint_files
@@ -133,6 +134,12 @@ class LLMEngine:
             enable_expert_parallel=config.enable_expert_parallel)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device == "cuda")
+        spec = (SpeculativeConfig.from_dict(config.speculative_config)
+                if config.speculative_config is not None else None)
+        if spec is not None and self.async_scheduling:
+            logger.info("speculative decoding is on: async scheduling is turned off (a verify "
+                        "step's token count is known only once its result is in)")
+            self.async_scheduling = False
         self.executor: Executor
         if config.uses_ray:
             self.executor = RayExecutor(
@@ -149,7 +156,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
                             max_model_len=self.max_model_len, preemption_mode=preemption),
-            kv, eos_token_ids=self.model_config.eos_token_ids, vocab_size=len(self.tokenizer))
+            kv, eos_token_ids=self.model_config.eos_token_ids, vocab_size=len(self.tokenizer),
+            speculative=spec)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer,
                                                 detokenizer_factory(self.tokenizer))
         self.structured = StructuredOutputManager(
@@ -325,6 +333,18 @@ class LLMEngine:
 
     # ----- observability ----------------------------------------------------------------
 
+    def _spec_metrics(self) -> dict[str, Any]:
+        """vLLM's speculative decoding counters (zeros with speculation off)."""
+        spec = self.scheduler.spec
+        if spec is None:
+            return {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                    "spec_decode_num_accepted_tokens": 0,
+                    "spec_decode_num_accepted_tokens_per_pos": []}
+        return {"spec_decode_num_drafts": spec.num_drafts,
+                "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(spec.accepted_per_pos)}
+
     def metrics(self) -> dict[str, Any]:
         s = self.scheduler.stats()
         return {
@@ -344,6 +364,7 @@ class LLMEngine:
             "num_preemptions_swap": s.preemptions_swap,
             "num_preemptions_recompute": s.preemptions_recompute,
             "num_worker_recoveries": self.recoveries,
+            **self._spec_metrics(),
             "request_success_total": dict(self.latency.finished),
             "time_to_first_token_seconds": self.latency.ttft.copy(),
             "inter_token_latency_seconds": self.latency.itl.copy(),

@@ -154,8 +154,17 @@ class OutputProcessor:
         states_get = self._states.get
         todo = self._text_todo.append
         result = outcome.result
+        cut: set[int] = set()  # sequences a stop string finished in this step
+        # speculative decoding: a sequence's tokens after this one in the step (its
+        # token_ids already hold them all)
+        after: dict[int, int] = {}
+        if result is not None and result.num_tokens is not None:
+            for seq in outcome.seqs:
+                after[seq.seq_id] = after.get(seq.seq_id, -1) + 1
         for req, seq, token, status, row in zip(outcome.reqs, outcome.seqs, outcome.token_ids,
                                                 outcome.finished, outcome.rows):
+            if cut and seq.seq_id in cut:
+                continue  # a stop string earlier in this step's run of tokens (speculation)
             state = states_get(req.request_id)
             if status is None and req.n == 1 and (
                     state is None or (defer_text and state.deferrable)):
@@ -182,8 +191,13 @@ class OutputProcessor:
                                         None if status is None else status.finish_reason,
                                         None if status is None else seq.stop_reason)
             else:
+                later = after.get(seq.seq_id, 0)
+                if later:
+                    after[seq.seq_id] = later - 1
                 comp = self._token_output(state, req, seq, token, status, result, row,
-                                          defer_text)
+                                          defer_text, later)
+                if status is None and comp.finish_reason is not None:
+                    cut.add(seq.seq_id)
             if req.n == 1:
                 finished = comp.finish_reason is not None
                 emit(RequestOutput(req.request_id, req.prompt_token_ids, [comp],
@@ -223,7 +237,7 @@ class OutputProcessor:
 
     def _token_output(self, state: _RequestState, req: Request, seq: Seq, token: int,
                       status: SequenceStatus | None, result: StepResult, row: int,
-                      defer_text: bool) -> CompletionOutput:
+                      defer_text: bool, later: int = 0) -> CompletionOutput:
         """The delta of one token of a request with text or logprobs."""
         sp = state.params
         stop_reason = seq.stop_reason if status is not None else None
@@ -239,7 +253,7 @@ class OutputProcessor:
             if text_state.stop_buffer is None:
                 text = piece
             else:
-                can_stop = len(seq.token_ids) - seq.prompt_len > sp.min_tokens
+                can_stop = len(seq.token_ids) - later - seq.prompt_len > sp.min_tokens
                 text, stop_str = text_state.stop_buffer.feed(piece, can_stop and not stopped)
                 if stop_str is not None:
                     if status is None:

@@ -25,6 +25,7 @@ from scheduler import (
     StepResult,
 )
 from scheduler.plan import PENDING_TOKEN
+from scheduler.speculative import SpeculativeConfig
 
 VOCAB = 500
 EOS = 1
@@ -114,6 +115,7 @@ class FakeWorker:
         self.last_step = 0
         self.num_sampled = 0
         self.num_pending_filled = 0
+        self.num_verified = 0  # verify rows executed (speculative decoding)
 
     def execute(self, plan: StepPlan) -> StepResult:
         assert plan.step_id > self.last_step, "step ids must increase"
@@ -191,8 +193,10 @@ class FakeWorker:
                 self.gpu[st.table[p // self.bs], p % self.bs] = token
                 st.history.append(token)
                 off += 1
-        out_ids, out_tokens = [], []
-        for sid, sample in zip(plan.seq_ids.tolist(), plan.do_sample.tolist()):
+        out_ids, out_tokens, num_tokens = [], [], []
+        drafts = ([0] * b if plan.num_draft_tokens is None
+                  else plan.num_draft_tokens.tolist())
+        for sid, sample, d in zip(plan.seq_ids.tolist(), plan.do_sample.tolist(), drafts):
             if not sample:
                 continue
             st = self.seqs[sid]
@@ -200,13 +204,26 @@ class FakeWorker:
             context = [int(self.gpu[st.table[p // self.bs], p % self.bs]) for p in range(n)]
             assert context == st.history, f"seq {sid}: KV cache content differs from its tokens"
             out_ids.append(sid)
-            out_tokens.append(next_token(context, st.seq_index))
-            st.last_sampled = (plan.step_id, out_tokens[-1])
+            # a verify row (d proposals): the model's token after each of its last d + 1
+            # positions, kept while the proposal agrees (greedy acceptance); its rejected
+            # tokens leave the worker's history (their KV is stale, written over later)
+            kept = []
+            for j in range(d + 1):
+                kept.append(next_token(context[:n - d + j], st.seq_index))
+                if j < d and kept[-1] != context[n - d + j]:
+                    break
+            out_tokens += kept + [0] * (d + 1 - len(kept))
+            num_tokens.append(len(kept))
+            del st.history[n - d + len(kept) - 1:]
+            self.num_verified += d > 0
+            st.last_sampled = (plan.step_id, kept[-1])
         self.num_sampled += len(out_ids)
         k = max((self.seqs[s].sampling_params.logprobs or 0 for s in out_ids), default=0)
         want_lp = any(self.seqs[s].sampling_params.logprobs is not None for s in out_ids)
-        s = len(out_ids)
+        s = len(out_tokens)
         return StepResult(
+            num_tokens=(None if plan.num_draft_tokens is None
+                        else np.array(num_tokens, dtype=np.int32)),
             step_id=plan.step_id,
             seq_ids=np.array(out_ids, dtype=np.int64),
             token_ids=np.array(out_tokens, dtype=np.int64),
@@ -279,7 +296,8 @@ class Core:
 
 def make(num_gpu_blocks: int = 16, num_cpu_blocks: int = 0, block_size: int = 4,
          tokenizer: object = None, watermark: float = 0.0, enable_prefix_caching: bool = True,
-         lane_min_running: int = 1, num_offload_blocks: int = 0, **config: object
+         lane_min_running: int = 1, num_offload_blocks: int = 0,
+         speculative: SpeculativeConfig | None = None, **config: object
          ) -> tuple[Core, KVCacheManager, FakeWorker]:
     """A scheduler with its output processor, its KV cache and a fake worker.
     lane_min_running=1 lets the decode lane run at these tests' small sizes (the engine's
@@ -288,8 +306,10 @@ def make(num_gpu_blocks: int = 16, num_cpu_blocks: int = 0, block_size: int = 4,
                         enable_prefix_caching=enable_prefix_caching, watermark=watermark,
                         num_offload_blocks=num_offload_blocks)
     sched = Scheduler(SchedulerConfig(**config), kv, eos_token_ids=[EOS],
-                      vocab_size=len(tokenizer) if tokenizer is not None else None)
-    sched.lane.min_running = lane_min_running
+                      vocab_size=len(tokenizer) if tokenizer is not None else None,
+                      speculative=speculative)
+    if speculative is None:
+        sched.lane.min_running = lane_min_running
     return Core(sched, tokenizer), kv, FakeWorker(num_gpu_blocks, num_cpu_blocks, block_size,
                                                   num_offload_blocks)
 
@@ -305,7 +325,11 @@ def check_consistency(sched: Core, kv: KVCacheManager, worker: FakeWorker) -> No
                 continue
             if seq.on_worker:
                 st = worker.seqs[seq.seq_id]
-                assert st.table == kv.block_table(seq.seq_id), f"seq {seq.seq_id} table differs"
+                table = kv.block_table(seq.seq_id)
+                # a rollback freed blocks: the next plan shrinks the worker's table
+                shrunk = sched.spec is not None and any(s is seq for _, s in sched.spec.shrunk)
+                assert (st.table[:len(table)] if shrunk else st.table) == table, \
+                    f"seq {seq.seq_id} table differs"
                 # Tokens in flight (async scheduling) are on the worker, not yet in token_ids.
                 assert len(st.history) == seq.num_computed
                 known = min(seq.num_computed, len(seq.token_ids))

@@ -32,6 +32,11 @@ def test_metrics_render_vllm_names_in_prometheus_format(engine: FakeEngine,
     assert m[f"vllm:num_preemptions_total{{{label}}}"] == 3
     assert m[f"vllm:num_preemptions_swap_total{{{label}}}"] == 1
     assert m[f'vllm:request_success_total{{{label},finished_reason="length"}}'] == 2
+    assert m[f"vllm:spec_decode_num_drafts_total{{{label}}}"] == 3
+    assert m[f"vllm:spec_decode_num_draft_tokens_total{{{label}}}"] == 9
+    assert m[f"vllm:spec_decode_num_accepted_tokens_total{{{label}}}"] == 5
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [m[f'{per_pos}{{{label},position="{i}"}}'] for i in range(3)] == [3, 2, 0]
     ttft = "vllm:time_to_first_token_seconds"
     assert [m[f'{ttft}_bucket{{{label},le="{le}"}}'] for le in ("0.1", "1.0", "+Inf")] == [1, 2, 3]
     assert (m[f"{ttft}_sum{{{label}}}"], m[f"{ttft}_count{{{label}}}"]) == (3.55, 3)
@@ -77,6 +82,7 @@ def test_metrics_of_two_replicas_are_summed(engine: FakeEngine) -> None:
     assert m['qwen3_serve:kv_offload_usage_perc{model_name="m"}'] == 0.5
     assert m['vllm:external_prefix_cache_hits_total{model_name="m"}'] == 16
     assert m['vllm:time_to_first_token_seconds_count{model_name="m"}'] == 6
+    assert m['vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"}'] == 4
 
 
 class _FakeRayMetric:

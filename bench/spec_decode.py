@@ -1,0 +1,126 @@
+"""Speculative decoding's mechanics on one engine: tok/s with it on over tok/s with it off.
+
+Random-weight models do not agree with one another, so acceptance is set, not found: the
+`ReplayProposer` (benchmark-only, not a product feature) replays a recorded greedy run of the
+same prompt and proposes its true next tokens, each kept with probability `acceptance` and
+made wrong otherwise. Rows:
+  acceptance 1.0, batch 1   every proposal right (k + 1 tokens per LM-head read)
+  acceptance 0.0, batch 1   every proposal wrong (the per-sequence off switch must limit it)
+  acceptance 0.7, batch 32  a loaded batch
+  ngram, batch 1            vLLM's n-gram lookup on prompts with repeated motifs
+Each row times off and on alternately (`--repeats` times each, medians), engines built once in
+this process and warmed up first, greedy, ignore_eos; tok/s is output tokens over wall time (prefill included,
+prompts are short). Acceptance length = 1 + accepted / drafts (tokens per verify row).
+
+    .venv/bin/python bench/spec_decode.py [--k 4] [--tokens 256] [--batch-tokens 64]
+        [--repeats 2] [--rows 1.0:1,0.0:1,0.7:32,ngram:1] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class ReplayProposer:
+    """Benchmark-only: the recorded greedy continuation, each token right with probability p."""
+
+    def __init__(self, recorded: dict[tuple[int, ...], list[int]], p: float, seed: int = 0) -> None:
+        self.recorded = recorded
+        self.p = p
+        self.rng = random.Random(seed)
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        full = self.recorded[tuple(token_ids[:16])]
+        true = full[len(token_ids):len(token_ids) + k]
+        return [t if self.rng.random() < self.p else (t + 1) % 150000 for t in true]
+
+
+def _prompts(batch: int, motif: bool, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(batch):
+        if motif:
+            m = [rng.randrange(100, 150000) for _ in range(6)]
+            out.append((m * 6)[:32])
+        else:
+            out.append([rng.randrange(100, 150000) for _ in range(32)])
+    return out
+
+
+def _timed(llm, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+    from scheduler import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return len(prompts) * tokens / seconds, [o.outputs[0].token_ids for o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=256, help="output tokens per request, batch 1")
+    ap.add_argument("--batch-tokens", type=int, default=64, help="output tokens, batch > 1")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rows", default="1.0:1,0.0:1,0.7:32,ngram:1")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    from cluster import LLM
+
+    engine = dict(model="qwen3-tiny", device="cpu", executor="inprocess", max_num_seqs=64,
+                  max_model_len=1024)
+    off = LLM(**engine)
+    on = LLM(**engine, speculative_config={"method": "ngram", "num_speculative_tokens": a.k})
+    spec = on.engine.scheduler.spec
+    ngram = spec.proposer
+    for llm in (off, on):  # warm up both (first-call costs; verify rows on `on`)
+        _timed(llm, _prompts(1, True, seed=99), 32)
+    rows = []
+    for item in a.rows.split(","):
+        acc, batch = item.split(":")
+        batch = int(batch)
+        tokens = a.tokens if batch == 1 else a.batch_tokens
+        prompts = _prompts(batch, acc == "ngram", seed=batch)
+        offs, ons = [], []
+        recorded = None
+        drafts0, draft_tok0, acc0 = spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
+        for r in range(a.repeats):
+            tps, outs = _timed(off, prompts, tokens)
+            offs.append(tps)
+            if recorded is None:
+                recorded = {tuple(p[:16]): p + o for p, o in zip(prompts, outs)}
+                spec.proposer = ngram if acc == "ngram" else ReplayProposer(recorded, float(acc), r)
+            tps, outs_on = _timed(on, prompts, tokens)
+            assert outs_on == outs, "speculation changed greedy tokens"
+            ons.append(tps)
+        drafts = spec.num_drafts - drafts0
+        accepted = spec.num_accepted_tokens - acc0
+        row = {"acceptance": acc if acc == "ngram" else float(acc), "batch": batch,
+               "k": a.k, "output_tokens": tokens,
+               "tok_s_off": round(statistics.median(offs), 2),
+               "tok_s_on": round(statistics.median(ons), 2),
+               "speedup": round(statistics.median(ons) / statistics.median(offs), 3),
+               "acceptance_length": round(1 + accepted / drafts, 2) if drafts else 1.0,
+               "accepted_rate": round(accepted / max(1, spec.num_draft_tokens - draft_tok0), 3)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+                                            "threads": os.cpu_count(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
