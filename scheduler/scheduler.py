@@ -74,10 +74,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.block_size = kv.block_size
         self.spec = Speculator(speculative) if speculative is not None else None
-        # (the decode lane's rows are one token each: with speculation it runs only when the
-        # batch is too large to speculate)
-        self.lane = DecodeLane(kv.block_size, *(
-            (speculative.disable_by_batch_size + 1,) if speculative is not None else ()))
+        self.lane = DecodeLane(kv.block_size, *(self.spec.lane_args() if self.spec else ()))
         self.queues = RequestQueues(kv, self.lane)
         self.inflight = PlansInFlight()
         mode = config.preemption_mode or ("swap" if kv.num_cpu_blocks > 0 else "recompute")
@@ -271,9 +268,7 @@ class Scheduler:
         kv = self.kv
         allocate = kv.allocate_slots
         join = self.lane.join if self.lane.joining else None
-        spec = self.spec
-        if spec is not None and not spec.enabled_for(self.queues.num_running_seqs()):
-            spec = None
+        spec = self.spec if self.spec and self.spec.enabled_for(self.queues.num_running_seqs()) else None
         for req in reqs:
             if step.budget == 0 or step.seq_slots == 0:
                 break

@@ -111,10 +111,15 @@ class Speculator:
     def resend_tables(self, step: StepBuilder, kv) -> None:
         """The next plan replaces the workers' tables of sequences whose rollback freed blocks
         (still on the workers; a dropped one gets its whole table in a NewSeq anyway)."""
-        for req, seq in self.shrunk:
+        for _req, seq in self.shrunk:
             if seq.on_worker and not seq.status.is_finished and kv.has_seq(seq.seq_id):
                 step.replaced[seq.seq_id] = list(kv.block_table(seq.seq_id))
         self.shrunk = []
+
+    def lane_args(self) -> tuple[int]:
+        """DecodeLane's threshold: the lane's rows are one token each, so with speculation it
+        runs only when the batch is too large to speculate."""
+        return (self.config.disable_by_batch_size + 1,)
 
     def enabled_for(self, num_running_seqs: int) -> bool:
         """The per-batch off switch."""

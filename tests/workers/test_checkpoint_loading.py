@@ -106,6 +106,9 @@ def test_cpu_block_counts(second_dir: str) -> None:
     w = _loaded(second_dir, max_model_len=512, max_num_seqs=4, swap_space=0.5)
     block_bytes = 2 * 3 * 16 * 4 * 16 * 4  # K+V, layers, block, kv heads, head_dim, fp32
     assert w.kv_block_bytes() == block_bytes
-    assert w.determine_num_blocks() == (4 * 32, (1 << 29) // block_bytes)
+    assert w.determine_num_blocks() == (4 * 32, (1 << 29) // block_bytes, 0)  # no offload tier
     w2 = _loaded(second_dir, max_model_len=512, num_gpu_blocks_override=7, swap_space=0)
-    assert w2.determine_num_blocks() == (7, 0)
+    assert w2.determine_num_blocks() == (7, 0, 0)
+    w3 = _loaded(second_dir, max_model_len=512, num_gpu_blocks_override=7, swap_space=0,
+                 kv_offloading_size=0.25)  # GiB for the replica; one rank here
+    assert w3.determine_num_blocks() == (7, 0, (1 << 28) // block_bytes)
