@@ -184,6 +184,7 @@ class OutputProcessor:
                 out.outputs = [comp]
                 out.finished = False
                 out.num_cached_tokens = req.num_cached_tokens
+                out.replica_id = None
                 emit(out)
                 continue
             if state is None:  # no text, no logprobs: the delta is the token
