@@ -74,36 +74,38 @@ class CacheEngine:
 
     def swap_out(self, pairs: np.ndarray) -> None:
         """Copy GPU blocks `pairs[:, 0]` to CPU blocks `pairs[:, 1]`, every layer, K and V."""
-        if len(pairs) == 0:
-            return
-        for gpu, cpu in self._pairs(pairs, (self.num_gpu_blocks, self.num_cpu_blocks),
-                                    ("swap-out GPU", "swap-out CPU")):
-            self.cpu_cache[cpu].copy_(self.gpu_cache[:, :, gpu], non_blocking=True)
+        self._to_host(pairs, self.cpu_cache, self.num_cpu_blocks, "swap-out")
 
     def swap_in(self, pairs: np.ndarray) -> None:
         """Copy CPU blocks `pairs[:, 0]` to GPU blocks `pairs[:, 1]`, every layer, K and V."""
-        if len(pairs) == 0:
-            return
-        for cpu, gpu in self._pairs(pairs, (self.num_cpu_blocks, self.num_gpu_blocks),
-                                    ("swap-in CPU", "swap-in GPU")):
-            self.gpu_cache[:, :, gpu].copy_(self.cpu_cache[cpu], non_blocking=True)
+        self._from_host(pairs, self.cpu_cache, self.num_cpu_blocks, "swap-in")
 
     def offload(self, pairs: np.ndarray) -> None:
         """Copy GPU blocks `pairs[:, 0]` to offload-tier blocks `pairs[:, 1]`, in order (a
         later pair may overwrite a tier block an earlier one wrote)."""
-        if len(pairs) == 0:
-            return
-        for gpu, tier in self._pairs(pairs, (self.num_gpu_blocks, self.num_offload_blocks),
-                                     ("offload GPU", "offload tier")):
-            self.offload_cache[tier].copy_(self.gpu_cache[:, :, gpu], non_blocking=True)
+        self._to_host(pairs, self.offload_cache, self.num_offload_blocks, "offload", "tier")
 
     def load(self, pairs: np.ndarray) -> None:
         """Copy offload-tier blocks `pairs[:, 0]` to GPU blocks `pairs[:, 1]`."""
+        self._from_host(pairs, self.offload_cache, self.num_offload_blocks, "load", "tier")
+
+    def _to_host(self, pairs: np.ndarray, host: torch.Tensor, num_host: int, what: str,
+                 host_name: str = "CPU") -> None:
+        """(GPU, host) pairs in order, one non-blocking copy each (swap-out and offload)."""
         if len(pairs) == 0:
             return
-        for tier, gpu in self._pairs(pairs, (self.num_offload_blocks, self.num_gpu_blocks),
-                                     ("load tier", "load GPU")):
-            self.gpu_cache[:, :, gpu].copy_(self.offload_cache[tier], non_blocking=True)
+        for gpu, dst in self._pairs(pairs, (self.num_gpu_blocks, num_host),
+                                    (f"{what} GPU", f"{what} {host_name}")):
+            host[dst].copy_(self.gpu_cache[:, :, gpu], non_blocking=True)
+
+    def _from_host(self, pairs: np.ndarray, host: torch.Tensor, num_host: int, what: str,
+                   host_name: str = "CPU") -> None:
+        """(host, GPU) pairs in order, one non-blocking copy each (swap-in and load)."""
+        if len(pairs) == 0:
+            return
+        for src, gpu in self._pairs(pairs, (num_host, self.num_gpu_blocks),
+                                    (f"{what} {host_name}", f"{what} GPU")):
+            self.gpu_cache[:, :, gpu].copy_(host[src], non_blocking=True)
 
     def copy(self, pairs: np.ndarray) -> None:
         """Copy-on-write: GPU blocks `pairs[:, 0]` to GPU blocks `pairs[:, 1]` (all read first:
