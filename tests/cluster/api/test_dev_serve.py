@@ -177,6 +177,38 @@ def _serve_in_background(tmp: Path, args: list[str], env: dict[str, str],
             os.kill(pid, signal.SIGKILL)
 
 
+def _holders(port: int) -> list[tuple[int, str]]:
+    """(pid, process title) of every process on the machine listening on 127.0.0.1/any:`port`
+    (also one that left the process tree, as a daemonizing child does)."""
+    inodes = {inode for inode, (_, p) in _listening_sockets().items() if p == port}
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+            links = [os.readlink(f"/proc/{entry}/fd/{fd}") for fd in fds]
+            title = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        if any(link.startswith("socket:[") and int(link[8:-1]) in inodes for link in links):
+            found.append((int(entry), title))
+    return found
+
+
+def _port_free(port: int) -> bool:
+    """A new server can listen on `port` again. It binds as servers do (uvicorn, HAProxy), with
+    SO_REUSEADDR: without it, Linux refuses the port while a connection the stopped server
+    closed first sits in TIME_WAIT (up to 60 s), which says nothing about what still runs;
+    a socket still listening there is refused either way."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+    return True
+
+
 def _stop_and_check(dev: DevServe, signum: int) -> None:
     """`signum` to serve.sh's process only (as `kill` does): it and everything it started
     are gone, and its port is free, within CTRL_C_LIMIT_S."""
@@ -184,16 +216,17 @@ def _stop_and_check(dev: DevServe, signum: int) -> None:
     sent = time.monotonic()
     os.kill(dev.proc.pid, signum)
     dev.proc.wait(timeout=CTRL_C_LIMIT_S + 20)
+    port = int(dev.base_url.rsplit(":", 1)[1])
     deadline = sent + CTRL_C_LIMIT_S
-    while _still_running(started) and time.monotonic() < deadline:
+    while ((_still_running(started) or not _port_free(port))
+           and time.monotonic() < deadline):
         time.sleep(0.2)
     took = time.monotonic() - sent
     assert [Path(f"/proc/{pid}/cmdline").read_bytes()[:80]
             for pid in _still_running(started)] == []
+    assert _holders(port) == []  # no process of any kind listens there any more
+    assert _port_free(port)
     assert took < CTRL_C_LIMIT_S, f"stopping took {took:.1f}s"
-    port = int(dev.base_url.rsplit(":", 1)[1])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))  # free again
     assert "Got KeyboardInterrupt, shutting down" in dev.log.read_text()  # Serve shut down
 
 
