@@ -114,6 +114,32 @@ async def _stream(client: httpx.AsyncClient, prompt: str, started: asyncio.Event
     return text, usage, reason
 
 
+async def _get_as_a_client_does(client: httpx.AsyncClient, path: str) -> httpx.Response:
+    """GET `path`, sent again once if the server closed the kept-alive connection before any
+    byte of the response: what HTTP/1.1 clients do for an idempotent request (RFC 9112
+    section 9.3.1; the OpenAI SDK retries any request that met a connection error, browsers
+    and urllib3 an idempotent one). httpx does not.
+
+    Why it happens here (CI saw it once, on this probe's connection, during the rolling
+    update; three redeploys under a tight probe did not reproduce it): every redeploy
+    replaces the ingress (its bound arguments hold the LLMServer deployment). HAProxy reloads
+    without the old ingress replica, but the old HAProxy process keeps the probe's connection
+    with its old server list and routes its next request to the old replica; that replica
+    closes its listener and its idle connections to HAProxy one
+    RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S into its drain (1 s here; Serve's own
+    comment says a stale HAProxy process can route to it for minutes, whatever the period).
+    A request sent on such a reused connection (`http-reuse always`) as it is closed gets no
+    response, and HAProxy then closes the client's connection without one when the request
+    was not the connection's first: the client is expected to retry. Anything else still fails
+    the test, and a stream (a POST) is never sent again."""
+    try:
+        return await client.get(path)
+    except httpx.RemoteProtocolError as e:
+        if "without sending a response" not in str(e):
+            raise
+        return await client.get(path)
+
+
 async def _under_failure(url: str, fail: Any) -> tuple[list[tuple], list[int]]:
     """Run every prompt streamed at once; once each has its first tokens, call `fail()`.
     Returns the results and every /health and /v1/models status seen meanwhile."""
@@ -126,7 +152,7 @@ async def _under_failure(url: str, fail: Any) -> tuple[list[tuple], list[int]]:
         async def probe() -> None:
             while not done.is_set():
                 for path in ("/health", "/v1/models"):
-                    statuses.append((await client.get(path)).status_code)
+                    statuses.append((await _get_as_a_client_does(client, path)).status_code)
                 await asyncio.sleep(0.2)
 
         prober = asyncio.create_task(probe())
@@ -138,26 +164,42 @@ async def _under_failure(url: str, fail: Any) -> tuple[list[tuple], list[int]]:
     return list(results), statuses
 
 
-def _resumes_logged() -> int:
-    """How many times an ingress logged resuming a request (the Serve replica logs)."""
+def _ingress_logged(text: str) -> int:
+    """How many times the ingress replicas logged `text` (the Serve replica logs)."""
     import ray
 
     logs = ray._private.worker.global_worker.node.get_logs_dir_path()
     count = 0
     for path in glob.glob(os.path.join(logs, "serve", "replica_*OpenAIIngress*.log")):
         with open(path, errors="replace") as f:
-            count += f.read().count("resuming on another replica")
+            count += f.read().count(text)
     return count
 
 
-def _wait_for_replicas(count: int, timeout: float = 120) -> float:
-    """Seconds until `count` LLMServer replicas are RUNNING."""
+def _resumes_logged() -> int:
+    """Requests resumed on another replica, whether theirs was lost or handed them over."""
+    return _ingress_logged("resuming on another replica")
+
+
+def _losses_logged() -> int:
+    """Requests whose replica was lost (died, or killed before it handed them over)."""
+    return _ingress_logged("its replica was lost")
+
+
+def _wait_for_replicas(count: int, timeout: float = 120, gone_pid: int | None = None) -> float:
+    """Seconds until `count` LLMServer replicas are RUNNING and the app is; with `gone_pid`,
+    also until that replica's process has been replaced (Serve can take seconds to notice a
+    killed replica, and counts it RUNNING meanwhile)."""
     from ray import serve
 
     start = time.monotonic()
     while time.monotonic() - start < timeout:
-        status = serve.status().applications[APP].deployments["LLMServer"]
-        if status.replica_states.get("RUNNING", 0) == count and status.status == "HEALTHY":
+        app = serve.status().applications[APP]
+        status = app.deployments["LLMServer"]
+        pids = [a["Pid"] for a in _actors(REPLICA_CLASS)]
+        if (status.replica_states.get("RUNNING", 0) == count and status.status == "HEALTHY"
+                and app.status == "RUNNING"
+                and (gone_pid is None or (gone_pid not in pids and len(pids) == count))):
             return time.monotonic() - start
         time.sleep(0.5)
     raise AssertionError(f"LLMServer did not get back to {count} replicas: {status}")
@@ -232,11 +274,14 @@ def _deploy(args: dict[str, Any], timeout: float = DEPLOY_DEADLINE_S) -> None:
 
 def test_scale_down_under_load_drains_and_hands_the_rest_over(
         sim: Sim, reference: list[tuple]) -> None:
-    """1 of 2 replicas stopped while every request streams: what it cannot finish within
-    graceful_shutdown_timeout_s resumes on the other one."""
+    """1 of 2 replicas stopped while every request streams: what it has not finished
+    halfway through graceful_shutdown_timeout_s it hands over, and that resumes on the other one; no
+    request is cut by Serve's kill (cluster/api/drain.py)."""
+    lost = _losses_logged()
     got, statuses = asyncio.run(_under_failure(
         sim.url, lambda: _deploy({**ARGS, "num_replicas": 1})))
     assert got == reference
+    assert _losses_logged() == lost, "a request was cut instead of handed over"
     assert set(statuses[1::2]) == {200}  # /v1/models
     # A changed num_replicas is a new version of the ingress too (its bound arguments hold the
     # LLMServer deployment): Serve starts a new ingress and drains the old one, which keeps
@@ -248,11 +293,14 @@ def test_scale_down_under_load_drains_and_hands_the_rest_over(
 
 def test_rolling_update_under_load_loses_nothing(sim: Sim, reference: list[tuple]) -> None:
     """A changed engine config (max_num_seqs) replaces the one replica while requests stream.
-    Serve stops it before its successor is up: the requests wait and resume on the new one,
+    Serve stops it before its successor is up: it hands its requests over, they wait and
+    resume on the new one,
     /v1/models answers, and /health says 503 (no replica ready) for that gap."""
+    lost = _losses_logged()
     got, statuses = asyncio.run(_under_failure(
         sim.url, lambda: _deploy({**ARGS, "num_replicas": 1, "max_num_seqs": 10})))
     assert got == reference
+    assert _losses_logged() == lost, "a request was cut instead of handed over"
     assert set(statuses[1::2]) == {200}  # /v1/models
     assert set(statuses[0::2]) <= {200, 503}  # /health
     _wait_for_replicas(1)
@@ -273,5 +321,6 @@ def test_replica_killed_mid_stream_loses_nothing(sim: Sim, reference: list[tuple
     assert got == reference
     assert _resumes_logged() > before, "no request was on the killed replica"
     assert set(statuses) == {200}
-    _wait_for_replicas(2)
+    _wait_for_replicas(2, gone_pid=victim["Pid"])
     assert serve.status().applications[APP].status == "RUNNING"
+
