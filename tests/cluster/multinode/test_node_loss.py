@@ -324,3 +324,86 @@ def test_replica_killed_mid_stream_loses_nothing(sim: Sim, reference: list[tuple
     _wait_for_replicas(2, gone_pid=victim["Pid"])
     assert serve.status().applications[APP].status == "RUNNING"
 
+
+# Serve's keys; short delays so the test sees 1 -> 3 -> 1 in seconds, not minutes.
+AUTOSCALING = dict(min_replicas=1, initial_replicas=1, max_replicas=3,
+                   target_ongoing_requests=2, upscale_delay_s=0.5, downscale_delay_s=2.0,
+                   look_back_period_s=2.0, metrics_interval_s=0.5)
+AUTOSCALED_ARGS = {**ARGS, "replica_num_cpus": 0.5,  # up to 2 replicas per worker node
+                   "autoscaling_config": AUTOSCALING}
+
+
+class Ramp:
+    """What a scripted load ramp saw: streams that ended right or not, and when Serve decided
+    to scale up (the deployment went UPSCALING) and when the replicas it asked for served."""
+
+    def __init__(self) -> None:
+        self.ok = 0
+        self.failed: list[str] = []
+        self.upscale_decided: float | None = None
+        self.upscaled: float | None = None
+        self.downscale_decided: float | None = None
+        self.downscaled: float | None = None
+
+
+async def _load_ramp(url: str, reference: list[tuple], timeout: float = 240) -> Ramp:
+    """Every prompt streamed over and over (load len(PROMPTS) against a target of 2 per
+    replica) until 3 replicas serve, then one stream at a time until Serve is back to 1
+    replica: the scale-down drains replicas while requests stream through them."""
+    from ray import serve
+
+    ramp = Ramp()
+    workers = len(PROMPTS)
+    start = time.monotonic()
+
+    async def worker(i: int, client: httpx.AsyncClient) -> None:
+        while i < workers and time.monotonic() - start < timeout:
+            try:
+                got = await _stream(client, PROMPTS[i])
+            except Exception as e:  # noqa: BLE001 - counted, the test fails on any
+                ramp.failed.append(f"{type(e).__name__}: {e}")
+                continue
+            if got == reference[i]:
+                ramp.ok += 1
+            else:
+                ramp.failed.append(f"prompt {i}: {got} != {reference[i]}")
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        tasks = [asyncio.create_task(worker(i, client)) for i in range(workers)]
+        while time.monotonic() - start < timeout:
+            status = await asyncio.to_thread(
+                lambda: serve.status().applications[APP].deployments["LLMServer"])
+            now, running = time.monotonic(), status.replica_states.get("RUNNING", 0)
+            if ramp.upscale_decided is None and status.status == "UPSCALING":
+                ramp.upscale_decided = now
+            if ramp.upscaled is None and running == 3:
+                ramp.upscaled, workers = now, 1  # the ramp down
+            if ramp.upscaled is not None and ramp.downscale_decided is None \
+                    and status.status == "DOWNSCALING":
+                ramp.downscale_decided = now
+            if ramp.upscaled is not None and running == 1 and status.status == "HEALTHY":
+                ramp.downscaled = now
+                break
+            await asyncio.sleep(0.2)
+        workers = 0
+        await asyncio.gather(*tasks)
+    return ramp
+
+
+def test_autoscaling_1_to_3_and_back_to_1_under_a_load_ramp_fails_nothing(
+        sim: Sim, reference: list[tuple]) -> None:
+    """Serve's autoscaler on target_ongoing_requests: 8 streams at once take one replica to
+    3; one stream at a time takes it back to 1, the stopped replicas handing their requests
+    over (cluster/api/drain.py). Every stream ends with the reference's tokens."""
+    lost = _losses_logged()
+    _deploy(AUTOSCALED_ARGS)
+    _wait_for_replicas(1)
+    ramp = asyncio.run(_load_ramp(sim.url, reference))
+    assert ramp.failed == []
+    assert ramp.upscaled is not None, "never reached 3 replicas"
+    assert ramp.downscaled is not None, "never back to 1 replica"
+    assert ramp.ok >= len(PROMPTS)
+    assert _losses_logged() == lost, "a request was cut instead of handed over"
+    print(f"autoscaling: UPSCALING -> 3 RUNNING in "
+          f"{ramp.upscaled - (ramp.upscale_decided or ramp.upscaled):.1f} s; "
+          f"{ramp.ok} streams, 0 failed")
