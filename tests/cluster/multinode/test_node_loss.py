@@ -1,11 +1,14 @@
 """A Ray cluster of three nodes simulated on this machine (ray.cluster_utils.Cluster): the
 head with no CPU to offer (Serve's controller, the one proxy of `proxy_location: HeadOnly`,
-the ingress pinned there by `ingress_on_head_node`) and two worker nodes with one CPU each, so each holds exactly one LLMServer replica (qwen3-tiny, tp 1).
+the ingress pinned there by `ingress_on_head_node`) and two worker nodes with one CPU each, so
+each holds exactly one LLMServer replica (qwen3-tiny, tp 1; two of half a CPU when autoscaled).
 
 What is pinned: the placement (ingress beside the proxy, the replicas on different nodes); a
 replica actor killed mid-stream and a whole node killed under load lose no request and change
 no greedy output, token for token; /health and /v1/models answer throughout; Serve brings the
-lost replica back on a node that joins; nothing is left running on the survivor.
+lost replica back on a node that joins; nothing is left running on the survivor. Scale-down, a
+rolling update and autoscaling 1 -> 3 -> 1 under a load ramp cut no request: a stopping replica
+hands what it has not finished to another one (cluster/api/drain.py).
 """
 
 from __future__ import annotations
