@@ -8,7 +8,8 @@ replica actor killed mid-stream and a whole node killed under load lose no reque
 no greedy output, token for token; /health and /v1/models answer throughout; Serve brings the
 lost replica back on a node that joins; nothing is left running on the survivor. Scale-down, a
 rolling update and autoscaling 1 -> 3 -> 1 under a load ramp cut no request: a stopping replica
-hands what it has not finished to another one (cluster/api/drain.py).
+hands what it has not finished to another one (cluster/api/drain.py). On demand: tp-2 groups
+each on one node, and a stalled engine replaced with its requests going on elsewhere.
 """
 
 from __future__ import annotations
@@ -436,16 +437,21 @@ def _controller_logged(text: str) -> int:
     reason=f"on demand ({STALL_ENV}=1): CI's time budget (a Ray-executor deploy, then Serve's "
            "three failed health checks 5 s apart, ~60 s); the stall check itself runs in CI "
            "(tests/cluster/engine/test_resume.py) and the hand-off in tests/cluster/api/")
-def test_stalled_engine_is_replaced_and_its_requests_go_on_elsewhere(
+def test_tp2_group_on_one_node_and_a_stalled_one_is_replaced_its_requests_going_on(
         sim: Sim, reference: list[tuple]) -> None:
-    """One replica's only rank is stopped (SIGSTOP: a hung collective or device, its process
-    alive): its engine loop has work and makes no step, its check_health fails after
-    engine_stall_timeout_s, Serve stops it, and its requests are handed over to the other
-    replica; the other one, busy all along, never fails a health check."""
-    args = {**ARGS, "executor": "ray", "replica_num_cpus": 0.5, "worker_num_cpus": 0.4,
-            "engine_stall_timeout_s": 3.0}
+    """Two tp-2 replicas (Ray executor: a worker actor per rank): each group's ranks sit on its
+    replica's node (STRICT_PACK). Then one rank of the busier replica is stopped (SIGSTOP: a
+    hung device, its process alive), so its peer waits in the all-reduce: the engine loop has
+    work and makes no step, check_health fails after engine_stall_timeout_s, Serve stops the
+    replica, and its requests are handed over to the other one; the other one, busy all
+    along, never fails a health check."""
+    args = {**ARGS, "executor": "ray", "tensor_parallel_size": 2, "replica_num_cpus": 0.2,
+            "worker_num_cpus": 0.4, "engine_stall_timeout_s": 3.0}  # 1 CPU: a node's all
     _deploy(args)
     _wait_for_replicas(2)
+    replica_nodes = sorted(_node_of(a) for a in _actors(REPLICA_CLASS))
+    assert len(set(replica_nodes)) == 2
+    assert sorted(_node_of(a) for a in _actors("RayWorker")) == sorted(replica_nodes * 2)
     lost, resumed = _losses_logged(), _resumes_logged()
     failed_checks = _controller_logged("failed health check")
     stopped: dict[str, Any] = {}
