@@ -1,8 +1,7 @@
 """The drain hand-off: an LLMServer replica that Serve is stopping hands its unfinished
 requests to another replica instead of having them cut.
 
-Serve stops a replica (scale-down, a redeploy, `serve shutdown`, a failed health check) by
-draining it: its routers stop sending it requests, the controller waits up to the deployment's
+Serve stops a replica (scale-down, a redeploy, a failed health check) by draining it: its routers stop sending it requests, the controller waits up to the deployment's
 `graceful_shutdown_timeout_s` for its ongoing requests, then kills it. Serve tells user code
 only at the end (`__del__`), so a request longer than the timeout used to be cut by the kill
 and resumed by the ingress's failover as if the replica had crashed (cluster/api/failover.py).

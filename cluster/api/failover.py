@@ -3,7 +3,7 @@
 A replica is lost to a request when its actor dies (killed, its node gone, or stopped by Serve
 after `graceful_shutdown_timeout_s` of draining) or when its engine is dead (EngineDeadError:
 Serve replaces such a replica at its next health check); a draining replica (scale-down, a
-redeploy, shutdown) hands its unfinished requests over before Serve kills it
+redeploy, a failed health check) hands its unfinished requests over before Serve kills it
 (ReplicaDrainingError, cluster/api/drain.py). The ingress then asks the deployment again, through the same router, with the tokens
 the request has generated so far (`resume_token_ids`): the new replica recomputes prompt plus
 those tokens and goes on sampling from the same output index (LLMEngine.add_request), so a
