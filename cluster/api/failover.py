@@ -1,9 +1,10 @@
 """Resuming a request on another LLMServer replica when the one serving it is lost.
 
 A replica is lost to a request when its actor dies (killed, its node gone, or stopped by Serve
-after `graceful_shutdown_timeout_s` of draining: scale-down, a redeploy, shutdown) or when its
-engine is dead or stalled (EngineDeadError: Serve replaces such a replica at its next health
-check). The ingress then asks the deployment again, through the same router, with the tokens
+after `graceful_shutdown_timeout_s` of draining) or when its engine is dead (EngineDeadError:
+Serve replaces such a replica at its next health check); a draining replica (scale-down, a
+redeploy, a failed health check) hands its unfinished requests over before Serve kills it
+(ReplicaDrainingError, cluster/api/drain.py). The ingress then asks the deployment again, through the same router, with the tokens
 the request has generated so far (`resume_token_ids`): the new replica recomputes prompt plus
 those tokens and goes on sampling from the same output index (LLMEngine.add_request), so a
 greedy or seeded request produces exactly the tokens it would have, and its client sees one
@@ -43,10 +44,14 @@ RESUME_BACKOFF_MAX_S = 2.0
 OpenStream = Callable[[list[int]], AsyncIterator[Any]]
 
 
+class ReplicaDrainingError(RuntimeError):
+    """The replica serving a request is being stopped and handed the request over."""
+
+
 def replica_lost(e: BaseException) -> bool:
     """Whether `e`, raised by a replica's stream, means that replica cannot go on with the
     request (but another one can): its actor died or is unreachable, or its engine is dead."""
-    if isinstance(e, (RayActorError, EngineDeadError)):
+    if isinstance(e, (RayActorError, EngineDeadError, ReplicaDrainingError)):
         return True
     cause = getattr(e, "cause", None)  # a RayTaskError wrapping the replica's exception
     if isinstance(cause, BaseException) and cause is not e:
@@ -81,9 +86,13 @@ async def resuming_stream(open_stream: OpenStream, request_id: str, n: int) -> A
             lost_at = now if lost_at is None else lost_at
             if n != 1 or not replica_lost(e) or now - lost_at > RESUME_WINDOW_S:
                 raise
-            logger.warning("request %s: its replica was lost after %d tokens (%s: %s); "
-                           "resuming on another replica", request_id, len(generated),
-                           type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            if isinstance(e, ReplicaDrainingError):
+                logger.info("request %s: handed over by its draining replica after %d tokens; "
+                            "resuming on another replica", request_id, len(generated))
+            else:
+                logger.warning("request %s: its replica was lost after %d tokens (%s: %s); "
+                               "resuming on another replica", request_id, len(generated),
+                               type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
         finally:
             await aclose(stream)
         await asyncio.sleep(backoff)

@@ -7,7 +7,8 @@ Counters follow the Prometheus convention vLLM uses: `# TYPE vllm:prompt_tokens 
 with the sample `vllm:prompt_tokens_total`.
 
 `RayMetricsExporter` pushes the same numbers into Ray's metrics agent from inside a replica,
-so they reach Ray's dashboard and Prometheus with the replica's tags, under the same names with
+so they reach Ray's dashboard and Prometheus tagged with the Serve replica's id (`replica`: one
+series per replica for its KV usage, queue and running requests), under the same names with
 ":" spelled "_" (Ray refuses colons; its exporter adds a `ray_` prefix, e.g.
 `ray_vllm_num_requests_running`). Ray histograms only
 take observations, so each bucket's new count is replayed as that many observations of the
@@ -194,16 +195,19 @@ def _escape(s: str) -> str:
 class RayMetricsExporter:
     """Mirrors one engine's snapshots into `ray.util.metrics` (call `update` periodically)."""
 
-    def __init__(self, model_name: str, ray_metrics: Any = None) -> None:
+    def __init__(self, model_name: str, ray_metrics: Any = None,
+                 replica_id: str | None = None) -> None:
         if ray_metrics is None:  # tests pass a stand-in with Gauge/Counter/Histogram
             from ray.util import metrics as ray_metrics
 
-        tags = ("model_name",)
+        self._tags = {"model_name": model_name}
+        if replica_id is not None:
+            self._tags["replica"] = replica_id
+        tags = tuple(self._tags)
 
         def ray_name(name: str) -> str:
             return name.replace(":", "_")
 
-        self._tags = {"model_name": model_name}
         self._gauges = {key: ray_metrics.Gauge(ray_name(name), help_text, tag_keys=tags)
                         for key, name, help_text in GAUGES}
         self._counters = {key: ray_metrics.Counter(ray_name(name), help_text, tag_keys=tags)
@@ -241,7 +245,7 @@ class RayMetricsExporter:
             h = snapshot[key]
             if key not in self._histograms:
                 self._histograms[key] = self._ray_metrics.Histogram(
-                    self._ray_name(name), help_text, boundaries=list(h.buckets), tag_keys=("model_name",))
+                    self._ray_name(name), help_text, boundaries=list(h.buckets), tag_keys=tuple(self._tags))
             last = self._last.get(key) or [0] * len(h.counts)
             # +Inf observations are replayed just past the last bound.
             bounds = list(h.buckets) + [h.buckets[-1] * 2]

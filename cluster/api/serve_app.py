@@ -26,7 +26,8 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
-from cluster.api.failover import resuming_stream
+from cluster.api.drain import HANDOFF, Drain, watch_drain
+from cluster.api.failover import ReplicaDrainingError, resuming_stream
 from cluster.api.openai_api import ModelInfo, create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
 from cluster.api.prefix_router import check_router_args, request_router_config
@@ -45,6 +46,9 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "served_model_name": None,   # the name clients send as `model`; default: the `model` arg
     "api_key": None,             # or the QWEN3_SERVE_API_KEY env var; None = no auth
     "num_replicas": 1,           # LLMServer replicas; ignored when autoscaling_config is set
+    # How long Serve lets a stopping LLMServer replica finish its requests before killing it;
+    # halfway, it hands the unfinished ones to another replica (cluster/api/drain.py).
+    "graceful_shutdown_timeout_s": 10.0,
     "autoscaling_config": None,  # Serve's dict, e.g. {min_replicas, max_replicas, target_ongoing_requests}
     "max_ongoing_requests": 64,  # per LLMServer replica, in the engine at once
     "max_queued_requests": 64,   # per caller, waiting for a replica; beyond: 503 + Retry-After
@@ -52,6 +56,11 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "ingress_num_cpus": 1.0,
     "ingress_num_replicas": 1,
     "ingress_max_ongoing_requests": 1024,
+    # How long a stopping ingress replica keeps its clients' streams (every redeploy replaces
+    # the ingress: its bound arguments hold the LLMServer deployment). A client's connection
+    # ends at its ingress, so a stream still running after this is cut: size it for the
+    # longest answer (Serve's default, 20 s, cut ordinary streams during a rolling update).
+    "ingress_graceful_shutdown_timeout_s": 600.0,
     # Pin the ingress to the head node, beside the proxy of `proxy_location: HeadOnly`, so a
     # node holding only LLM replicas can die without cutting a client's connection.
     "ingress_on_head_node": False,
@@ -73,7 +82,8 @@ SHUTDOWN_POLL_S = 0.5
 
 @serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["max_ongoing_requests"],
                   health_check_period_s=5.0, health_check_timeout_s=30.0,
-                  graceful_shutdown_timeout_s=5.0, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
+                  graceful_shutdown_timeout_s=SERVING_DEFAULTS["graceful_shutdown_timeout_s"],
+                  graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 class LLMServer:
     """One engine (one TP group). Streams `RequestOutput` deltas to the ingress."""
 
@@ -87,8 +97,10 @@ class LLMServer:
         config = EngineConfig.from_dict(engine_args)
         self.engine = AsyncLLMEngine(config, placement_group=ray.util.get_current_placement_group())
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self._exporter = RayMetricsExporter(self.engine.model_name)
+        self._exporter = RayMetricsExporter(self.engine.model_name, replica_id=self.replica_id)
         self._export_task: asyncio.Task | None = None
+        self._drain = Drain(self.engine.abort)
+        watch_drain(self._drain.begin)
 
     def _ensure_exporter(self) -> None:
         if self._export_task is None or self._export_task.done():
@@ -111,18 +123,24 @@ class LLMServer:
                        routing_key: str | None = None,
                        resume_token_ids: list[int] | None = None) -> AsyncIterator[tuple]:
         """Stream `pack_output` tuples (not RequestOutput: it repeats the whole prompt); the
-        first names this replica. `routing_key` is the request router's (prefix_router.py);
-        `resume_token_ids`: the request comes from a lost replica with these outputs
-        (cluster/api/failover.py)."""
+        first names this replica; HANDOFF last when the request goes on elsewhere because this
+        replica is draining (cluster/api/drain.py). `routing_key` is the request router's
+        (prefix_router.py); `resume_token_ids`: the request comes from a lost or draining
+        replica with these outputs (cluster/api/failover.py)."""
         # Serve cancels this generator when the caller goes away; the engine's generator
         # then aborts the request in its `finally`, freeing its blocks within a step.
         self._ensure_exporter()
-        replica_id = self.replica_id
-        async for out in self.engine.generate(prompt_token_ids, sampling_params, request_id,
-                                               cache_salt=cache_salt,
-                                               resume_token_ids=resume_token_ids):
-            yield pack_output(out, replica_id)
-            replica_id = None
+
+        async def packed() -> AsyncIterator[tuple]:
+            replica_id = self.replica_id
+            async for out in self.engine.generate(prompt_token_ids, sampling_params,
+                                                   request_id, cache_salt=cache_salt,
+                                                   resume_token_ids=resume_token_ids):
+                yield pack_output(out, replica_id)
+                replica_id = None
+
+        async for item in self._drain.stream(request_id, sampling_params.n, packed):
+            yield item
 
     async def kv_events(self, cursors: dict[str, tuple[str | None, int]]) -> tuple:
         """(this replica's id, its KV events since its cursor in `cursors`, its load): what
@@ -184,6 +202,8 @@ class HandleEngineClient:
         finished = False
         try:
             async for packed in gen:
+                if packed == HANDOFF:
+                    raise ReplicaDrainingError(f"request {request_id}: its replica is draining")
                 out = unpack_output(request_id, prompt_token_ids, packed)
                 finished = out.finished
                 yield out
@@ -271,6 +291,10 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
                               or limit < 1024):
         raise ValueError("max_request_body_bytes must be an integer >= 1024 (bytes) or null "
                          f"(sized from max_model_len); got {limit!r}")
+    for key in ("graceful_shutdown_timeout_s", "ingress_graceful_shutdown_timeout_s"):
+        timeout = serving[key]
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"{key} must be a number of seconds > 0; got {timeout!r}")
     check_router_args(serving)
     return config, serving
 
@@ -330,6 +354,7 @@ def build_app(args: dict[str, Any]) -> Application:
                            "runtime_env": {"env_vars": llm_env}},
         max_ongoing_requests=serving["max_ongoing_requests"],
         max_queued_requests=serving["max_queued_requests"],
+        graceful_shutdown_timeout_s=float(serving["graceful_shutdown_timeout_s"]),
         backpressure_config=backpressure, **replicas,
     ).bind(config.to_dict())
     ingress_actor: dict[str, Any] = {"num_cpus": float(serving["ingress_num_cpus"]),
@@ -340,6 +365,7 @@ def build_app(args: dict[str, Any]) -> Application:
         num_replicas=serving["ingress_num_replicas"],
         ray_actor_options=ingress_actor,
         max_ongoing_requests=serving["ingress_max_ongoing_requests"],
+        graceful_shutdown_timeout_s=float(serving["ingress_graceful_shutdown_timeout_s"]),
         backpressure_config=backpressure,
     ).bind(llm, config.model, serving["served_model_name"],
            serving["api_key"] or os.environ.get(API_KEY_ENV) or None,

@@ -88,7 +88,7 @@ def test_metrics_of_two_replicas_are_summed(engine: FakeEngine) -> None:
 class _FakeRayMetric:
     def __init__(self, name: str, description: str = "", tag_keys: tuple = (),
                  boundaries: list[float] | None = None) -> None:
-        self.name, self.boundaries = name, boundaries
+        self.name, self.boundaries, self.tag_keys = name, boundaries, tag_keys
         self.calls: list[tuple[str, float, dict[str, str]]] = []
 
     def set(self, value: float, tags: dict[str, str]) -> None:
@@ -133,3 +133,17 @@ def test_ray_export_sends_counter_deltas_and_replays_histogram_buckets(
     assert fake.made["vllm_request_success"].calls == [
         ("inc", 1, {**tags, "finished_reason": "stop"}),
         ("inc", 2, {**tags, "finished_reason": "length"})]
+
+
+def test_ray_export_tags_every_series_with_the_replica_when_given(engine: FakeEngine) -> None:
+    from cluster.api.prometheus import RayMetricsExporter
+
+    fake = _FakeRayMetrics()
+    RayMetricsExporter("m", ray_metrics=fake, replica_id="r1").update(engine.metrics())
+    tags = {"model_name": "m", "replica": "r1"}
+    assert fake.made["vllm_kv_cache_usage_perc"].calls[0][2] == tags
+    assert fake.made["vllm_num_requests_waiting"].calls[0][2] == tags
+    assert fake.made["vllm_num_requests_running"].calls == [("set", 2, tags)]
+    assert {c[2]["replica"] for m in fake.made.values() for c in m.calls} == {"r1"}
+    # Ray refuses a tag its metric was not declared with
+    assert all(set(c[2]) <= set(m.tag_keys) for m in fake.made.values() for c in m.calls)
