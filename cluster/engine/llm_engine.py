@@ -42,6 +42,7 @@ from scheduler import (
 from scheduler.speculative import SpeculativeConfig
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
+from workers.draft_runner import check_draft_fits
 from workers.loader import checkpoint_files
 from workers.model_config import load_generation_defaults, load_model_config
 from workers.tiny_model import resolve_model
@@ -117,6 +118,10 @@ class LLMEngine:
 
             if not ray.is_initialized():
                 ray.init(ignore_reinit_error=True, log_to_driver=False)
+        spec = (SpeculativeConfig.from_dict(config.speculative_config)
+                if config.speculative_config is not None else None)
+        draft_path = (self._check_draft(spec.model, config.tensor_parallel_size)
+                      if spec is not None and spec.model is not None else None)
         # Ray workers run where Ray places them; an in-process worker runs here.
         self.device = config.resolve_device(from_ray=config.uses_ray)
         worker_config = WorkerConfig(
@@ -131,11 +136,9 @@ class LLMEngine:
             num_gpu_blocks_override=config.num_gpu_blocks_override, swap_space=config.swap_space,
             kv_offloading_size=config.kv_offloading_size, enforce_eager=config.enforce_eager,
             attention_backend=config.attention_backend, seed=config.seed,
-            enable_expert_parallel=config.enable_expert_parallel)
+            enable_expert_parallel=config.enable_expert_parallel, speculative_model=draft_path)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device == "cuda")
-        spec = (SpeculativeConfig.from_dict(config.speculative_config)
-                if config.speculative_config is not None else None)
         if spec is not None and self.async_scheduling:
             logger.info("speculative decoding is on: async scheduling is turned off (a verify "
                         "step's token count is known only once its result is in)")
@@ -174,6 +177,18 @@ class LLMEngine:
         self._last_done = 0.0  # when the last step's result was applied
         self.recoveries = 0  # tensor-parallel groups rebuilt after a rank died
         freeze_startup_heap()
+
+    def _check_draft(self, model: str, tp: int) -> str:
+        """The draft's checkpoint directory; ValueError unless it shares the target's
+        vocabulary, tokenizer and KV layout (workers/draft_runner.py)."""
+        from transformers import AutoTokenizer
+
+        path = resolve_model(model)
+        check_draft_fits(self.model_config, load_model_config(path, tp), tp)
+        if AutoTokenizer.from_pretrained(path).get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"speculative_config.model {model!r} has another tokenizer than the "
+                             f"target {self.model_name!r}; a draft must share the target's tokenizer")
+        return path
 
     # ----- requests ---------------------------------------------------------------------
 
