@@ -129,7 +129,7 @@ def test_self_draft_at_tp2_on_ray_accepts_everything(ray_cluster: None, engines)
     """tp = 2 (gloo): the draft is sharded like the target (its KV heads split the same way)
     and proposes on both ranks (rank 0's argmax broadcast)."""
     off = engines[0]
-    params = GREEDY[:3]
+    params = GREEDY
     cfg = {k: v for k, v in ENGINE.items() if k != "executor"}
     with LLM(**cfg, tensor_parallel_size=2, worker_num_cpus=0.5,
              speculative_config=_spec("qwen3-tiny")) as tp2:
