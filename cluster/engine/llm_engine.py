@@ -112,16 +112,20 @@ class LLMEngine:
                              f"max_position_embeddings {limit}; lower max_model_len")
         batched = config.max_num_batched_tokens or max(self.max_model_len, _MIN_BATCHED_TOKENS)
         self.default_sampling = default_sampling(self.model_path, config.generation_config)
+        spec = (SpeculativeConfig.from_dict(config.speculative_config)
+                if config.speculative_config is not None else None)
+        draft_path = (self._check_draft(spec.model, config.tensor_parallel_size)
+                      if spec is not None and spec.model is not None else None)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if draft_path is not None and (AutoTokenizer.from_pretrained(draft_path).get_vocab()
+                                       != self.tokenizer.get_vocab()):
+            raise ValueError(f"speculative_config.model {spec.model!r} has another tokenizer than "
+                             f"the target {self.model_name!r}; a draft must share its tokenizer")
         if config.uses_ray:
             import ray
 
             if not ray.is_initialized():
                 ray.init(ignore_reinit_error=True, log_to_driver=False)
-        spec = (SpeculativeConfig.from_dict(config.speculative_config)
-                if config.speculative_config is not None else None)
-        draft_path = (self._check_draft(spec.model, config.tensor_parallel_size)
-                      if spec is not None and spec.model is not None else None)
         # Ray workers run where Ray places them; an in-process worker runs here.
         self.device = config.resolve_device(from_ray=config.uses_ray)
         worker_config = WorkerConfig(
@@ -180,14 +184,12 @@ class LLMEngine:
 
     def _check_draft(self, model: str, tp: int) -> str:
         """The draft's checkpoint directory; ValueError unless it shares the target's
-        vocabulary, tokenizer and KV layout (workers/draft_runner.py)."""
-        from transformers import AutoTokenizer
-
-        path = resolve_model(model)
+        vocabulary and KV layout (workers/draft_runner.py; its tokenizer is compared after)."""
+        try:
+            path = resolve_model(model)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
         check_draft_fits(self.model_config, load_model_config(path, tp), tp)
-        if AutoTokenizer.from_pretrained(path).get_vocab() != self.tokenizer.get_vocab():
-            raise ValueError(f"speculative_config.model {model!r} has another tokenizer than the "
-                             f"target {self.model_name!r}; a draft must share the target's tokenizer")
         return path
 
     # ----- requests ---------------------------------------------------------------------

@@ -62,7 +62,7 @@ def _check_kv(llm: LLM) -> None:
 
 
 GREEDY = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, n=n)
-          for m, n in ((22, 1), (7, 2), (30, 1), (13, 1))]
+          for m, n in ((16, 1), (6, 2), (21, 1), (9, 1))]
 
 
 def test_self_draft_accepts_every_proposal_with_n2_chunks_preemption_and_prefix_hits(
@@ -73,7 +73,7 @@ def test_self_draft_accepts_every_proposal_with_n2_chunks_preemption_and_prefix_
     for _ in range(2):  # the second run's prompts hit the prefix cache (the draft's K/V too)
         assert _run(on, GREEDY) == want
     new_drafted, new_accepted = _counts(on)
-    assert new_drafted - drafted > 40
+    assert new_drafted - drafted > 30
     assert new_accepted - accepted == new_drafted - drafted  # acceptance 100 %
     m = on.engine.metrics()
     assert (m["spec_decode_num_draft_tokens"], m["spec_decode_num_accepted_tokens"]) == (
@@ -88,32 +88,34 @@ def test_a_random_draft_is_mostly_rejected_and_changes_no_token(engines) -> None
     drafted, accepted = _counts(rand)
     assert _run(rand, GREEDY) == _run(off, GREEDY)
     drafted, accepted = _counts(rand)[0] - drafted, _counts(rand)[1] - accepted
-    assert drafted >= 40 and accepted < 0.3 * drafted
+    assert drafted >= 30 and accepted < 0.3 * drafted
     _check_kv(rand)
 
 
 def test_seeded_sampling_equal_off(engines) -> None:
-    off, on, rand = engines
-    params = [SamplingParams(temperature=t, top_p=p, seed=s, max_tokens=14, ignore_eos=True,
+    """The draft proposes greedily, the target samples: some proposals are rejected."""
+    off, on, _ = engines
+    params = [SamplingParams(temperature=t, top_p=p, seed=s, max_tokens=9, ignore_eos=True,
                              logprobs=2)
               for t, p, s in ((1.0, 1.0, 1), (0.8, 0.9, 2), (0.0, 1.0, None), (1.0, 0.9, 4))]
-    want = _run(off, params)
-    for llm in (on, rand):
-        got = _run(llm, params)
-        assert [[c[:3] for c in o] for o in got] == [[c[:3] for c in o] for o in want]
-        for o, w in zip(got, want):  # the target's logprobs, to fp32 rounding
-            for g, e in zip(o[0][3], w[0][3]):
-                assert list(g) == list(e)
-                assert list(g.values()) == pytest.approx(list(e.values()), abs=1e-4)
+    drafted, accepted = _counts(on)
+    got, want = _run(on, params), _run(off, params)
+    assert [[c[:3] for c in o] for o in got] == [[c[:3] for c in o] for o in want]
+    for o, w in zip(got, want):  # the target's logprobs, to fp32 rounding
+        for g, e in zip(o[0][3], w[0][3]):
+            assert list(g) == list(e)
+            assert list(g.values()) == pytest.approx(list(e.values()), abs=1e-4)
+    drafted, accepted = _counts(on)[0] - drafted, _counts(on)[1] - accepted
+    assert 0 < accepted < drafted
     _check_kv(on)
 
 
 def test_stop_string_and_max_tokens_inside_an_accepted_run(engines) -> None:
     off, on, _ = engines
-    base = _run(off, [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 4)
+    base = _run(off, [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 4)
     text = base[0][0][1]
     stop = text[len(text) // 2:len(text) // 2 + 2]
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]),
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop]),
               SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, stop=[stop],
                              include_stop_str_in_output=True),
