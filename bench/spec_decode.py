@@ -90,11 +90,11 @@ def main() -> None:
     off = LLM(**engine)
     on = LLM(**engine, speculative_config={"method": "ngram", "num_speculative_tokens": a.k})
     ngram = on.engine.scheduler.spec.proposer
-    drafts = {"draft": "qwen3-tiny-draft", "selfdraft": "qwen3-tiny"}
+    draft_models = {"draft": "qwen3-tiny-draft", "selfdraft": "qwen3-tiny"}
     kinds = {item.split(":")[0] for item in a.rows.split(",")}
-    ons = {kind: LLM(**engine, speculative_config={"model": drafts[kind],
+    ons = {kind: LLM(**engine, speculative_config={"model": draft_models[kind],
                                                    "num_speculative_tokens": a.k})
-           for kind in drafts if kind in kinds}
+           for kind in draft_models if kind in kinds}
     for llm in (off, on, *ons.values()):  # warm up (first-call costs; verify rows when on)
         _timed(llm, _prompts(1, True, seed=99), 32)
     rows = []
@@ -113,7 +113,7 @@ def main() -> None:
             offs.append(tps)
             if recorded is None:
                 recorded = {tuple(p[:16]): p + o for p, o in zip(prompts, outs)}
-                if acc not in drafts:
+                if acc not in draft_models:
                     spec.proposer = (ngram if acc == "ngram"
                                      else ReplayProposer(recorded, float(acc), r))
             tps, outs_on = _timed(llm_on, prompts, tokens)
@@ -121,7 +121,7 @@ def main() -> None:
             ons_tps.append(tps)
         drafts = spec.num_drafts - drafts0
         accepted = spec.num_accepted_tokens - acc0
-        row = {"acceptance": acc if acc in ("ngram", *drafts) else float(acc), "batch": batch,
+        row = {"acceptance": acc if acc in ("ngram", *draft_models) else float(acc), "batch": batch,
                "k": a.k, "output_tokens": tokens,
                "tok_s_off": round(statistics.median(offs), 2),
                "tok_s_on": round(statistics.median(ons_tps), 2),
