@@ -19,6 +19,7 @@ prompts are short). Acceptance length = 1 + accepted / drafts (tokens per verify
 
     .venv/bin/python bench/spec_decode.py [--k 4] [--tokens 256] [--batch-tokens 64]
         [--repeats 2] [--rows 1.0:1,0.0:1,0.7:32,ngram:1,draft:1,selfdraft:1] [--json out.json]
+        [--disable-by-batch-size N]
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--rows", default="1.0:1,0.0:1,0.7:32,ngram:1,draft:1,selfdraft:1")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="speculative_config.disable_by_batch_size (default: the engine's)")
     a = ap.parse_args()
 
     from cluster import LLM
@@ -88,12 +91,14 @@ def main() -> None:
     engine = dict(model="qwen3-tiny", device="cpu", executor="inprocess", max_num_seqs=64,
                   max_model_len=1024)
     off = LLM(**engine)
-    on = LLM(**engine, speculative_config={"method": "ngram", "num_speculative_tokens": a.k})
+    on = LLM(**engine, speculative_config={"method": "ngram", "num_speculative_tokens": a.k,
+                                           "disable_by_batch_size": a.disable_by_batch_size})
     ngram = on.engine.scheduler.spec.proposer
     draft_models = {"draft": "qwen3-tiny-draft", "selfdraft": "qwen3-tiny"}
     kinds = {item.split(":")[0] for item in a.rows.split(",")}
-    ons = {kind: LLM(**engine, speculative_config={"model": draft_models[kind],
-                                                   "num_speculative_tokens": a.k})
+    ons = {kind: LLM(**engine, speculative_config={
+        "model": draft_models[kind], "num_speculative_tokens": a.k,
+        "disable_by_batch_size": a.disable_by_batch_size})
            for kind in draft_models if kind in kinds}
     for llm in (off, on, *ons.values()):  # warm up (first-call costs; verify rows when on)
         _timed(llm, _prompts(1, True, seed=99), 32)

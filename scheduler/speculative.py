@@ -34,9 +34,9 @@ from scheduler.step_builder import StepBuilder
 
 MAX_SPECULATIVE_TOKENS = 16
 # Above this many running sequences a step does not speculate (and the decode lane runs):
-# on the 2-core CPU a verify row's k + 1 logit rows cost 2-3x a decode's one (fp32 GEMM vs
-# GEMV over the 152k-row LM head), so only batch 1-2 gains (docs/benchmarks.md); unmeasured
-# on GPUs.
+# on the 2-core CPU a verify row's k + 1 logit rows cost more than a decode's one, so only
+# batch 1-2 gains (measured in docs/benchmarks.md before the LM head's CPU layout change of
+# issue #26's draft session; not re-measured since); unmeasured on GPUs.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 TRIAL_TOKENS = 16  # proposed tokens a sequence gets before its acceptance rate is judged
 MIN_ACCEPTANCE = 0.2  # below this accepted / proposed, the sequence stops speculating
