@@ -41,7 +41,10 @@ def _prompts() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def engines() -> tuple[LLM, LLM, LLM]:
-    return (LLM(**ENGINE), LLM(**ENGINE, speculative_config=_spec("qwen3-tiny")),
+    # the self-draft engine also has a CPU offload tier: evicted prefix blocks (the draft's
+    # K/V with the target's) go out and come back
+    return (LLM(**ENGINE),
+            LLM(**ENGINE, kv_offloading_size=0.01, speculative_config=_spec("qwen3-tiny")),
             LLM(**ENGINE, speculative_config=_spec("qwen3-tiny-draft")))
 
 
@@ -65,13 +68,17 @@ GREEDY = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, n=n)
           for m, n in ((16, 1), (6, 2), (21, 1), (9, 1))]
 
 
-def test_self_draft_accepts_every_proposal_with_n2_chunks_preemption_and_prefix_hits(
+def test_self_draft_accepts_every_proposal_with_n2_chunks_preemption_prefix_hits_and_offload(
         engines) -> None:
     off, on, _ = engines
     want = _run(off, GREEDY)
     drafted, accepted = _counts(on)
-    for _ in range(2):  # the second run's prompts hit the prefix cache (the draft's K/V too)
-        assert _run(on, GREEDY) == want
+    assert _run(on, GREEDY) == want
+    # a long unrelated prompt evicts the cached blocks to the offload tier; the second run's
+    # prompts then hit the GPU prefix cache and the tier (the draft's K/V with the target's)
+    on.generate([{"prompt_token_ids": list(range(1000, 1170))}],
+                SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    assert _run(on, GREEDY) == want
     new_drafted, new_accepted = _counts(on)
     assert new_drafted - drafted > 30
     assert new_accepted - accepted == new_drafted - drafted  # acceptance 100 %
@@ -80,6 +87,8 @@ def test_self_draft_accepts_every_proposal_with_n2_chunks_preemption_and_prefix_
         new_drafted, new_accepted)
     stats = on.engine.scheduler.stats()
     assert stats.preemptions_swap + stats.preemptions_recompute > 0
+    kv_stats = on.engine.scheduler.kv.stats()
+    assert kv_stats.prefix_hits > 0 and kv_stats.blocks_loaded > 0
     _check_kv(on)
 
 
