@@ -4,7 +4,9 @@ The engine drives every rank through the same calls in the same order:
 `init_distributed` -> `load_model` -> `determine_num_blocks` (the engine takes the minimum
 over ranks) -> `init_cache` -> `execute(plan)` per step -> `shutdown`.
 Every rank runs the whole forward (the collectives need all of them); only rank 0 holds the
-gathered logits, samples, and returns a StepResult.
+gathered logits, samples, and returns a StepResult. With a speculative draft model
+(`speculative_model`, workers/draft_runner.py) every rank also holds its shard of the draft,
+whose KV layers follow the target's in the same cache.
 """
 
 from __future__ import annotations
@@ -312,28 +314,27 @@ class Worker:
             self._launched.append(step)
             return
         batch = runner.prepare(plan)
+        drafter = self.drafter
+        if batch.draft is not None and drafter is None:
+            raise ValueError(f"plan {plan.step_id} has DRAFT_TOKEN proposals, but this worker "
+                             "has no draft model (WorkerConfig.speculative_model)")
         step.batch = batch
         self._launched.append(step)
         runner.fill_pending(batch, self.tp)
-        drafter = self.drafter
-        if batch.draft is not None:
-            if drafter is None:
-                raise ValueError(f"plan {plan.step_id} has DRAFT_TOKEN proposals, but this "
-                                 "worker has no draft model (speculative_model)")
+        if batch.draft is not None:  # the draft's proposals into the verify rows, on device
             table = runner.table
-            assert batch.verify is not None
+            assert drafter is not None and batch.verify is not None
             drafter.propose(batch.input_ids, batch.verify[1], batch.draft, table.block_table,
                             None if table.device_is_host else table.device_block_table, self.tp)
         logits, tokens = runner.forward(batch)
         step.logits = logits
-        if logits is None:  # ranks > 0, or nothing samples
-            pass
-        elif tokens is not None:  # sampled inside the CUDA graph
-            self._sampled(step, SamplerOutput(tokens, None, None, None))
-        elif plan.num_constrained:
-            step.awaiting_bitmask = True
-        else:
-            self._sampled(step, runner.sample(batch, logits))
+        if logits is not None:  # (None: ranks > 0, or nothing samples)
+            if tokens is not None:  # sampled inside the CUDA graph
+                self._sampled(step, SamplerOutput(tokens, None, None, None))
+            elif plan.num_constrained:
+                step.awaiting_bitmask = True
+            else:
+                self._sampled(step, runner.sample(batch, logits))
         if drafter is not None:  # (after sampling: the tokens' copy need not wait for it)
             drafter.follow(batch.input_ids, batch.positions, batch.attn_metadata)
 
