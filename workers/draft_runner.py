@@ -29,7 +29,8 @@ placeholder at p + j + 1 and into the rejection sampler's proposal matrix, on th
 Greedy makes the proposal a point mass, which `workers/rejection_sampler.py` accepts exactly.
 With tp > 1 rank 0 holds the gathered logits and broadcasts each forward's tokens (one small
 collective per proposal index). The host only builds index arrays from the plan (numpy, no
-per-request loop); no device value is read on the host.
+per-request loop); no device value is read on the host. With a draft, decode steps run
+eager (no CUDA graphs yet: `follow` would need the graph's block tables).
 """
 
 from __future__ import annotations
