@@ -8,12 +8,18 @@ made wrong otherwise. Rows:
   acceptance 0.0, batch 1   every proposal wrong (the per-sequence off switch must limit it)
   acceptance 0.7, batch 32  a loaded batch
   ngram, batch 1            vLLM's n-gram lookup on prompts with repeated motifs
+  draft, batch 1            the draft model `qwen3-tiny-draft` (2 layers, other random
+                            weights: proposals rarely right; the off switch must limit it)
+  selfdraft, batch 1        qwen3-tiny drafting for itself: every proposal right, but the
+                            draft costs what the target does (on CPU the 152k-row LM head
+                            dominates both), so this row measures the draft path's overhead
 Each row times off and on alternately (`--repeats` times each, medians), engines built once in
 this process and warmed up first, greedy, ignore_eos; tok/s is output tokens over wall time (prefill included,
 prompts are short). Acceptance length = 1 + accepted / drafts (tokens per verify row).
 
     .venv/bin/python bench/spec_decode.py [--k 4] [--tokens 256] [--batch-tokens 64]
-        [--repeats 2] [--rows 1.0:1,0.0:1,0.7:32,ngram:1] [--json out.json]
+        [--repeats 2] [--rows 1.0:1,0.0:1,0.7:32,ngram:1,draft:1,selfdraft:1] [--json out.json]
+        [--disable-by-batch-size N]
 """
 
 from __future__ import annotations
@@ -74,8 +80,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="output tokens per request, batch 1")
     ap.add_argument("--batch-tokens", type=int, default=64, help="output tokens, batch > 1")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--rows", default="1.0:1,0.0:1,0.7:32,ngram:1")
+    ap.add_argument("--rows", default="1.0:1,0.0:1,0.7:32,ngram:1,draft:1,selfdraft:1")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="speculative_config.disable_by_batch_size (default: the engine's)")
     a = ap.parse_args()
 
     from cluster import LLM
@@ -83,18 +91,26 @@ def main() -> None:
     engine = dict(model="qwen3-tiny", device="cpu", executor="inprocess", max_num_seqs=64,
                   max_model_len=1024)
     off = LLM(**engine)
-    on = LLM(**engine, speculative_config={"method": "ngram", "num_speculative_tokens": a.k})
-    spec = on.engine.scheduler.spec
-    ngram = spec.proposer
-    for llm in (off, on):  # warm up both (first-call costs; verify rows on `on`)
+    on = LLM(**engine, speculative_config={"method": "ngram", "num_speculative_tokens": a.k,
+                                           "disable_by_batch_size": a.disable_by_batch_size})
+    ngram = on.engine.scheduler.spec.proposer
+    draft_models = {"draft": "qwen3-tiny-draft", "selfdraft": "qwen3-tiny"}
+    kinds = {item.split(":")[0] for item in a.rows.split(",")}
+    ons = {kind: LLM(**engine, speculative_config={
+        "model": draft_models[kind], "num_speculative_tokens": a.k,
+        "disable_by_batch_size": a.disable_by_batch_size})
+           for kind in draft_models if kind in kinds}
+    for llm in (off, on, *ons.values()):  # warm up (first-call costs; verify rows when on)
         _timed(llm, _prompts(1, True, seed=99), 32)
     rows = []
     for item in a.rows.split(","):
         acc, batch = item.split(":")
         batch = int(batch)
+        llm_on = ons.get(acc, on)
+        spec = llm_on.engine.scheduler.spec
         tokens = a.tokens if batch == 1 else a.batch_tokens
         prompts = _prompts(batch, acc == "ngram", seed=batch)
-        offs, ons = [], []
+        offs, ons_tps = [], []
         recorded = None
         drafts0, draft_tok0, acc0 = spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
         for r in range(a.repeats):
@@ -102,17 +118,19 @@ def main() -> None:
             offs.append(tps)
             if recorded is None:
                 recorded = {tuple(p[:16]): p + o for p, o in zip(prompts, outs)}
-                spec.proposer = ngram if acc == "ngram" else ReplayProposer(recorded, float(acc), r)
-            tps, outs_on = _timed(on, prompts, tokens)
+                if acc not in draft_models:
+                    spec.proposer = (ngram if acc == "ngram"
+                                     else ReplayProposer(recorded, float(acc), r))
+            tps, outs_on = _timed(llm_on, prompts, tokens)
             assert outs_on == outs, "speculation changed greedy tokens"
-            ons.append(tps)
+            ons_tps.append(tps)
         drafts = spec.num_drafts - drafts0
         accepted = spec.num_accepted_tokens - acc0
-        row = {"acceptance": acc if acc == "ngram" else float(acc), "batch": batch,
+        row = {"acceptance": acc if acc in ("ngram", *draft_models) else float(acc), "batch": batch,
                "k": a.k, "output_tokens": tokens,
                "tok_s_off": round(statistics.median(offs), 2),
-               "tok_s_on": round(statistics.median(ons), 2),
-               "speedup": round(statistics.median(ons) / statistics.median(offs), 3),
+               "tok_s_on": round(statistics.median(ons_tps), 2),
+               "speedup": round(statistics.median(ons_tps) / statistics.median(offs), 3),
                "acceptance_length": round(1 + accepted / drafts, 2) if drafts else 1.0,
                "accepted_rate": round(accepted / max(1, spec.num_draft_tokens - draft_tok0), 3)}
         rows.append(row)

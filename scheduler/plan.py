@@ -22,7 +22,8 @@ A worker executes a plan in this order:
      them in a StepResult); a row with `num_draft_tokens[i] = d > 0` (speculative decoding: a
      verify row, its last d input ids are proposed tokens) samples at its last d + 1
      positions and keeps the longest prefix agreeing with the proposal plus the next token
-     (workers/rejection_sampler.py).
+     (workers/rejection_sampler.py). Proposals given as `DRAFT_TOKEN` are the workers' draft
+     model's, computed on the device before the forward (workers/draft_runner.py).
 
 Async scheduling: the scheduler may build plan N+1 before it has plan N's result. A decode
 in plan N+1 whose input is the token plan N samples for that sequence carries
@@ -45,6 +46,9 @@ _EMPTY_ROWS.flags.writeable = False
 
 # In StepPlan.input_ids: the token the previous plan samples for this sequence.
 PENDING_TOKEN = -1
+# In StepPlan.input_ids, only among a verify row's proposals: a token the workers' draft
+# model proposes in this very step (speculative decoding with a draft model).
+DRAFT_TOKEN = -2
 
 
 def empty_pairs() -> np.ndarray:

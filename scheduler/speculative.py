@@ -1,6 +1,7 @@
 """Speculative decoding's scheduler side: its config, proposals, and applying verify results.
 
-A decoding sequence may get proposed tokens (scheduler/ngram.py) and then computes them with
+A decoding sequence may get proposed tokens (scheduler/ngram.py, or placeholders the
+workers' draft model fills: scheduler/draft_proposer.py) and then computes them with
 its last token in one verify row (StepPlan.num_draft_tokens): its slots are reserved through
 KVCacheManager.allocate_slots with the proposals counted as pending (no block they fill is
 hashed), the workers sample at each of the row's positions and keep the longest agreeing
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler.draft_proposer import DraftModelProposer
 from scheduler.ngram import NgramProposer
 from scheduler.outputs import StepOutcome
 from scheduler.plan import StepPlan, StepResult
@@ -32,9 +34,9 @@ from scheduler.step_builder import StepBuilder
 
 MAX_SPECULATIVE_TOKENS = 16
 # Above this many running sequences a step does not speculate (and the decode lane runs):
-# on the 2-core CPU a verify row's k + 1 logit rows cost 2-3x a decode's one (fp32 GEMM vs
-# GEMV over the 152k-row LM head), so only batch 1-2 gains (docs/benchmarks.md); unmeasured
-# on GPUs.
+# on the 2-core CPU a verify row's k + 1 logit rows cost more than a decode's one, so only
+# batch 1-2 gains (measured in docs/benchmarks.md before the LM head's CPU layout change of
+# issue #26's draft session; not re-measured since); unmeasured on GPUs.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 TRIAL_TOKENS = 16  # proposed tokens a sequence gets before its acceptance rate is judged
 MIN_ACCEPTANCE = 0.2  # below this accepted / proposed, the sequence stops speculating
@@ -47,15 +49,18 @@ _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prom
 @dataclass(slots=True)
 class SpeculativeConfig:
     """vLLM's speculative_config keys: {method: ngram, num_speculative_tokens,
-    prompt_lookup_min, prompt_lookup_max} (n-gram prompt lookup), and
-    disable_by_batch_size (no speculation in a step with more running sequences; null:
-    DEFAULT_DISABLE_BY_BATCH_SIZE)."""
+    prompt_lookup_min, prompt_lookup_max} (n-gram prompt lookup), {model: <checkpoint dir or
+    embedded name>, num_speculative_tokens} (a draft model; method, if given, "draft_model"),
+    and disable_by_batch_size (no speculation in a step with more running sequences; null:
+    DEFAULT_DISABLE_BY_BATCH_SIZE). Whether the draft fits the target (vocabulary, tokenizer,
+    KV layout) is checked where both are loaded (the engine, at start)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = 2
+    model: str | None = None  # the draft (method "draft_model")
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> SpeculativeConfig:
@@ -66,13 +71,18 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; "
                              f"known: {sorted(_KEYS)}")
-        if cfg.get("model") is not None:
-            raise ValueError("speculative_config.model (a draft model) is not supported yet; "
-                             "use {method: ngram, num_speculative_tokens: k}")
-        method = cfg.get("method", "ngram")
-        if method != "ngram":
+        model = cfg.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError("speculative_config.model must be the draft's checkpoint directory "
+                             f"(or an embedded model's name); got {model!r}")
+        method = cfg.get("method") or ("draft_model" if model is not None else "ngram")
+        if method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config.method {method!r} is unknown; the supported "
-                             "method is 'ngram'")
+                             "methods are 'ngram' and 'draft_model' (with model: <dir>)")
+        if (method == "draft_model") != (model is not None):
+            raise ValueError("speculative_config.method 'draft_model' goes with model: <the "
+                             "draft's checkpoint dir>, and model only with that method; got "
+                             f"method {method!r}, model {model!r}")
         k = cfg.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer in "
@@ -91,7 +101,7 @@ class SpeculativeConfig:
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
             raise ValueError("speculative_config.disable_by_batch_size must be an integer >= 1 "
                              f"or null (default {DEFAULT_DISABLE_BY_BATCH_SIZE}); got {bs!r}")
-        return cls(method, k, lo, hi, bs)
+        return cls(method, k, lo, hi, bs, model)
 
 
 class Speculator:
@@ -101,7 +111,9 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer: NgramProposer | DraftModelProposer = (
+            DraftModelProposer() if config.model is not None
+            else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

@@ -38,6 +38,8 @@ class WorkerConfig:
     attention_backend: str = "auto"
     seed: int = 0
     enable_expert_parallel: bool = False
+    # speculative decoding's draft model, a resolved checkpoint directory (None: no draft)
+    speculative_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from scheduler.plan import StepPlan
+from scheduler.plan import DRAFT_TOKEN, StepPlan
 from workers.cuda_graph import CUDAGraphRunner
 from workers.distributed import TensorParallelGroup
+from workers.draft_runner import DraftBatch, draft_entries
 from workers.layers.attention import AttentionMetadata
 from workers.pending import PendingTokens
 from workers.qwen3 import Qwen3ForCausalLM
@@ -60,6 +61,8 @@ class StepBatch:
     constrained_rows: np.ndarray  # the plan's (sampled rows waiting for a grammar bitmask)
     # verify rows (speculative decoding): rejection_sampler.num_accepted's (gather, drafts)
     verify: tuple[Tensor, Tensor] | None = None
+    # verify rows whose proposals the draft model makes this step (workers/draft_runner.py)
+    draft: DraftBatch | None = None
 
     @property
     def num_sampled(self) -> int:
@@ -146,6 +149,11 @@ class ModelRunner:
         input_ids = plan.input_ids
         pending = pending_src = None
         lowest = int(input_ids.min(initial=0))
+        draft_at = None
+        if lowest <= DRAFT_TOKEN and plan.num_draft_tokens is not None:
+            draft_at = input_ids == DRAFT_TOKEN  # the draft model's proposals, filled on device
+            input_ids = np.where(draft_at, 0, input_ids)
+            lowest = int(input_ids.min(initial=0))
         if lowest < 0:
             pending = np.flatnonzero(input_ids < 0)
             input_ids, pending_src = self.pending.resolve(plan, pending, token_rows, lowest)
@@ -169,9 +177,12 @@ class ModelRunner:
         s_counter = s_seq_lens - table.prompt_len[sample_rows]
         sampled_seq_ids = plan.seq_ids if all_sample else plan.seq_ids[sample]
         constrained = plan.constrained_rows
-        spec = None
+        spec = entries = None
         if plan.num_draft_tokens is not None and num_sampled:
             drafts = plan.num_draft_tokens if all_sample else plan.num_draft_tokens[sample]
+            if draft_at is not None:
+                entries = self._draft_entries(drafts.astype(np.int64), logits_idx, sample_rows,
+                                              positions, slots, draft_at)
             sample_rows, logits_idx, s_counter, constrained, spec = _verify_rows(
                 drafts.astype(np.int64), sample_rows, logits_idx, s_counter, constrained,
                 input_ids)
@@ -185,16 +196,18 @@ class ModelRunner:
                _padded(table.rng_key[sample_rows], pad, 0), _padded(s_counter, pad, 0),
                _padded(rows, pad, 0), logits_idx, pending, pending_src,
                diff_rows if diff_rows.size else None, diff_cols if diff_rows.size else None,
-               *pen[:4], *((None, None) if spec is None else (a.reshape(-1) for a in spec))]
+               *pen[:4], *((None, None) if spec is None else (a.reshape(-1) for a in spec)),
+               *((None,) * 6 if entries is None else entries.i64)]
         i32 = [_padded(seq_lens, pad, 1), cu, table.top_k[sample_rows] if features & TOP_K
-               else None, diff_ids if diff_ids.size else None]
+               else None, diff_ids if diff_ids.size else None,
+               None if entries is None else entries.seq_lens]
         f32 = [_padded(s_temp, pad, 0.0), table.top_p[sample_rows] if features & TOP_P else None,
                table.min_p[sample_rows] if features & MIN_P else None, *pen[4:]]
         (v64, v32, vf), regions = self.stager.stage(i64, i32, f32)
         (d_ids, d_pos, d_slots, d_key, d_counter, d_rows, d_logits_idx, d_pending,
          d_pending_src, d_diff_rows, d_diff_cols, d_pen_rows, d_pen_slots, d_pen_tokens,
-         d_tok_slot, d_gather, d_proposal) = v64
-        d_seq_lens, d_cu, d_top_k, d_diff_ids = v32
+         d_tok_slot, d_gather, d_proposal, *v_draft) = v64
+        d_seq_lens, d_cu, d_top_k, d_diff_ids, d_draft_lens = v32
         d_temp, d_top_p, d_min_p, d_is_prompt, d_rep, d_freq, d_pres = vf
         if d_diff_ids is not None and not table.device_is_host:
             table.device_block_table.index_put_((d_diff_rows, d_diff_cols), d_diff_ids)
@@ -235,7 +248,20 @@ class ModelRunner:
             sample_rows=sample_rows, sampled_seq_ids=sampled_seq_ids, rows=rows,
             constrained_rows=constrained,
             verify=None if spec is None else (d_gather.view(spec[0].shape),
-                                               d_proposal.view(spec[1].shape)))
+                                               d_proposal.view(spec[1].shape)),
+            draft=None if entries is None else DraftBatch(entries, *v_draft, d_draft_lens))
+
+    @staticmethod
+    def _draft_entries(drafts: np.ndarray, last_idx: np.ndarray, sample_rows: np.ndarray,
+                       positions: np.ndarray, slots: np.ndarray, draft_at: np.ndarray):
+        """The draft model's entries for the verify rows whose proposals are all DRAFT_TOKEN
+        (ValueError for a DRAFT_TOKEN anywhere else)."""
+        first = last_idx - drafts
+        on = np.where(draft_at[np.minimum(first + 1, draft_at.shape[0] - 1)], drafts, 0)
+        entries = draft_entries(on, first, sample_rows, positions, slots, int(drafts.max()) + 1)
+        if int(on.sum()) != int(draft_at.sum()) or not draft_at[entries.i64[4]].all():
+            raise ValueError("DRAFT_TOKEN may only stand for all of a verify row's proposals")
+        return entries
 
     def _penalty_arrays(self, sample_rows: np.ndarray, token_rows: np.ndarray,
                         positions: np.ndarray) -> tuple[np.ndarray | None, ...]:

@@ -1,5 +1,10 @@
-"""The embedded default models `qwen3-tiny` and `qwen3-moe-tiny`, and random-weight Qwen3
-(dense or mixture-of-experts) checkpoints in general.
+"""The embedded default models `qwen3-tiny` and `qwen3-moe-tiny`, the speculative-decoding
+draft `qwen3-tiny-draft`, and random-weight Qwen3 (dense or mixture-of-experts) checkpoints
+in general.
+
+`qwen3-tiny-draft` is qwen3-tiny's shape with 2 layers instead of 4 and other random weights
+(seed 1): the same vocabulary, tokenizer and KV layout (what a draft must share with its
+target), and proposals that rarely agree with qwen3-tiny's tokens.
 
 `resolve_model("qwen3-tiny")` (or "qwen3-moe-tiny") writes a Hugging Face directory (config.json,
 generation_config.json, model.safetensors, the real Qwen3 tokenizer files) into a cache
@@ -22,7 +27,9 @@ from safetensors.torch import save_file
 
 TINY_MODEL_NAME = "qwen3-tiny"
 TINY_MOE_MODEL_NAME = "qwen3-moe-tiny"
+TINY_DRAFT_MODEL_NAME = "qwen3-tiny-draft"
 TINY_SEED = 0
+TINY_DRAFT_SEED = 1
 # Bump when the generated files change, so stale caches are never reused.
 _FORMAT_VERSION = 1
 
@@ -56,7 +63,12 @@ TINY_MOE_CONFIG: dict[str, Any] = {
     "mlp_only_layers": [],
 }
 
-_EMBEDDED = {TINY_MODEL_NAME: TINY_CONFIG, TINY_MOE_MODEL_NAME: TINY_MOE_CONFIG}
+TINY_DRAFT_CONFIG: dict[str, Any] = {**TINY_CONFIG, "num_hidden_layers": 2}
+
+# name -> (config, seed)
+_EMBEDDED = {TINY_MODEL_NAME: (TINY_CONFIG, TINY_SEED),
+             TINY_MOE_MODEL_NAME: (TINY_MOE_CONFIG, TINY_SEED),
+             TINY_DRAFT_MODEL_NAME: (TINY_DRAFT_CONFIG, TINY_DRAFT_SEED)}
 
 # Qwen3-30B-A3B's real config (the GPU benchmark's MoE model, with random weights).
 QWEN3_30B_A3B_CONFIG: dict[str, Any] = {
@@ -122,7 +134,8 @@ def resolve_model(model: str) -> str:
     if model in _EMBEDDED:
         target = cache_root() / f"{model}-v{_FORMAT_VERSION}"
         if not (target / "model.safetensors").is_file():
-            write_random_qwen3(target, _EMBEDDED[model], seed=TINY_SEED)
+            config, seed = _EMBEDDED[model]
+            write_random_qwen3(target, config, seed=seed)
         return str(target)
     path = Path(model).expanduser()
     if not path.is_dir():

@@ -4,7 +4,9 @@ The engine drives every rank through the same calls in the same order:
 `init_distributed` -> `load_model` -> `determine_num_blocks` (the engine takes the minimum
 over ranks) -> `init_cache` -> `execute(plan)` per step -> `shutdown`.
 Every rank runs the whole forward (the collectives need all of them); only rank 0 holds the
-gathered logits, samples, and returns a StepResult.
+gathered logits, samples, and returns a StepResult. With a speculative draft model
+(`speculative_model`, workers/draft_runner.py) every rank also holds its shard of the draft,
+whose KV layers follow the target's in the same cache.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from workers.cache_engine import CacheEngine
 from workers.config import WorkerConfig
 from workers.cuda_graph import CUDAGraphRunner
 from workers.distributed import TensorParallelGroup
+from workers.draft_runner import DraftRunner
 from workers.loader import load_model
 from workers.model_config import ModelConfig, load_model_config
 from workers.model_runner import ModelRunner, StepBatch
@@ -65,6 +68,7 @@ class Worker:
         self.model_config: ModelConfig | None = None
         self.model: Qwen3ForCausalLM | None = None
         self.model_runner: ModelRunner | None = None
+        self.drafter: DraftRunner | None = None  # speculative decoding's draft model
         self.cache_engine: CacheEngine | None = None
         self._bound_cache: CacheEngine | None = None  # what the attention layers point at
         self.device = torch.device("cpu")
@@ -111,14 +115,20 @@ class Worker:
         model.eval()
         self.model_config = mc
         self.model = model
+        if cfg.speculative_model is not None:
+            self.drafter = DraftRunner.load(
+                cfg.speculative_model, mc, self.tp, self.dtype, cfg.attention_backend,
+                cfg.max_model_len, cfg.block_size, self.device)
         self.model_runner = ModelRunner(model, self.device, cfg.block_size, cfg.max_model_len,
                                         cfg.max_num_seqs, mc.vocab_size, cfg.seed)
         self._outputs = StepOutputs(self.device, cfg.max_num_seqs, MAX_LAUNCHED + 1)
 
     def kv_block_bytes(self) -> int:
-        mc = _loaded(self.model_config)
-        return mc.kv_block_bytes(self.config.block_size, self.tp.world_size,
-                                 _itemsize(self.dtype))
+        """Bytes of one KV block on this rank: the target's layers and the draft's."""
+        mc, itemsize = _loaded(self.model_config), _itemsize(self.dtype)
+        draft = (0 if self.drafter is None
+                 else self.drafter.kv_block_bytes(self.tp.world_size, itemsize))
+        return mc.kv_block_bytes(self.config.block_size, self.tp.world_size, itemsize) + draft
 
     def determine_num_blocks(self) -> tuple[int, int, int]:
         """(num_gpu_blocks, num_cpu_blocks, num_offload_blocks) this rank can hold.
@@ -171,7 +181,7 @@ class Worker:
         lens[: num_tokens % num_seqs] += 1
         blocks_per_seq = -(-lens // cfg.block_size)
         # A scratch cache just big enough for the dummy batch; freed before the real one.
-        scratch = CacheEngine(mc.num_hidden_layers, mc.num_kv_heads_per_rank(self.tp.world_size),
+        scratch = CacheEngine(self._num_cache_layers(), mc.num_kv_heads_per_rank(self.tp.world_size),
                               mc.head_dim, cfg.block_size, int(blocks_per_seq.sum()), 0,
                               self.dtype, self.device)
         self._bind_cache(scratch)
@@ -200,13 +210,14 @@ class Worker:
         (CUDA, not eager)."""
         cfg, mc = self.config, _loaded(self.model_config)
         self.cache_engine = CacheEngine(
-            mc.num_hidden_layers, mc.num_kv_heads_per_rank(self.tp.world_size), mc.head_dim,
+            self._num_cache_layers(), mc.num_kv_heads_per_rank(self.tp.world_size), mc.head_dim,
             cfg.block_size, num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
             num_offload_blocks)
         self._bind_cache(self.cache_engine)
         runner = _loaded(self.model_runner)
+        # (no decode graphs with a draft model yet: its `follow` needs every step's tables)
         if self.device.type == "cuda" and not cfg.enforce_eager \
-                and cfg.attention_backend != "torch":
+                and cfg.attention_backend != "torch" and self.drafter is None:
             # The torch reference attention reads lengths on the host, so it cannot be captured.
             graphs = CUDAGraphRunner(_loaded(self.model), cfg.max_num_seqs,
                                      runner.table.max_blocks_per_seq, cfg.max_model_len,
@@ -233,11 +244,19 @@ class Worker:
         """Point the attention layers at `cache` (None: at nothing)."""
         self._bound_cache = cache
         if cache is None:
-            for attn in _loaded(self.model).attention_layers():
+            for attn in self._attention_layers():
                 attn.k_cache = attn.v_cache = torch.tensor([])
             return
-        cache.bind(_loaded(self.model).attention_layers())
+        cache.bind(self._attention_layers())
         _loaded(self.model_runner).num_gpu_blocks = cache.num_gpu_blocks
+
+    def _attention_layers(self) -> list:
+        """The target's attention layers, then the draft's: the cache's layers, in order."""
+        layers = _loaded(self.model).attention_layers()
+        return layers if self.drafter is None else layers + self.drafter.attention_layers()
+
+    def _num_cache_layers(self) -> int:
+        return len(self._attention_layers())
 
     # ---- steps ----------------------------------------------------------------------------
     #
@@ -295,19 +314,29 @@ class Worker:
             self._launched.append(step)
             return
         batch = runner.prepare(plan)
+        drafter = self.drafter
+        if batch.draft is not None and drafter is None:
+            raise ValueError(f"plan {plan.step_id} has DRAFT_TOKEN proposals, but this worker "
+                             "has no draft model (WorkerConfig.speculative_model)")
         step.batch = batch
         self._launched.append(step)
         runner.fill_pending(batch, self.tp)
+        if batch.draft is not None:  # the draft's proposals into the verify rows, on device
+            table = runner.table
+            assert drafter is not None and batch.verify is not None
+            drafter.propose(batch.input_ids, batch.verify[1], batch.draft, table.block_table,
+                            None if table.device_is_host else table.device_block_table, self.tp)
         logits, tokens = runner.forward(batch)
         step.logits = logits
-        if logits is None:  # ranks > 0, or nothing samples
-            return
-        if tokens is not None:  # sampled inside the CUDA graph
-            self._sampled(step, SamplerOutput(tokens, None, None, None))
-        elif plan.num_constrained:
-            step.awaiting_bitmask = True
-        else:
-            self._sampled(step, runner.sample(batch, logits))
+        if logits is not None:  # (None: ranks > 0, or nothing samples)
+            if tokens is not None:  # sampled inside the CUDA graph
+                self._sampled(step, SamplerOutput(tokens, None, None, None))
+            elif plan.num_constrained:
+                step.awaiting_bitmask = True
+            else:
+                self._sampled(step, runner.sample(batch, logits))
+        if drafter is not None:  # (after sampling: the tokens' copy need not wait for it)
+            drafter.follow(batch.input_ids, batch.positions, batch.attn_metadata)
 
     def provide_bitmask(self, step_id: int, bitmask: np.ndarray) -> None:
         """The grammar bitmask of a launched step's constrained rows (int32 [C, ceil(V/32)],

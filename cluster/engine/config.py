@@ -83,7 +83,9 @@ class EngineConfig:
     # target verifies them in one forward and keeps exactly its own tokens (greedy tokens as
     # without speculation; sampled ones from its distribution). disable_by_batch_size: no
     # speculation in steps with more running sequences. Turns async scheduling off.
-    # (scheduler/speculative.py; a draft model, {model: dir}, is not supported yet.)
+    # {model: <draft checkpoint dir or embedded name>, num_speculative_tokens: k}: a small
+    # Qwen3 of the target's tokenizer proposes greedily, inside the same workers, sharded like
+    # the target, its KV in the same blocks (scheduler/speculative.py, workers/draft_runner.py).
     speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

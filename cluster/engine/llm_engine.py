@@ -42,6 +42,7 @@ from scheduler import (
 from scheduler.speculative import SpeculativeConfig
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
+from workers.draft_runner import check_draft_fits
 from workers.loader import checkpoint_files
 from workers.model_config import load_generation_defaults, load_model_config
 from workers.tiny_model import resolve_model
@@ -111,7 +112,15 @@ class LLMEngine:
                              f"max_position_embeddings {limit}; lower max_model_len")
         batched = config.max_num_batched_tokens or max(self.max_model_len, _MIN_BATCHED_TOKENS)
         self.default_sampling = default_sampling(self.model_path, config.generation_config)
+        spec = (SpeculativeConfig.from_dict(config.speculative_config)
+                if config.speculative_config is not None else None)
+        draft_path = (self._check_draft(spec.model, config.tensor_parallel_size)
+                      if spec is not None and spec.model is not None else None)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if draft_path is not None and (AutoTokenizer.from_pretrained(draft_path).get_vocab()
+                                       != self.tokenizer.get_vocab()):
+            raise ValueError(f"speculative_config.model {spec.model!r} has another tokenizer than "
+                             f"the target {self.model_name!r}; a draft must share its tokenizer")
         if config.uses_ray:
             import ray
 
@@ -131,11 +140,9 @@ class LLMEngine:
             num_gpu_blocks_override=config.num_gpu_blocks_override, swap_space=config.swap_space,
             kv_offloading_size=config.kv_offloading_size, enforce_eager=config.enforce_eager,
             attention_backend=config.attention_backend, seed=config.seed,
-            enable_expert_parallel=config.enable_expert_parallel)
+            enable_expert_parallel=config.enable_expert_parallel, speculative_model=draft_path)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device == "cuda")
-        spec = (SpeculativeConfig.from_dict(config.speculative_config)
-                if config.speculative_config is not None else None)
         if spec is not None and self.async_scheduling:
             logger.info("speculative decoding is on: async scheduling is turned off (a verify "
                         "step's token count is known only once its result is in)")
@@ -174,6 +181,16 @@ class LLMEngine:
         self._last_done = 0.0  # when the last step's result was applied
         self.recoveries = 0  # tensor-parallel groups rebuilt after a rank died
         freeze_startup_heap()
+
+    def _check_draft(self, model: str, tp: int) -> str:
+        """The draft's checkpoint directory; ValueError unless it shares the target's
+        vocabulary and KV layout (workers/draft_runner.py; its tokenizer is compared after)."""
+        try:
+            path = resolve_model(model)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
+        check_draft_fits(self.model_config, load_model_config(path, tp), tp)
+        return path
 
     # ----- requests ---------------------------------------------------------------------
 

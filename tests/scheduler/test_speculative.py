@@ -173,7 +173,11 @@ def test_a_verify_row_reserves_lookahead_then_gives_back_rejected_blocks() -> No
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),
-    ({"model": "/some/draft", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"model": "/some/draft", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"model": "/some/draft", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+    ({"model": "/some/draft", "method": "ngram", "num_speculative_tokens": 2}, "draft_model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "draft_model"),
+    ({"model": "", "num_speculative_tokens": 2}, "checkpoint directory"),
 ])
 def test_bad_speculative_config_is_a_clear_error(cfg: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -187,3 +191,16 @@ def test_ngram_lookup_proposes_what_followed_the_tail_before() -> None:
     assert p.propose([9, 9, 9, 9, 9, 9], 2) == [9, 9]
     assert p.propose([1, 2, 3, 1, 2, 3, 1, 2], 4) == [3, 1, 2]  # the tokens there are
     assert p.propose([1, 2, 3, 4, 1, 2], 0) == []
+
+
+def test_a_draft_model_config_proposes_placeholders_the_workers_fill() -> None:
+    from scheduler.draft_proposer import DraftModelProposer
+    from scheduler.plan import DRAFT_TOKEN
+    from scheduler.speculative import Speculator
+
+    cfg = SpeculativeConfig.from_dict({"model": "/some/draft", "num_speculative_tokens": 3})
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "/some/draft", 3)
+    spec = Speculator(cfg)
+    assert isinstance(spec.proposer, DraftModelProposer)
+    assert spec.proposer.propose([1, 2, 3], 3) == [DRAFT_TOKEN] * 3
+    assert spec.proposer.propose([1, 2, 3], 0) == []

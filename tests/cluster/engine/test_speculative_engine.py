@@ -131,7 +131,10 @@ def test_greedy_tokens_equal_off_at_tp2_on_ray(ray_cluster: None, engines) -> No
 @pytest.mark.parametrize("cfg", [{"method": "ngram", "num_speculative_tokens": 0},
                                  {"method": "ngram", "num_speculative_tokens": 17},
                                  {"method": "medusa", "num_speculative_tokens": 2},
-                                 {"model": "/ckpt/qwen3-0.6b", "num_speculative_tokens": 2},
+                                 {"model": "/ckpt/qwen3-0.6b", "num_speculative_tokens": 0},
+                                 {"model": "/ckpt/qwen3-0.6b", "method": "ngram",
+                                  "num_speculative_tokens": 2},
+                                 {"method": "draft_model", "num_speculative_tokens": 2},
                                  "ngram"])
 def test_engine_config_refuses_a_bad_speculative_config_at_start(cfg) -> None:
     from cluster.engine.config import EngineConfig
