@@ -284,12 +284,12 @@ class Worker:
         runner = _loaded(self.model_runner)
         step = _Launched(plan.step_id, self._outputs.begin(), keep_logits)
         runner.table.drop(plan.dropped_seq_ids)
-        cache.offload(plan.offload)  # first: nothing of this step has overwritten them yet
-        cache.swap_out(plan.swap_out)
-        cache.swap_in(plan.swap_in)
-        cache.load(plan.load)
+        # On the copy stream, after all compute so far (so offloads read the evicted blocks
+        # before anything of this step overwrites them); copy-on-write waits for them.
+        cache.transfer(plan.offload, plan.swap_out, plan.swap_in, plan.load)
         cache.copy(plan.copies)
         if plan.is_empty:
+            cache.wait_transfers()
             runner.table.apply(plan)
             runner.pending.record(plan.step_id, _EMPTY)
             self._launched.append(step)
@@ -298,6 +298,7 @@ class Worker:
         step.batch = batch
         self._launched.append(step)
         runner.fill_pending(batch, self.tp)
+        cache.wait_transfers()  # the forward reads loaded blocks, writes offloaded ones
         logits, tokens = runner.forward(batch)
         step.logits = logits
         if logits is None:  # ranks > 0, or nothing samples
