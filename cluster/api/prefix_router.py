@@ -13,8 +13,10 @@ cache_aware shape with exact block hashes instead of approximate text trees):
      cache salt), the least loaded among equals; unless it is overloaded. No replica holding
      the first block: the least loaded (among equals, the one holding fewest blocks).
 The others follow, least loaded first, so Serve falls through to them when the first refuses
-(max_ongoing_requests). Load is the larger of what this router has in flight on a replica and
-the requests in its engine as the replica last reported. One candidate: taken as it is, nothing
+(max_ongoing_requests). Load is the larger of what this router has in flight on a replica
+(routed, or chosen and not yet accepted: Serve confirms a routing only after a round trip to
+the replica, and routes the next requests of a burst meanwhile) and the requests in its engine
+as the replica last reported. One candidate: taken as it is, nothing
 hashed.
 
 Holdings (kv_holdings.py): every `poll_period_s` (0.25 s) a task in the router's process calls
@@ -23,7 +25,7 @@ replica's cursor; each answers with its `KVEventLog` entries since then (kvcache
 stored and evicted hashes in order, batched by the polling) and its load. So the view is at
 most one period plus one round trip old (after 5 s without routing a request the period
 is 1 s; Serve's routing-stats period, 10 s, is not used), and
-the hashes this router just routed count as held meanwhile. A replica that Serve drops or
+the hashes this router just chose a replica for count as held there meanwhile. A replica that Serve drops or
 reports dead loses its holdings at once; a restarted engine answers with a snapshot (new
 epoch). Per request the router hashes the prompt once and walks each replica's leading blocks
 in set lookups, stopping at the first miss; docs/benchmarks.md has the measured time.
@@ -59,6 +61,7 @@ DEFAULT_POLL_PERIOD_S = 0.25
 # are not asked eight times a second for what has not changed.
 IDLE_AFTER_S, IDLE_POLL_PERIOD_S = 5.0, 1.0
 MAX_ROUTING_KEYS = 100_000  # affinity entries kept, least recently used dropped first
+CHOSEN_TTL_S = 30.0  # a chosen request not routed by then was cancelled: it stops counting
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,10 @@ class PrefixAwareRouter(RequestRouter):
         self._routed: dict[str, str] = {}
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
         self._hashes: dict[str, list[BlockHash]] = {}  # internal request id -> prompt hashes
+        # internal request id -> (replica chosen, when): chosen, not yet routed. Serve calls
+        # on_request_routed only once the replica has accepted (a round trip), and meanwhile
+        # routes the next requests: these count as load and their hashes as held already.
+        self._chosen: dict[str, tuple[str, float]] = {}
         self._rng = random.Random()
         self.last_reason = ""
 
@@ -151,36 +158,65 @@ class PrefixAwareRouter(RequestRouter):
         hashes = self._prompt_hashes(pending_request)
         matches = self.view.matches(hashes, ids) if hashes else {}
         reported = self.view.loads()
-        loads = {r: max(self.in_flight.get(r, 0), reported.get(r, 0)) for r in ids}
+        chosen = self._count_chosen(pending_request)
+        loads = {r: max(self.in_flight.get(r, 0) + chosen.get(r, 0), reported.get(r, 0))
+                 for r in ids}
         key = _routing_key(pending_request)
         affinity = self.routing_keys.get(key) if key is not None else None
         ranked, self.last_reason = rank_replicas(ids, loads, matches, affinity,
                                                  self.thresholds, self._rng, self.view.sizes())
+        if pending_request is not None:
+            self._chosen[pending_request.metadata.internal_request_id] = (ranked[0],
+                                                                          time.monotonic())
+            if hashes:
+                self.view.note_routed(ranked[0], hashes)
+            if key is not None:  # the next turn of this session follows before this one lands
+                self._remember_key(key, ranked[0])
         return [[by_id[ranked[0]]], [by_id[r] for r in ranked[1:]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         rid = replica_id.unique_id
+        internal_id = pending_request.metadata.internal_request_id
         self.shared.last_routed = time.monotonic()
         self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
-        self._routed[pending_request.metadata.internal_request_id] = rid
-        hashes = self._hashes.pop(pending_request.metadata.internal_request_id, None)
-        if hashes:
+        self._routed[internal_id] = rid
+        chosen = self._chosen.pop(internal_id, None)
+        hashes = self._hashes.pop(internal_id, None)
+        if hashes and (chosen is None or chosen[0] != rid):  # Serve fell through to another
             self.view.note_routed(rid, hashes)
         key = _routing_key(pending_request)
         if key is not None:
-            self.routing_keys[key] = rid
-            self.routing_keys.move_to_end(key)
-            if len(self.routing_keys) > MAX_ROUTING_KEYS:
-                self.routing_keys.popitem(last=False)
+            self._remember_key(key, rid)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._hashes.pop(internal_request_id, None)
+        self._chosen.pop(internal_request_id, None)
         rid = self._routed.pop(internal_request_id, None)
         if rid is not None and self.in_flight.get(rid, 0) > 0:
             self.in_flight[rid] -= 1
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _count_chosen(self, pending: PendingRequest | None) -> dict[str, int]:
+        """Requests chosen for each replica and not routed yet (not `pending` itself, which
+        Serve may route again after a refusal); entries older than CHOSEN_TTL_S are dropped
+        (a request cancelled while Serve routed it gets no completion)."""
+        own = pending.metadata.internal_request_id if pending is not None else None
+        stale = time.monotonic() - CHOSEN_TTL_S
+        counts: dict[str, int] = {}
+        for rid, (replica, when) in list(self._chosen.items()):
+            if when < stale:
+                del self._chosen[rid]
+            elif rid != own:
+                counts[replica] = counts.get(replica, 0) + 1
+        return counts
+
+    def _remember_key(self, key: str, replica: str) -> None:
+        self.routing_keys[key] = replica
+        self.routing_keys.move_to_end(key)
+        if len(self.routing_keys) > MAX_ROUTING_KEYS:
+            self.routing_keys.popitem(last=False)
 
     def _prompt_hashes(self, pr: PendingRequest | None) -> list[BlockHash]:
         """The request's prompt block hashes, computed once per request (Serve may ask again)."""

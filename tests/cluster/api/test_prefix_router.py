@@ -259,3 +259,40 @@ def test_router_hooks_send_a_prefix_home_and_count_only_what_they_routed():
         assert gone == [[other]] and router.view.replica_ids() == [other.replica_id.unique_id]
 
     asyncio.run(go())
+
+
+def test_a_burst_is_spread_and_grouped_before_serve_confirms_any_routing():
+    """Serve confirms a routing (on_request_routed) only after a round trip to the replica and
+    routes the next requests meanwhile: what the router chose counts as load and as held at
+    once, so a burst of two prefixes puts each prefix on one replica, one per replica."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from cluster.api.prefix_router import PrefixAwareRouter
+
+    def request(i: int, tokens: list[int]) -> PendingRequest:
+        return PendingRequest(args=[tokens, None, f"r{i}", None], kwargs={"routing_key": None},
+                              metadata=RequestMetadata(f"r{i}", f"internal-{i}"))
+
+    async def go() -> None:
+        router = PrefixAwareRouter(deployment_id=DeploymentID(name="LLMServer", app_name="t"),
+                                   handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(block_size=16)
+        router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
+        a, b = _Replica("a"), _Replica("b")
+        router.view.retain(["a", "b"])
+        burst = [request(i, (SYSTEM_A if i % 2 == 0 else SYSTEM_B) + [i] * 8) for i in range(6)]
+        homes = [(await router.choose_replicas([a, b], r))[0][0].replica_id.unique_id
+                 for r in burst]
+        assert homes[0] != homes[1], "the second prefix goes to the idle replica"
+        assert homes[2::2] == [homes[0]] * 2 and homes[3::2] == [homes[1]] * 2
+        assert not any(router.in_flight.values())  # nothing routed yet
+        # Serve routes request 0 where chosen: it moves from chosen to in flight
+        router.on_request_routed(burst[0], a.replica_id if homes[0] == "a" else b.replica_id,
+                                 None)
+        assert router.in_flight[homes[0]] == 1 and len(router._chosen) == 5
+        router._chosen["cancelled"] = ("a", time.monotonic() - 31.0)  # never routed
+        assert router._count_chosen(None) == {homes[0]: 2, homes[1]: 3}
+        assert "cancelled" not in router._chosen
+
+    asyncio.run(go())
