@@ -27,11 +27,11 @@ Holdings (kv_holdings.py): every `poll_period_s` (0.25 s) a task in the router's
 replica's cursor; each answers with its `KVEventLog` entries since then (kvcache/events.py;
 stored and evicted hashes in order, batched by the polling) and its load. So the view is at
 most one period plus one round trip old (after 5 s without routing a request the period
-is 1 s; Serve's routing-stats period, 10 s, is not used), and
-the hashes this router just chose a replica for count as held there meanwhile. A replica that Serve drops or
-reports dead loses its holdings at once; a restarted engine answers with a snapshot (new
-epoch). Per request the router hashes the prompt once and walks each replica's leading blocks
-in set lookups, stopping at the first miss; docs/benchmarks.md has the measured time.
+is 1 s; Serve's routing-stats period, 10 s, is not used), and the hashes this router just
+chose a replica for count as held there meanwhile. A replica that Serve drops or reports dead
+loses its holdings at once; a restarted engine answers with a snapshot (new epoch). Per
+request the router hashes the prompt once and walks each replica's leading blocks in set
+lookups, stopping at the first miss; docs/benchmarks.md has the measured time.
 """
 
 from __future__ import annotations
