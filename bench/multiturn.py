@@ -60,30 +60,75 @@ def make_conversations(args: argparse.Namespace) -> tuple[list[list[int]], list[
     return systems, users
 
 
+class ReplicaLog:
+    """Where the requests went (the X-Replica-Id header): per replica the requests served and,
+    sampled every `period_s`, how many streams it had open; the routing log of the run."""
+
+    def __init__(self) -> None:
+        self.served: dict[str, int] = {}
+        self.open: dict[str, int] = {}
+        self.samples: list[dict[str, int]] = []
+
+    def opened(self, replica: str) -> None:
+        self.served[replica] = self.served.get(replica, 0) + 1
+        self.open[replica] = self.open.get(replica, 0) + 1
+
+    def closed(self, replica: str) -> None:
+        self.open[replica] -= 1
+
+    async def sample(self, period_s: float = 0.25) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            self.samples.append(dict(self.open))
+
+    def summary(self) -> dict[str, Any]:
+        """Requests served and mean open streams per replica, and the mean of (most - fewest)
+        open streams over the samples: how unevenly the work sat."""
+        names = sorted(self.served)
+        spread = [max(s.get(n, 0) for n in names) - min(s.get(n, 0) for n in names)
+                  for s in self.samples if s] or [0]
+        return {"served": {n[-8:]: self.served[n] for n in names},
+                "mean_open": {n[-8:]: round(sum(s.get(n, 0) for s in self.samples)
+                                            / max(1, len(self.samples)), 2) for n in names},
+                "mean_open_spread": round(sum(spread) / len(spread), 2)}
+
+
 async def turn(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
-               session: str) -> tuple[float, int, str]:
+               session: str, replicas: ReplicaLog) -> tuple[float, int, str]:
     """(TTFT, output tokens, answer text) of one streamed completion."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "prompt_cache_key": session}
     start = time.perf_counter()
-    ttft, tokens, text = 0.0, 0, []
+    text: list = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if not chunk.get("choices"):
-                continue
-            if tokens == 0:
-                ttft = time.perf_counter() - start
-            tokens += 1
-            text.append(chunk["choices"][0]["text"])
-    return ttft, tokens, "".join(text)
+        replica = resp.headers.get("x-replica-id", "?")
+        replicas.opened(replica)
+        try:
+            await _read_stream(resp, start, text)
+        finally:
+            replicas.closed(replica)
+    ttft = text.pop(0) if text else 0.0
+    return ttft, len(text), "".join(text)
 
 
-async def run_workload(url: str, args: argparse.Namespace, tokenizer: Any
+async def _read_stream(resp: httpx.Response, start: float, text: list) -> None:
+    """Appends the TTFT then each chunk's text."""
+    first = True
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if not chunk.get("choices"):
+            continue
+        if first:
+            text.append(time.perf_counter() - start)
+            first = False
+        text.append(chunk["choices"][0]["text"])
+
+
+async def run_workload(url: str, args: argparse.Namespace, tokenizer: Any, replicas: ReplicaLog
                        ) -> tuple[list[float], int, float, list[list[int]]]:
     """(TTFTs, output tokens, wall seconds, every prompt in the order it was sent)."""
     systems, users = make_conversations(args)
@@ -100,31 +145,55 @@ async def run_workload(url: str, args: argparse.Namespace, tokenizer: Any
                 if t:
                     await asyncio.sleep(args.think_s)
                 history += user
-                sent.append(list(history))
-                ttft, n, answer = await turn(client, url, history, args.max_tokens, f"conv-{i}")
+                sent.append((i % len(systems), list(history)))
+                ttft, n, answer = await turn(client, url, history, args.max_tokens, f"conv-{i}",
+                                             replicas)
                 ttfts.append(ttft)
                 out_tokens += n
                 history += tokenizer.encode(answer, add_special_tokens=False)
 
     start = time.perf_counter()
+    sampler = asyncio.create_task(replicas.sample())
     async with httpx.AsyncClient(timeout=600) as client:
         await asyncio.gather(*(conversation(i, client) for i in range(args.conversations)))
+    sampler.cancel()
     return ttfts, out_tokens, time.perf_counter() - start, sent
 
 
-def ideal_hit_rate(prompts: list[list[int]], block_size: int) -> float:
-    """One replica, unbounded cache, prompts in the order sent (module docstring)."""
-    seen: set[bytes] = set()
+def simulate(prompts: list[tuple[int, list[int]]], block_size: int, replicas: int,
+             choose: Any) -> tuple[int, int]:
+    """(prompt tokens computed, queried) with unbounded caches, the prompts in the order sent,
+    each (system prompt index, prompt) sent to replica `choose(index)`; the engine computes at
+    least a prompt's last token."""
+    seen: list[set[bytes]] = [set() for _ in range(replicas)]
     hit = queried = 0
-    for p in prompts:
+    for system, p in prompts:
+        cache = seen[choose(system)]
         hashes = prompt_block_hashes(p, block_size)
         n = 0
-        while n < len(hashes) and hashes[n] in seen:
+        while n < len(hashes) and hashes[n] in cache:
             n += 1
         hit += min(n, (len(p) - 1) // block_size) * block_size
         queried += len(p)
-        seen.update(hashes)
-    return hit / queried
+        cache.update(hashes)
+    return queried - hit, queried
+
+
+def ideal_hit_rate(prompts: list[tuple[int, list[int]]], block_size: int) -> float:
+    """One replica, unbounded cache, prompts in the order sent (module docstring)."""
+    computed, queried = simulate(prompts, block_size, 1, lambda _: 0)
+    return 1 - computed / queried
+
+
+def best_prefill_ratio(prompts: list[tuple[int, list[int]]], block_size: int,
+                       replicas: int = 2) -> float:
+    """Prompt tokens computed by the best a router can do on this workload (every system
+    prompt's conversations on one replica, the prompts spread evenly) over those of a router
+    that ignores prefixes (uniformly random, fixed seed): the floor of the prefill ratio."""
+    rng = random.Random(0)
+    best, _ = simulate(prompts, block_size, replicas, lambda system: system % replicas)
+    blind, _ = simulate(prompts, block_size, replicas, lambda _: rng.randrange(replicas))
+    return best / blind
 
 
 def start_app(manifest: Path, router: str, overrides: list[str]) -> str:
@@ -155,6 +224,21 @@ def stop_app() -> None:
 
     serve.shutdown()
     ray.shutdown()
+
+
+def per_replica_prefill(metrics: dict[str, float]) -> dict[str, int]:
+    """Prompt tokens each replica computed (queried - hit), from /metrics' replica series."""
+    out: dict[str, int] = {}
+    for key, value in metrics.items():
+        name, _, labels = key.partition("{")
+        replica = next((part.split("=", 1)[1].strip('"}') for part in labels.split(",")
+                        if part.startswith("replica=")), None)
+        if replica is None or name not in ("qwen3_serve:replica_prefix_cache_queries_total",
+                                           "qwen3_serve:replica_prefix_cache_hits_total"):
+            continue
+        sign = 1 if name.endswith("queries_total") else -1
+        out[replica[-8:]] = out.get(replica[-8:], 0) + sign * int(value)
+    return out
 
 
 def pct(values: list[float], p: float) -> float:
@@ -190,28 +274,35 @@ def main() -> None:
     rows, ideal = [], None
     for router in args.routers.split(","):
         url = start_app(args.manifest, router, args.set)
+        replicas = ReplicaLog()
         try:
-            ttfts, out_tokens, wall, sent = asyncio.run(run_workload(url, args, tokenizer))
-            m = {k.split("{")[0]: v for k, v in parse_prometheus(
-                httpx.get(f"{url}/metrics", timeout=30).text).items() if "replica=" not in k}
+            ttfts, out_tokens, wall, sent = asyncio.run(
+                run_workload(url, args, tokenizer, replicas))
+            metrics = parse_prometheus(httpx.get(f"{url}/metrics", timeout=30).text)
         finally:
             stop_app()
+        m = {k.split("{")[0]: v for k, v in metrics.items() if "replica=" not in k}
         ideal = ideal_hit_rate(sent, block_size)
+        floor = best_prefill_ratio(sent, block_size)
         hits, queried = m["vllm:prefix_cache_hits_total"], m["vllm:prefix_cache_queries_total"]
         rows.append({"router": router, "hit_rate": round(hits / queried, 4),
                      "prefill_tokens": int(queried - hits),
                      "ttft_p50_s": round(pct(ttfts, 50), 4),
                      "ttft_p99_s": round(pct(ttfts, 99), 4),
-                     "output_tok_s": round(out_tokens / wall, 1)})
+                     "output_tok_s": round(out_tokens / wall, 1),
+                     "replicas": {**replicas.summary(),
+                                  "prefill_tokens": per_replica_prefill(metrics)}})
         print(rows[-1], flush=True)
-    print(f"\nideal hit rate (one replica, unbounded cache): {ideal:.4f}")
+    print(f"\nideal hit rate (one replica, unbounded cache): {ideal:.4f}; best prefill ratio "
+          f"(sticky by system prompt / random, simulated): {floor:.3f}")
     print(f"{'router':<14}{'hit rate':>10}{'prefill tok':>13}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'out tok/s':>11}")
     for r in rows:
         print(f"{r['router']:<14}{r['hit_rate']:>10.3f}{r['prefill_tokens']:>13}"
               f"{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['output_tok_s']:>11.1f}")
     if args.json:
-        args.json.write_text(json.dumps({"ideal_hit_rate": round(ideal, 4), "rows": rows,
+        args.json.write_text(json.dumps({"ideal_hit_rate": round(ideal, 4),
+                                         "best_prefill_ratio": round(floor, 3), "rows": rows,
                                          "args": {k: (str(v) if isinstance(v, Path) else v)
                                                   for k, v in vars(args).items()}}, indent=1))
 

@@ -10,13 +10,20 @@ once in this process, so both sides see the same machine state:
              (every conversation's final context), so a conversation's prefix is evicted while
              the others run. Reports the prefix hit rate (GPU hits + tier hits over prompt
              tokens looked up), TTFT p50/p99 (request added -> first token) and wall time.
+  copies     The tier's copies alone (CacheEngine.transfer, on the side copy stream on CUDA):
+             offload and load bandwidth of `--copy-blocks` blocks of a Qwen3-8B-shaped cache
+             (36 layers, 8 KV heads x 128, block 16; bf16 on CUDA, fp32 on CPU) against one
+             contiguous pinned copy of the same bytes (the host-device copy rate); on CUDA
+             also a matmul loop's time with those copies running beside it against alone
+             (whether the forward slows while the copy stream works).
   noshare    BENCHMARKS.md's offline-cpu batch (no shared prefixes) with a pool that never
              evicts: throughput (output tokens/s of wall time), so the tier's cost when it
              has nothing to do shows.
 
     .venv/bin/python bench/offload_bench.py [--conversations 8] [--turns 4] [--system 1024]
         [--user 64] [--answer 8] [--pool-fraction 0.25] [--tier-gib 0.05] [--repeats 3]
-        [--only multiturn|noshare] [--device cpu|cuda] [--json out.json]
+        [--only multiturn|noshare|copies] [--copy-blocks 256] [--device cpu|cuda]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -113,6 +120,78 @@ def run_noshare(engine: Any, seed: int) -> dict[str, float]:
     return {"wall_s": wall, "tok_s": sum(n for _, n in reqs) / wall}
 
 
+def run_copies(a: argparse.Namespace) -> dict[str, float]:
+    """GB/s of offload and load through CacheEngine.transfer vs one contiguous pinned copy."""
+    import numpy as np
+    import torch
+
+    from workers.cache_engine import CacheEngine
+
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    n = a.copy_blocks
+    eng = CacheEngine(36, 8, 128, 16, num_gpu_blocks=n, num_cpu_blocks=0,
+                      dtype=torch.bfloat16 if cuda else torch.float32, device=dev,
+                      num_offload_blocks=n)
+    gib = eng.gpu_cache.numel() * eng.gpu_cache.element_size() / 2**30
+    pairs = np.stack([np.arange(n), np.random.default_rng(0).permutation(n)], axis=1)
+    flat_dev = eng.gpu_cache.view(-1)
+    flat_host = eng.offload_cache.view(-1)
+
+    def timed(fn: Any, repeats: int = 5) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    def offload() -> None:
+        eng.transfer(offload=pairs)
+        eng.wait_transfers()
+
+    def load() -> None:
+        eng.transfer(load=pairs[:, ::-1].copy())
+        eng.wait_transfers()
+
+    out = {"gib": gib, "offload_gb_s": gib / timed(offload) * 1.073741824,
+           "load_gb_s": gib / timed(load) * 1.073741824,
+           "d2h_gb_s": gib / timed(lambda: flat_host.copy_(flat_dev, non_blocking=True))
+           * 1.073741824,
+           "h2d_gb_s": gib / timed(lambda: flat_dev.copy_(flat_host, non_blocking=True))
+           * 1.073741824}
+    if cuda:
+        x = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+
+        def compute() -> None:
+            for _ in range(50):
+                x @ x
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def compute_ms(with_copies: bool) -> float:
+            """The compute stream's own time for the loop (the copies, if any, beside it)."""
+            torch.cuda.synchronize()
+            if with_copies:
+                eng.transfer(offload=pairs)
+            start.record()
+            compute()
+            end.record()
+            eng.wait_transfers()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+
+        alone = min(compute_ms(False) for _ in range(5))
+        beside = min(compute_ms(True) for _ in range(5))
+        out["compute_beside_copies_over_alone"] = beside / alone
+    print("copies: " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
+    return out
+
+
 def _engine(a: argparse.Namespace, tier: float, **kw: Any) -> Any:
     from cluster.engine.config import EngineConfig
     from cluster.engine.llm_engine import LLMEngine
@@ -132,7 +211,8 @@ def main() -> None:
     ap.add_argument("--pool-fraction", type=float, default=0.25)
     ap.add_argument("--tier-gib", type=float, default=0.05)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", choices=["multiturn", "noshare"])
+    ap.add_argument("--only", choices=["multiturn", "noshare", "copies"])
+    ap.add_argument("--copy-blocks", type=int, default=256)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--first", choices=["off", "on"], default="off",
                     help="noshare: which engine is built first")
@@ -181,6 +261,8 @@ def main() -> None:
                                "median": summary}
         for e in engines.values():
             e.shutdown()
+    if a.only == "copies":
+        report["copies"] = run_copies(a)
     if a.only in (None, "noshare"):
         # room for every run's blocks (a run's prompts + outputs <= 64 x 24 blocks): freed
         # blocks stay cached, and a later run must still find clean ones

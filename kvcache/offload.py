@@ -16,8 +16,10 @@ Per step (one `schedule()` call), the manager gathers:
     block is referenced, so no offload of the same step can overwrite it.
 `take_transfers` hands both lists to the plan and unpins. Workers apply every offload before
 anything of the step writes a GPU block, and every load after all offloads and before the
-forward pass (scheduler/plan.py), so: an offload reads the evicted block's KV before its new
-owner writes it; a load may read a tier block written by an offload of the same step.
+forward pass (scheduler/plan.py; on CUDA all of them on one side copy stream, fenced after the
+compute before the step and waited on by the step's forward: workers/copy_stream.py), so: an
+offload reads the evicted block's KV before its new owner writes it; a load may read a tier
+block written by an offload of the same step.
 
 Invariants (`check_invariants`): the tier pool's own; a hash is held by at most one tier
 block (write once); a block is referenced only while pinned by this step's loads.

@@ -9,11 +9,14 @@ offload tier (`kv_offloading_size`, kvcache/offload.py) has the swap space's lay
 ids and its own memory: `offload` copies evicted prefix blocks out, `load` copies them back.
 
 Invariant (CUDA): swaps, offloads, loads and copy-on-write never wait on the host and never
-copy from pageable memory. Every copy is enqueued on the current stream with python-int block ids (no index
-tensor goes up to the device), so it is ordered after the step that wrote the source blocks
-and before the step that reads the destinations; the host never reads or writes the swap
-space, so nothing has to wait for a swap to land. Swaps and forks are rare (preemption,
-n > 1), so one small copy per block pair costs less than staging an index tensor.
+copy from pageable memory. A step's host<->GPU copies (`transfer`: offload, swap-out, swap-in,
+load, in the plan's order) run on the side copy stream of workers/copy_stream.py, after
+everything already enqueued on the compute stream; `wait_transfers` makes the compute stream
+wait for them before the forward (and `copy` does before copy-on-write, whose source may be a
+block just swapped in). Block ids are python ints (no index tensor goes up to the device);
+the host never reads or writes the swap space or the tier, so nothing waits for a copy to
+land. Swaps and forks are rare (preemption, n > 1), so one small copy per block pair costs
+less than staging an index tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from workers.copy_stream import CopyStream
 from workers.layers.attention import Attention
 
 
@@ -52,6 +56,16 @@ class CacheEngine:
         self.offload_cache = torch.empty((num_offload_blocks, *cpu_shape[1:]), dtype=dtype,
                                          device="cpu",
                                          pin_memory=device.type == "cuda" and num_offload_blocks > 0)
+        self.copy_stream = CopyStream(device)
+        # One block in the device's contiguous layout: a GPU block is strided (`gpu_cache[:, :,
+        # b]`), and a strided copy across devices would allocate a contiguous temporary per
+        # copy; through this buffer each pair is a strided on-device copy plus one contiguous
+        # host<->device copy, both on the copy stream, so reusing it keeps their order.
+        self._staging = torch.empty(cpu_shape[1:] if num_cpu_blocks + num_offload_blocks else 0,
+                                    dtype=dtype, device=device)
+        self.copy_stream.share(self.gpu_cache, self._staging)
+        self._host = {"offload": (self.offload_cache, num_offload_blocks, "tier"),
+                      "swap": (self.cpu_cache, num_cpu_blocks, "CPU")}
 
     def bind(self, layers: list[Attention]) -> None:
         """Point every attention layer at its slice of the stacked cache."""
@@ -74,44 +88,63 @@ class CacheEngine:
 
     def swap_out(self, pairs: np.ndarray) -> None:
         """Copy GPU blocks `pairs[:, 0]` to CPU blocks `pairs[:, 1]`, every layer, K and V."""
-        self._to_host(pairs, self.cpu_cache, self.num_cpu_blocks, "swap-out")
+        self.transfer(swap_out=pairs)
 
     def swap_in(self, pairs: np.ndarray) -> None:
         """Copy CPU blocks `pairs[:, 0]` to GPU blocks `pairs[:, 1]`, every layer, K and V."""
-        self._from_host(pairs, self.cpu_cache, self.num_cpu_blocks, "swap-in")
+        self.transfer(swap_in=pairs)
 
     def offload(self, pairs: np.ndarray) -> None:
         """Copy GPU blocks `pairs[:, 0]` to offload-tier blocks `pairs[:, 1]`, in order (a
         later pair may overwrite a tier block an earlier one wrote)."""
-        self._to_host(pairs, self.offload_cache, self.num_offload_blocks, "offload", "tier")
+        self.transfer(offload=pairs)
 
     def load(self, pairs: np.ndarray) -> None:
         """Copy offload-tier blocks `pairs[:, 0]` to GPU blocks `pairs[:, 1]`."""
-        self._from_host(pairs, self.offload_cache, self.num_offload_blocks, "load", "tier")
+        self.transfer(load=pairs)
 
-    def _to_host(self, pairs: np.ndarray, host: torch.Tensor, num_host: int, what: str,
-                 host_name: str = "CPU") -> None:
-        """(GPU, host) pairs in order, one non-blocking copy each (swap-out and offload)."""
-        if len(pairs) == 0:
+    def transfer(self, offload: np.ndarray | None = None, swap_out: np.ndarray | None = None,
+                 swap_in: np.ndarray | None = None, load: np.ndarray | None = None) -> None:
+        """One step's host<->GPU copies in this order (scheduler/plan.py), one non-blocking copy
+        per block pair on the copy stream; every id is checked before any copy is enqueued.
+        The compute stream does not see them until `wait_transfers`."""
+        out, back = [], []  # ([(gpu, host id)], host buffer), ([(host id, gpu)], host buffer)
+        for what, pairs, tier in (("offload", offload, "offload"), ("swap-out", swap_out, "swap")):
+            if pairs is not None and len(pairs):
+                buf, n, name = self._host[tier]
+                out.append((self._pairs(pairs, (self.num_gpu_blocks, n),
+                                        (f"{what} GPU", f"{what} {name}")), buf))
+        for what, pairs, tier in (("swap-in", swap_in, "swap"), ("load", load, "offload")):
+            if pairs is not None and len(pairs):
+                buf, n, name = self._host[tier]
+                back.append((self._pairs(pairs, (n, self.num_gpu_blocks),
+                                         (f"{what} {name}", f"{what} GPU")), buf))
+        if not out and not back:
             return
-        for gpu, dst in self._pairs(pairs, (self.num_gpu_blocks, num_host),
-                                    (f"{what} GPU", f"{what} {host_name}")):
-            host[dst].copy_(self.gpu_cache[:, :, gpu], non_blocking=True)
+        self.copy_stream.begin()
+        try:
+            staging = self._staging
+            for checked, buf in out:
+                for gpu, dst in checked:
+                    staging.copy_(self.gpu_cache[:, :, gpu])
+                    buf[dst].copy_(staging, non_blocking=True)
+            for checked, buf in back:
+                for src, gpu in checked:
+                    staging.copy_(buf[src], non_blocking=True)
+                    self.gpu_cache[:, :, gpu].copy_(staging)
+        finally:
+            self.copy_stream.end()
 
-    def _from_host(self, pairs: np.ndarray, host: torch.Tensor, num_host: int, what: str,
-                   host_name: str = "CPU") -> None:
-        """(host, GPU) pairs in order, one non-blocking copy each (swap-in and load)."""
-        if len(pairs) == 0:
-            return
-        for src, gpu in self._pairs(pairs, (num_host, self.num_gpu_blocks),
-                                    (f"{what} {host_name}", f"{what} GPU")):
-            self.gpu_cache[:, :, gpu].copy_(host[src], non_blocking=True)
+    def wait_transfers(self) -> None:
+        """The compute stream waits (on the device) for every `transfer` enqueued so far."""
+        self.copy_stream.wait()
 
     def copy(self, pairs: np.ndarray) -> None:
         """Copy-on-write: GPU blocks `pairs[:, 0]` to GPU blocks `pairs[:, 1]` (all read first:
         a block may be one pair's destination and a later pair's source)."""
         if len(pairs) == 0:
             return
+        self.wait_transfers()
         checked = self._pairs(pairs, (self.num_gpu_blocks, self.num_gpu_blocks),
                               ("copy source", "copy destination"))
         sources = torch.stack([self.gpu_cache[:, :, src] for src, _ in checked], dim=2)

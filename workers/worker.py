@@ -303,12 +303,12 @@ class Worker:
         runner = _loaded(self.model_runner)
         step = _Launched(plan.step_id, self._outputs.begin(), keep_logits)
         runner.table.drop(plan.dropped_seq_ids)
-        cache.offload(plan.offload)  # first: nothing of this step has overwritten them yet
-        cache.swap_out(plan.swap_out)
-        cache.swap_in(plan.swap_in)
-        cache.load(plan.load)
+        # On the copy stream, after all compute so far (so offloads read the evicted blocks
+        # before anything of this step overwrites them); copy-on-write waits for them.
+        cache.transfer(plan.offload, plan.swap_out, plan.swap_in, plan.load)
         cache.copy(plan.copies)
         if plan.is_empty:
+            cache.wait_transfers()
             runner.table.apply(plan)
             runner.pending.record(plan.step_id, _EMPTY)
             self._launched.append(step)
@@ -321,6 +321,8 @@ class Worker:
         step.batch = batch
         self._launched.append(step)
         runner.fill_pending(batch, self.tp)
+        # The forwards (the draft's, then the target's) read loaded blocks, write offloaded ones.
+        cache.wait_transfers()
         if batch.draft is not None:  # the draft's proposals into the verify rows, on device
             table = runner.table
             assert drafter is not None and batch.verify is not None

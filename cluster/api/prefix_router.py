@@ -2,31 +2,36 @@
 
 Policy (`rank_replicas`, one screen, Ray Serve LLM's PrefixCacheAffinityRouter / SGLang's
 cache_aware shape with exact block hashes instead of approximate text trees):
-  1. Balance first: if the most loaded replica has more than `imbalance_abs` requests more than
-     the least loaded one and more than `imbalance_rel` times as many, rank by load alone.
+  1. Balance first: a replica with more than `imbalance_abs` requests more than the least
+     loaded one and more than `imbalance_rel` times as many is overloaded; it goes last.
   2. Affinity: a request with a routing key (OpenAI's `prompt_cache_key`, else the
      `X-Session-Id` header) goes back to the replica its key last went to, unless that replica
-     is overloaded (the same two thresholds against the least loaded): then it spills, and
-     the key follows it.
-  3. Best match: the replica holding most of the request's leading blocks (the chained xxh3
-     hashes of kvcache/hashing.py over the prompt the ingress tokenized, with the request's
-     cache salt), the least loaded among equals; unless it is overloaded. No replica holding
-     the first block: the least loaded (among equals, the one holding fewest blocks).
+     is overloaded: then it spills, and the key follows it.
+  3. Least prompt work: among the others, the replica with the fewest prompt tokens to compute
+     before this request's first token: those it still owes for requests this router sent it
+     (`work`: what each missed there when sent) plus what this request misses there (its
+     prompt past the leading blocks that replica holds: the chained xxh3 hashes of
+     kvcache/hashing.py over the prompt the ingress tokenized, with the request's cache salt).
+     So a prefix goes home unless its home owes more than recomputing it elsewhere costs.
+     Among equals: fewer requests, then the emptier cache, then random.
 The others follow, least loaded first, so Serve falls through to them when the first refuses
-(max_ongoing_requests). Load is the larger of what this router has in flight on a replica and
-the requests in its engine as the replica last reported. One candidate: taken as it is, nothing
-hashed.
+(max_ongoing_requests). Requests and work in flight count what this router routed and what it
+chose and Serve has not confirmed yet (Serve confirms a routing only after a round trip to the
+replica, and routes the next requests of a burst meanwhile); requests are the larger of that
+and the requests in the engine as the replica last reported. A request's work counts until
+it completes (an upper bound once its prefill is done). One candidate: taken as it is,
+nothing hashed.
 
 Holdings (kv_holdings.py): every `poll_period_s` (0.25 s) a task in the router's process calls
 `LLMServer.kv_events` on every replica with Serve's `DeploymentHandle.broadcast`, passing each
 replica's cursor; each answers with its `KVEventLog` entries since then (kvcache/events.py;
 stored and evicted hashes in order, batched by the polling) and its load. So the view is at
 most one period plus one round trip old (after 5 s without routing a request the period
-is 1 s; Serve's routing-stats period, 10 s, is not used), and
-the hashes this router just routed count as held meanwhile. A replica that Serve drops or
-reports dead loses its holdings at once; a restarted engine answers with a snapshot (new
-epoch). Per request the router hashes the prompt once and walks each replica's leading blocks
-in set lookups, stopping at the first miss; docs/benchmarks.md has the measured time.
+is 1 s; Serve's routing-stats period, 10 s, is not used), and the hashes this router just
+chose a replica for count as held there meanwhile. A replica that Serve drops or reports dead
+loses its holdings at once; a restarted engine answers with a snapshot (new epoch). Per
+request the router hashes the prompt once and walks each replica's leading blocks in set
+lookups, stopping at the first miss; docs/benchmarks.md has the measured time.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ DEFAULT_POLL_PERIOD_S = 0.25
 # are not asked eight times a second for what has not changed.
 IDLE_AFTER_S, IDLE_POLL_PERIOD_S = 5.0, 1.0
 MAX_ROUTING_KEYS = 100_000  # affinity entries kept, least recently used dropped first
+CHOSEN_TTL_S = 30.0  # a chosen request not routed by then was cancelled: it stops counting
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,29 +80,29 @@ class RoutingThresholds:
 
 def rank_replicas(replica_ids: Sequence[str], loads: dict[str, int], matches: dict[str, float],
                   affinity: str | None, th: RoutingThresholds, rng: random.Random,
-                  sizes: dict[str, int] | None = None) -> tuple[list[str], str]:
-    """Replica ids best first and why the first one (the module docstring's policy).
-
-    Among equally loaded replicas the one holding fewer blocks (`sizes`) comes first, so new
-    prefixes spread over the replicas' caches; then a random one.
-    """
-    sizes = sizes or {}
+                  sizes: dict[str, int] | None = None, work: dict[str, int] | None = None,
+                  block_size: int = 16) -> tuple[list[str], str]:
+    """Replica ids best first and why the first one (the module docstring's policy): loads in
+    requests, matches in leading blocks held, sizes in blocks cached, work in prompt tokens."""
+    sizes, work = sizes or {}, work or {}
     by_load = sorted(replica_ids,
                      key=lambda r: (loads.get(r, 0), sizes.get(r, 0), rng.random()))
     least = loads.get(by_load[0], 0)
-    if th.overloaded(loads.get(by_load[-1], 0), least):
-        return by_load, "balance"
+    fit = [r for r in by_load if not th.overloaded(loads.get(r, 0), least)]
 
     def first(r: str) -> list[str]:
-        return [r] + [x for x in by_load if x != r]
+        return [r] + [x for x in fit if x != r] + [x for x in by_load if x not in fit]
 
-    if affinity in loads and affinity in replica_ids:
-        if not th.overloaded(loads[affinity], least):
-            return first(affinity), "affinity"
-    best = max(by_load, key=lambda r: matches.get(r, 0.0))  # by_load order breaks ties
-    if matches.get(best, 0.0) > 0.0 and not th.overloaded(loads.get(best, 0), least):
-        return first(best), "prefix"
-    return by_load, "load"
+    if affinity in fit and affinity in replica_ids:
+        return first(affinity), "affinity"
+
+    def cost(r: str) -> float:  # prompt tokens before this request's first token, less a constant
+        return work.get(r, 0) - matches.get(r, 0.0) * block_size
+
+    best = min(fit, key=cost)  # the first among equals in by_load order
+    if cost(min(by_load, key=cost)) < cost(best):
+        return first(best), "balance"  # an overloaded replica would have been cheaper
+    return first(best), "prefix" if matches.get(best, 0.0) > 0.0 else "load"
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -118,12 +124,18 @@ class PrefixAwareRouter(RequestRouter):
         # (RequestRouterConfig), which would copy a global dict and whatever it holds.
         self.shared = kv_holdings.SHARED.setdefault(key, kv_holdings.Shared(recent_ttl_s))
         self.view = self.shared.view
-        self.in_flight: dict[str, int] = {}
-        # internal request id -> replica, for requests this router routed (Serve also reports
-        # broadcasts, e.g. the metrics and the KV-event polls, as completed requests).
-        self._routed: dict[str, str] = {}
+        self.in_flight: dict[str, int] = {}  # replica -> requests routed, not completed
+        self.work: dict[str, int] = {}  # replica -> prompt tokens of those that missed there
+        # internal request id -> (replica, its work), for requests this router routed (Serve
+        # also reports broadcasts, e.g. the metrics and KV-event polls, as completed requests).
+        self._routed: dict[str, tuple[str, int]] = {}
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
         self._hashes: dict[str, list[BlockHash]] = {}  # internal request id -> prompt hashes
+        # internal request id -> (replica chosen, when, its work there): chosen, not routed
+        # yet. Serve calls on_request_routed only once the replica has accepted (a round
+        # trip), and meanwhile routes the next requests: these count as load and their hashes
+        # as held already.
+        self._chosen: dict[str, tuple[str, float, int]] = {}
         self._rng = random.Random()
         self.last_reason = ""
 
@@ -134,11 +146,13 @@ class PrefixAwareRouter(RequestRouter):
         ids = [r.replica_id.unique_id for r in replicas]
         self.view.retain(ids)
         self.in_flight = {r: self.in_flight.get(r, 0) for r in ids}
+        self.work = {r: self.work.get(r, 0) for r in ids}
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.view.drop(replica_id.unique_id)
         self.in_flight.pop(replica_id.unique_id, None)
+        self.work.pop(replica_id.unique_id, None)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -151,36 +165,82 @@ class PrefixAwareRouter(RequestRouter):
         hashes = self._prompt_hashes(pending_request)
         matches = self.view.matches(hashes, ids) if hashes else {}
         reported = self.view.loads()
-        loads = {r: max(self.in_flight.get(r, 0), reported.get(r, 0)) for r in ids}
+        chosen, chosen_work = self._count_chosen(pending_request)
+        loads = {r: max(self.in_flight.get(r, 0) + chosen.get(r, 0), reported.get(r, 0))
+                 for r in ids}
+        work = {r: self.work.get(r, 0) + chosen_work.get(r, 0) for r in ids}
         key = _routing_key(pending_request)
         affinity = self.routing_keys.get(key) if key is not None else None
-        ranked, self.last_reason = rank_replicas(ids, loads, matches, affinity,
-                                                 self.thresholds, self._rng, self.view.sizes())
+        ranked, self.last_reason = rank_replicas(ids, loads, matches, affinity, self.thresholds,
+                                                 self._rng, self.view.sizes(), work,
+                                                 self.block_size)
+        if pending_request is not None:
+            held = int(matches.get(ranked[0], 0.0) * self.block_size)
+            self._chosen[pending_request.metadata.internal_request_id] = (
+                ranked[0], time.monotonic(), max(1, self._prompt_len(pending_request) - held))
+            if hashes:
+                self.view.note_routed(ranked[0], hashes)
+            if key is not None:  # the next turn of this session follows before this one lands
+                self._remember_key(key, ranked[0])
         return [[by_id[ranked[0]]], [by_id[r] for r in ranked[1:]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         rid = replica_id.unique_id
+        internal_id = pending_request.metadata.internal_request_id
         self.shared.last_routed = time.monotonic()
         self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
-        self._routed[pending_request.metadata.internal_request_id] = rid
-        hashes = self._hashes.pop(pending_request.metadata.internal_request_id, None)
-        if hashes:
+        chosen = self._chosen.pop(internal_id, None)
+        # Sent elsewhere than chosen (Serve fell through): count its whole prompt there.
+        cost = chosen[2] if chosen is not None and chosen[0] == rid else \
+            self._prompt_len(pending_request)
+        self._routed[internal_id] = (rid, cost)
+        self.work[rid] = self.work.get(rid, 0) + cost
+        hashes = self._hashes.pop(internal_id, None)
+        if hashes and (chosen is None or chosen[0] != rid):  # Serve fell through to another
             self.view.note_routed(rid, hashes)
         key = _routing_key(pending_request)
         if key is not None:
-            self.routing_keys[key] = rid
-            self.routing_keys.move_to_end(key)
-            if len(self.routing_keys) > MAX_ROUTING_KEYS:
-                self.routing_keys.popitem(last=False)
+            self._remember_key(key, rid)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._hashes.pop(internal_request_id, None)
-        rid = self._routed.pop(internal_request_id, None)
-        if rid is not None and self.in_flight.get(rid, 0) > 0:
+        self._chosen.pop(internal_request_id, None)
+        routed = self._routed.pop(internal_request_id, None)
+        if routed is not None and self.in_flight.get(routed[0], 0) > 0:
+            rid, cost = routed
             self.in_flight[rid] -= 1
+            self.work[rid] = max(0, self.work.get(rid, 0) - cost)
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _count_chosen(self, pending: PendingRequest | None
+                      ) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests and work chosen for each replica and not routed yet (not `pending` itself,
+        which Serve may route again after a refusal); entries older than CHOSEN_TTL_S are
+        dropped (a request cancelled while Serve routed it gets no completion)."""
+        own = pending.metadata.internal_request_id if pending is not None else None
+        stale = time.monotonic() - CHOSEN_TTL_S
+        counts: dict[str, int] = {}
+        work: dict[str, int] = {}
+        for rid, (replica, when, cost) in list(self._chosen.items()):
+            if when < stale:
+                del self._chosen[rid]
+            elif rid != own:
+                counts[replica] = counts.get(replica, 0) + 1
+                work[replica] = work.get(replica, 0) + cost
+        return counts, work
+
+    @staticmethod
+    def _prompt_len(pr: PendingRequest | None) -> int:
+        args = pr.args if pr is not None else None
+        return len(args[0]) if args and isinstance(args[0], list) else 0
+
+    def _remember_key(self, key: str, replica: str) -> None:
+        self.routing_keys[key] = replica
+        self.routing_keys.move_to_end(key)
+        if len(self.routing_keys) > MAX_ROUTING_KEYS:
+            self.routing_keys.popitem(last=False)
 
     def _prompt_hashes(self, pr: PendingRequest | None) -> list[BlockHash]:
         """The request's prompt block hashes, computed once per request (Serve may ask again)."""

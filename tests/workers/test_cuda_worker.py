@@ -78,6 +78,7 @@ def test_cuda_swap_round_trip_uses_pinned_memory_and_never_syncs() -> None:
     torch.cuda.set_sync_debug_mode("error")  # swaps and copies never wait on the host
     try:
         eng.swap_out(np.array([[2, 4], [7, 0]]))
+        eng.wait_transfers()  # the swap-out ran on the copy stream
         eng.gpu_cache[:, :, 2].zero_()
         eng.gpu_cache[:, :, 7].zero_()
         eng.swap_in(np.array([[4, 9], [0, 1]]))

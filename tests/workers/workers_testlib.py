@@ -316,6 +316,8 @@ def _child_main(rank: int, commands: Any, replies: Any) -> None:
 def _kv_blocks(worker: Worker, gpu_ids: list[int], tier_ids: list[int]
                ) -> tuple[np.ndarray, np.ndarray]:
     cache = worker.cache_engine
+    if cache.gpu_cache.is_cuda:
+        torch.cuda.synchronize()  # the tier is written on the copy stream
     return (cache.gpu_cache[:, :, gpu_ids].cpu().numpy().copy(),
             cache.offload_cache[tier_ids].numpy().copy())
 

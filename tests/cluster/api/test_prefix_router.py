@@ -22,9 +22,9 @@ SYSTEM_A = list(range(1000, 1064))  # four blocks of 16
 SYSTEM_B = list(range(2000, 2064))
 
 
-def rank(loads, matches=None, affinity=None, sizes=None, th=TH):
+def rank(loads, matches=None, affinity=None, sizes=None, th=TH, work=None):
     return rank_replicas(list(loads), loads, matches or {}, affinity, th, random.Random(0),
-                         sizes)
+                         sizes, work)
 
 
 def test_best_match_wins_while_loads_are_within_the_thresholds():
@@ -44,6 +44,21 @@ def test_imbalance_guard_ranks_by_load_past_both_thresholds():
 def test_no_match_goes_to_the_least_loaded_then_the_emptier_cache():
     assert rank({"a": 1, "b": 0}) == (["b", "a"], "load")
     assert rank({"a": 0, "b": 0}, sizes={"a": 10, "b": 2}) == (["b", "a"], "load")
+
+
+def test_a_prefix_goes_home_unless_its_home_owes_more_prompt_work_than_recomputing_it():
+    # four blocks (64 tokens) held on a: a wins while it owes fewer than 64 more tokens
+    assert rank({"a": 1, "b": 1}, {"a": 4.0}, work={"a": 50, "b": 0}) == (["a", "b"], "prefix")
+    assert rank({"a": 1, "b": 1}, {"a": 4.0}, work={"a": 200, "b": 0}) == (["b", "a"], "load")
+    # no match anywhere: the replica owing least, not the one with fewer requests
+    assert rank({"a": 3, "b": 1}, work={"a": 0, "b": 2000}) == (["a", "b"], "load")
+
+
+def test_an_overloaded_replica_goes_last_and_the_best_of_the_rest_wins():
+    loads = {"a": 10, "b": 2, "c": 3}
+    assert rank(loads, {"a": 4.0, "c": 2.0}) == (["c", "b", "a"], "balance")
+    assert rank(loads, {"c": 2.0}) == (["c", "b", "a"], "prefix")
+    assert rank(loads, {"a": 4.0}, affinity="a")[0][0] == "b"  # the session spills
 
 
 def test_affinity_keeps_a_session_until_its_replica_is_overloaded_then_spills():
@@ -247,15 +262,58 @@ def test_router_hooks_send_a_prefix_home_and_count_only_what_they_routed():
         home = ranks[0][0]
         router.on_request_routed(first, home.replica_id, None)
         other = b if home is a else a
-        again = await router.choose_replicas([a, b], request(2, SYSTEM_A + [2] * 8))
-        assert again[0] == [home] and router.last_reason == "prefix"
-        assert router.in_flight == {home.replica_id.unique_id: 1}
+        hid = home.replica_id.unique_id
+        assert router.in_flight == {hid: 1}
         router.on_request_completed(home.replica_id, "a-broadcast-to-every-replica")
-        assert router.in_flight == {home.replica_id.unique_id: 1}
+        assert router.in_flight == {hid: 1}
+        # request 1 missed everything: its 72 prompt tokens are work owed until it completes;
+        # meanwhile one sharing its 64-token prefix is cheaper to start on the idle replica
+        assert router.work == {hid: 72}
+        meanwhile = await router.choose_replicas([a, b], request(2, SYSTEM_A + [2] * 8))
+        assert meanwhile[0] == [other] and router.last_reason == "load"
         router.on_request_completed(home.replica_id, "internal-1")
-        assert router.in_flight == {home.replica_id.unique_id: 0}
+        assert router.in_flight == {hid: 0} and router.work == {hid: 0}
+        again = await router.choose_replicas([a, b], request(3, SYSTEM_A + [3] * 8))
+        assert again[0] == [home] and router.last_reason == "prefix"
         router.on_replica_actor_died(home.replica_id)
-        gone = await router.choose_replicas([other], request(3, SYSTEM_A))
+        gone = await router.choose_replicas([other], request(4, SYSTEM_A))
         assert gone == [[other]] and router.view.replica_ids() == [other.replica_id.unique_id]
+
+    asyncio.run(go())
+
+
+def test_a_burst_is_spread_and_grouped_before_serve_confirms_any_routing():
+    """Serve confirms a routing (on_request_routed) only after a round trip to the replica and
+    routes the next requests meanwhile: what the router chose counts as load and as held at
+    once, so a burst of two prefixes puts each prefix on one replica, one per replica."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from cluster.api.prefix_router import PrefixAwareRouter
+
+    def request(i: int, tokens: list[int]) -> PendingRequest:
+        return PendingRequest(args=[tokens, None, f"r{i}", None], kwargs={"routing_key": None},
+                              metadata=RequestMetadata(f"r{i}", f"internal-{i}"))
+
+    async def go() -> None:
+        router = PrefixAwareRouter(deployment_id=DeploymentID(name="LLMServer", app_name="t"),
+                                   handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(block_size=16)
+        router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
+        a, b = _Replica("a"), _Replica("b")
+        router.view.retain(["a", "b"])
+        burst = [request(i, (SYSTEM_A if i % 2 == 0 else SYSTEM_B) + [i] * 8) for i in range(6)]
+        homes = [(await router.choose_replicas([a, b], r))[0][0].replica_id.unique_id
+                 for r in burst]
+        assert homes[0] != homes[1], "the second prefix goes to the idle replica"
+        assert homes[2::2] == [homes[0]] * 2 and homes[3::2] == [homes[1]] * 2
+        assert not any(router.in_flight.values())  # nothing routed yet
+        # Serve routes request 0 where chosen: it moves from chosen to in flight
+        router.on_request_routed(burst[0], a.replica_id if homes[0] == "a" else b.replica_id,
+                                 None)
+        assert router.in_flight[homes[0]] == 1 and len(router._chosen) == 5
+        router._chosen["cancelled"] = ("a", time.monotonic() - 31.0, 1)  # never routed
+        assert router._count_chosen(None)[0] == {homes[0]: 2, homes[1]: 3}
+        assert "cancelled" not in router._chosen
 
     asyncio.run(go())
