@@ -9,6 +9,9 @@ applies to runtime arguments.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -38,7 +41,9 @@ def compile_kernel(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str
     return triton.compile(src, target=TARGET, options=options)
 
 
-def main() -> None:
+def jobs() -> list[tuple]:
+    """Every (kernel, pointer types, constexprs, floats, aligned, options) to compile."""
+    out: list[tuple] = []
     for dt in ("bf16", "fp16", "fp32"):
         precision = "ieee" if dt == "fp32" else "tf32"
         # (BLOCK_M, GROUP, FOLD, segments, chunk K/V, warps, stages, integer specialisations):
@@ -57,38 +62,66 @@ def main() -> None:
                         v_cache_ptr=dt, block_tables_ptr="i32", query_start_loc_ptr="i32",
                         seq_lens_ptr="i32", part_acc_ptr=part, part_max_ptr=part,
                         part_sum_ptr=part)
-            compile_kernel(triton_attention._paged_attention_kernel, ptrs,
-                           dict(GROUP=group, FOLD=fold, HEAD_DIM=128, HEAD_DIM_PAD=128,
-                                BLOCK_M=block_m, BLOCK_Q=block_m // fold, TILE_N=64,
-                                NUM_SEGMENTS=segments, HAS_CHUNK_KV=chunk_kv,
-                                DOT_PRECISION=precision, **extra),
-                           floats=("scale_log2",), aligned=i > 0, num_warps=warps,
-                           num_stages=stages)
+            add_job(out, triton_attention._paged_attention_kernel, ptrs,
+                    dict(GROUP=group, FOLD=fold, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                         BLOCK_M=block_m, BLOCK_Q=block_m // fold, TILE_N=64,
+                         NUM_SEGMENTS=segments, HAS_CHUNK_KV=chunk_kv,
+                         DOT_PRECISION=precision, **extra),
+                    floats=("scale_log2",), aligned=i > 0, num_warps=warps,
+                    num_stages=stages)
         if dt != "bf16":
             continue
-        compile_kernel(triton_attention._merge_segments_kernel,
-                       dict(out_ptr=dt, part_acc_ptr="fp32", part_max_ptr="fp32",
-                            part_sum_ptr="fp32"),
-                       dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SEGMENTS=16), num_warps=4)
-        compile_kernel(triton_kv._write_kv_kernel,
-                       dict(key_ptr=dt, value_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt,
-                            slot_mapping_ptr="i64"),
-                       dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HD=1024), num_warps=4)
+        add_job(out, triton_attention._merge_segments_kernel,
+                dict(out_ptr=dt, part_acc_ptr="fp32", part_max_ptr="fp32",
+                     part_sum_ptr="fp32"),
+                dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SEGMENTS=16), num_warps=4)
+        add_job(out, triton_kv._write_kv_kernel,
+                dict(key_ptr=dt, value_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt,
+                     slot_mapping_ptr="i64"),
+                dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HD=1024), num_warps=4)
         for residual in (False, True):
-            compile_kernel(triton_fused._rms_norm_kernel,
-                           dict(out_ptr=dt, x_ptr=dt, residual_ptr=dt, residual_out_ptr=dt,
-                                weight_ptr=dt),
-                           dict(HAS_RESIDUAL=residual, BLOCK=1024), floats=("eps",), num_warps=4)
+            add_job(out, triton_fused._rms_norm_kernel,
+                    dict(out_ptr=dt, x_ptr=dt, residual_ptr=dt, residual_out_ptr=dt,
+                         weight_ptr=dt),
+                    dict(HAS_RESIDUAL=residual, BLOCK=1024), floats=("eps",), num_warps=4)
         for norm, write in ((True, True), (False, False)):  # the prologue; plain rotary
-            compile_kernel(triton_fused._qk_norm_rope_kernel,
-                           dict(positions_ptr="i64", q_ptr=dt, k_ptr=dt, v_ptr=dt,
-                                q_weight_ptr=dt, k_weight_ptr=dt, cos_sin_ptr="fp32",
-                                k_cache_ptr=dt, v_cache_ptr=dt, slot_mapping_ptr="i64"),
-                           dict(HALF=64, BLOCK_HALF=64, BLOCK_HQ=16, BLOCK_HK=8, NORM=norm,
-                                WRITE_KV=write), floats=("eps",), num_warps=4)
-        compile_kernel(triton_fused._silu_and_mul_kernel, dict(out_ptr=dt, x_ptr=dt),
-                       dict(BLOCK=1024), num_warps=4)
-    print("compiled for sm_90")
+            add_job(out, triton_fused._qk_norm_rope_kernel,
+                    dict(positions_ptr="i64", q_ptr=dt, k_ptr=dt, v_ptr=dt,
+                         q_weight_ptr=dt, k_weight_ptr=dt, cos_sin_ptr="fp32",
+                         k_cache_ptr=dt, v_cache_ptr=dt, slot_mapping_ptr="i64"),
+                    dict(HALF=64, BLOCK_HALF=64, BLOCK_HQ=16, BLOCK_HK=8, NORM=norm,
+                         WRITE_KV=write), floats=("eps",), num_warps=4)
+        add_job(out, triton_fused._silu_and_mul_kernel, dict(out_ptr=dt, x_ptr=dt),
+                dict(BLOCK=1024), num_warps=4)
+    return out
+
+
+def add_job(out: list[tuple], fn, ptrs: dict[str, str], constexprs: dict,
+         floats: tuple[str, ...] = (), aligned: bool = True, **options: int) -> None:
+    out.append((fn, ptrs, constexprs, floats, aligned, options))
+
+
+_JOBS: list[tuple] = []
+
+
+def _compile(i: int) -> None:
+    fn, ptrs, constexprs, floats, aligned, options = _JOBS[i]
+    compile_kernel(fn, ptrs, constexprs, floats, aligned, **options)
+
+
+def compile_all(jobs: list[tuple]) -> None:
+    """Compile every job (add_job's tuples), each in a forked process, as many at once as
+    there are CPUs: LLVM and ptxas are single-threaded. Put the longest jobs first."""
+    _JOBS[:] = jobs
+    workers = min(len(_JOBS), os.cpu_count() or 1)
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        for _ in pool.imap_unordered(_compile, range(len(_JOBS))):
+            pass
+    print(f"{len(_JOBS)} configurations compiled for sm_90")
+
+
+def main() -> None:
+    compile_all(jobs())
 
 
 if __name__ == "__main__":
