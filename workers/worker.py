@@ -105,8 +105,10 @@ class Worker:
         else:
             self.dtype = _DTYPES[cfg.dtype]
         if self.device.type == "cuda":
+            draft = (None if cfg.speculative_model is None
+                     else load_model_config(cfg.speculative_model, cfg.tensor_parallel_size))
             check_weights_fit(mc, self.tp.world_size, _itemsize(self.dtype),
-                              torch.cuda.mem_get_info()[1], cfg.gpu_memory_utilization)
+                              torch.cuda.mem_get_info()[1], cfg.gpu_memory_utilization, draft)
         with torch.device(self.device):
             model = Qwen3ForCausalLM(mc, self.tp, self.dtype, cfg.attention_backend,
                                      max_position=cfg.max_model_len,
@@ -410,14 +412,19 @@ class Worker:
 
 
 def check_weights_fit(mc: ModelConfig, tensor_parallel_size: int, itemsize: int,
-                      device_bytes: int, gpu_memory_utilization: float) -> None:
-    """ValueError, before any allocation, when one rank's weights exceed its share of the device."""
+                      device_bytes: int, gpu_memory_utilization: float,
+                      draft: ModelConfig | None = None) -> None:
+    """ValueError, before any allocation, when one rank's weights (the target's, and a
+    speculative draft's shard beside them) exceed its share of the device."""
     need = mc.weight_bytes_per_rank(tensor_parallel_size, itemsize)
+    if draft is not None:
+        need += draft.weight_bytes_per_rank(tensor_parallel_size, itemsize)
     budget = int(device_bytes * gpu_memory_utilization)
     if need > budget:
         gib = 1024 ** 3
+        with_draft = "" if draft is None else f" with the draft {draft.model}"
         raise ValueError(
-            f"{mc.model}: one rank's weights take {need / gib:.1f} GiB at "
+            f"{mc.model}{with_draft}: one rank's weights take {need / gib:.1f} GiB at "
             f"tensor_parallel_size={tensor_parallel_size}, more than gpu_memory_utilization="
             f"{gpu_memory_utilization} of the device's {device_bytes / gib:.1f} GiB "
             f"({budget / gib:.1f} GiB); use more tensor-parallel ranks")
