@@ -44,7 +44,10 @@ def ray_cluster() -> Iterator[None]:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
+        # "local": always a new cluster of the session's own. Without it Ray joins whatever
+        # $RAY_TMPDIR/ray/ray_current_cluster names, and a file a killed earlier run left
+        # there fails every test with "When connecting to an existing cluster, num_cpus ...".
+        ray.init("local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     yield
     if not ray.is_initialized():  # a module ran its own cluster (tests/cluster/multinode/)
