@@ -35,27 +35,15 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     import httpx
-    import ray
     import test_node_loss as t
-    from ray import serve
-    from ray.cluster_utils import Cluster
 
     from cluster.api.serve_env import apply_proxy_env
-    from workers.distributed import get_free_port
 
     apply_proxy_env()  # the HTTP front the tests and `./dev serve` run with
     t.PROMPTS[:] = [f"Request {i}: the quick brown fox" for i in range(args.requests)]
     t.MAX_TOKENS = args.max_tokens
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0,
-                                                            "include_dashboard": False})
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-        port = get_free_port()
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        url = f"http://127.0.0.1:{port}"
+    with t.simulated_cluster() as sim:
+        url = sim.url
         t._deploy(t.ARGS)
 
         async def reference() -> list[tuple]:
@@ -84,12 +72,6 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
 
 
 if __name__ == "__main__":

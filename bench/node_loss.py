@@ -32,27 +32,14 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     import httpx
-    import ray
     import test_node_loss as t
-    from ray import serve
-    from ray.cluster_utils import Cluster
 
-    from cluster.api.serve_app import build_app
-    from workers.distributed import get_free_port
 
     t.PROMPTS[:] = [f"Request {i}: the quick brown fox" for i in range(args.requests)]
     t.MAX_TOKENS = args.max_tokens
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0,
-                                                            "include_dashboard": False})
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-        port = get_free_port()
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(t.ARGS), name=t.APP, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
+    with t.simulated_cluster() as sim:
+        cluster, url = sim.cluster, sim.url
+        t._deploy(t.ARGS)
 
         async def timed(client: httpx.AsyncClient, prompt: str, started: asyncio.Event):
             start = time.perf_counter()
@@ -98,12 +85,6 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
 
 
 if __name__ == "__main__":

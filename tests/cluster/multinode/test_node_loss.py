@@ -25,9 +25,9 @@ from typing import Any
 
 import httpx
 import pytest
+from sim_cluster import Sim, simulated_cluster
 
 from cluster.api.prometheus import parse_prometheus
-from workers.distributed import get_free_port
 
 pytestmark = pytest.mark.slow
 
@@ -49,41 +49,17 @@ ARGS: dict[str, Any] = dict(
 SERVED_BY: dict[str, str] = {}
 
 
-class Sim:
-    """The simulated cluster and the app's URL."""
-
-    def __init__(self, cluster: Any, url: str) -> None:
-        self.cluster = cluster
-        self.url = url
-
-
 @pytest.fixture(scope="module")
 def sim() -> Iterator[Sim]:
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
-
 
     if ray.is_initialized():  # the session's one-node cluster (tests/cluster/conftest.py)
         serve.shutdown()
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False})
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-        port = get_free_port()
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    with simulated_cluster() as sim:
         _deploy(ARGS)
-        yield Sim(cluster, f"http://127.0.0.1:{port}")
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+        yield sim
 
 
 def _actors(class_name: str) -> list[dict[str, Any]]:
