@@ -84,7 +84,12 @@ PER_REPLICA = (
      "Prefix cache hits of one replica, in tokens."),
     ("num_requests_running", "qwen3_serve:replica_num_requests_running",
      "Requests in one replica's model execution batches."),
+    ("num_requests_waiting", "qwen3_serve:replica_num_requests_waiting",
+     "Requests waiting in one replica's queue."),
+    ("kv_cache_usage_perc", "qwen3_serve:replica_kv_cache_usage_perc",
+     "One replica's KV-cache usage. 1 means 100 percent usage."),
 )
+_GAUGE_KEYS = {key for key, _, _ in GAUGES}
 PREEMPTIONS = ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
 SUCCESS = ("vllm:request_success", "Count of successfully processed requests.")
 
@@ -166,7 +171,7 @@ def render_prometheus(snapshots: list[dict[str, Any]], model_name: str) -> str:
         lines.append(f"{name}_count{{{label}}} {h.count}")
     replicas = sorted((s["replica_id"], s) for s in snapshots if s.get("replica_id"))
     for key, name, help_text in PER_REPLICA if replicas else ():
-        kind = "gauge" if key.startswith("num_") else "counter"
+        kind = "gauge" if key in _GAUGE_KEYS else "counter"
         header(name, help_text, kind)
         suffix = "_total" if kind == "counter" else ""
         for rid, s in replicas:
