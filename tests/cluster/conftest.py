@@ -36,6 +36,14 @@ for _key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
              "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"):
     os.environ.setdefault(_key, str(_free_port()))
 
+# Serve says a replica is slow to be scheduled (the deployment's message in `serve status`)
+# after RAY_SERVE_SLOW_STARTUP_WARNING_S, first once that period has passed since the deploy:
+# 30 s and 30 s by default, 5 s here so tests/cluster/api/test_capacity.py does not spend
+# CI's time waiting for it. Only the warning's timing changes (Serve stops a slow replica only
+# when it is recovering after a controller restart, which no test does).
+for _key in ("RAY_SERVE_SLOW_STARTUP_WARNING_S", "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S"):
+    os.environ.setdefault(_key, "5")
+
 RAY_NUM_CPUS = 4
 
 
