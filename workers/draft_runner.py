@@ -29,8 +29,12 @@ placeholder at p + j + 1 and into the rejection sampler's proposal matrix, on th
 Greedy makes the proposal a point mass, which `workers/rejection_sampler.py` accepts exactly.
 With tp > 1 rank 0 holds the gathered logits and broadcasts each forward's tokens (one small
 collective per proposal index). The host only builds index arrays from the plan (numpy, no
-per-request loop); no device value is read on the host. With a draft, decode steps run
-eager (no CUDA graphs yet: `follow` would need the graph's block tables).
+per-request loop); no device value is read on the host.
+
+CUDA graphs (workers/cuda_graph.py): on a step that replays a decode or verify graph, `follow`
+is the graph's captured twin (the draft's forward over the graph's static inputs and block
+tables, padding rows included: they write no K/V); `propose` runs eager, before the verify
+graph copies the input ids it filled.
 """
 
 from __future__ import annotations
