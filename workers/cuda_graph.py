@@ -1,11 +1,11 @@
 """CUDA graphs for decode and verify steps, captured once after KV allocation.
 
-A `CUDAGraphRunner` captures steps of q tokens per sequence: q = 1 for decode batches, q = k + 1
-for speculative decoding's verify batches (every sequence a verify row with exactly the
-configured k proposals). One graph per padded batch size in `capture_batch_sizes` (1, 2, 4,
-8, then every multiple of 16, then the largest: max_num_seqs for decode; for verify the batch
-size above which the per-batch off switch stops speculation, so no verify graph is captured
-that no step could replay), all graphs of both runners sharing one memory pool. A graph holds
+A `CUDAGraphRunner` captures steps of q tokens per sequence: q = 1 for decode batches, q = d + 1
+for speculative decoding's verify batches (every sequence a verify row with d proposals). One
+graph per padded batch size in `capture_batch_sizes` (1, 2, 4, 8, then every multiple of 16,
+then the largest: max_num_seqs for decode; for verify with the configured k the batch size above
+which the per-batch off switch stops speculation, so no verify graph is captured that no step
+could replay), all graphs of every runner sharing one memory pool. A graph holds
 the forward, the logits and (rank 0) greedy/temperature sampling
 (`workers.sampler.sample_simple`) of every token row over its own static inputs; a batch of B
 sequences replays the smallest graph of size >= B. Rows past B are padding: slot -1 (no KV
@@ -14,11 +14,12 @@ temperature 0; their outputs are ignored. Attention is captured with max_seq_len
 max_model_len and query_start_loc = i * q, so one graph serves every context length (the
 kernels read the true lengths from `seq_lens`).
 
-Verify steps with fewer proposals than k (a per-request off switch gives 0, a plain decode;
-lookahead clipped by max_tokens or max_model_len near a request's end; an n-gram match near the
-tail) or with rows of different lengths (prefill chunks beside verify rows) run eager:
-capturing every q in 2..k + 1 would multiply the graphs, and the logits each keeps, by k for
-steps that are rare with a draft model (always k proposals) and at most k per request.
+Fewer proposals than k (lookahead clipped by max_tokens or max_model_len near a request's end;
+an n-gram match near the tail) have graphs of one sequence only (q in 2..k, batch size 1):
+every verify step of a lone sequence (the user speculation serves best) replays a graph, while
+capturing every q at every batch size would multiply the graphs, and the logits each keeps
+(bs * q * vocab), by k. Larger batches whose rows differ in proposals (or that mix prefill
+chunks with verify rows) run eager.
 The acceptance count (workers/rejection_sampler.py) runs after the graph, on the device.
 
 With a speculative draft model each graph has a second one, `follow`: the draft's forward
@@ -211,20 +212,23 @@ def capture_step_graphs(model: Qwen3ForCausalLM, draft: Qwen3ForCausalLM | None,
                         max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
                         device: torch.device, num_speculative_tokens: int = 0,
                         max_verify_seqs: int = 0, graph_factory: Callable[[], Any] | None = None
-                        ) -> tuple[CUDAGraphRunner, CUDAGraphRunner | None]:
+                        ) -> tuple[CUDAGraphRunner, dict[int, CUDAGraphRunner]]:
     """The decode graphs and, with speculation (k = num_speculative_tokens > 0), the verify
-    graphs (k + 1 tokens per sequence, up to `max_verify_seqs` sequences), captured in one
-    memory pool, the runner with the most token rows first; each with the draft's follow
-    graphs when there is a draft."""
+    graphs by query length q: q = k + 1 up to `max_verify_seqs` sequences, q in 2..k for one
+    sequence. All in one memory pool, the runner with the most token rows first; each with
+    the draft's follow graphs when there is a draft."""
     factory = graph_factory or CUDAGraphFactory()
-    decode = CUDAGraphRunner(model, max_num_seqs, max_blocks_per_seq, max_model_len, device,
-                             factory, draft=draft)
-    verify = None
-    if num_speculative_tokens > 0 and max_verify_seqs > 0:
-        verify = CUDAGraphRunner(model, min(max_num_seqs, max_verify_seqs), max_blocks_per_seq,
-                                 max_model_len, device, factory, num_speculative_tokens + 1,
-                                 draft)
-    runners = [r for r in (decode, verify) if r is not None]
-    for runner in sorted(runners, key=lambda r: -r.max_tokens):
-        runner.capture()
+
+    def runner(num_seqs: int, q: int) -> CUDAGraphRunner:
+        return CUDAGraphRunner(model, num_seqs, max_blocks_per_seq, max_model_len, device,
+                               factory, q, draft)
+
+    decode = runner(max_num_seqs, 1)
+    verify: dict[int, CUDAGraphRunner] = {}
+    k = num_speculative_tokens
+    if k > 0 and max_verify_seqs > 0:
+        verify = {q: runner(1, q) for q in range(2, k + 1)}
+        verify[k + 1] = runner(min(max_num_seqs, max_verify_seqs), k + 1)
+    for r in sorted([decode, *verify.values()], key=lambda r: -r.max_tokens):
+        r.capture()
     return decode, verify

@@ -92,7 +92,8 @@ class ModelRunner:
                                     device=device)
         self.sampler = Sampler()
         self.graph_runner: CUDAGraphRunner | None = None  # decode graphs
-        self.verify_graph_runner: CUDAGraphRunner | None = None  # speculative verify graphs
+        # speculative verify graphs by query length (proposals + 1)
+        self.verify_graph_runners: dict[int, CUDAGraphRunner] = {}
 
     @property
     def seqs(self) -> dict:
@@ -296,16 +297,16 @@ class ModelRunner:
     def _graphs_for(self, plan: StepPlan, decode: bool, qlens: np.ndarray,
                     num_sampled: int) -> CUDAGraphRunner | None:
         """The runner whose graphs fit the step, if any: every sequence samples, and either
-        each computes one token (decode) or each is a verify row of exactly the verify
-        graphs' k proposals (workers/cuda_graph.py says why fewer run eager)."""
+        each computes one token (decode) or each is a verify row of the same d proposals
+        (workers/cuda_graph.py says which d have graphs)."""
         if num_sampled != plan.num_seqs:
             return None
         if decode:
             return self.graph_runner
-        g = self.verify_graph_runner
+        q = int(qlens[0])
+        g = self.verify_graph_runners.get(q)
         if g is None or plan.num_draft_tokens is None:
             return None
-        q = g.query_len
         if not (qlens == q).all() or not (plan.num_draft_tokens == q - 1).all():
             return None
         return g

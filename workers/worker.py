@@ -230,7 +230,7 @@ class Worker:
         """Capture the decode and verify graphs, with the draft's (workers/cuda_graph.py);
         `graph_factory` EagerGraph runs the graph path on CPU."""
         cfg, runner = self.config, _loaded(self.model_runner)
-        runner.graph_runner, runner.verify_graph_runner = capture_step_graphs(
+        runner.graph_runner, runner.verify_graph_runners = capture_step_graphs(
             _loaded(self.model), None if self.drafter is None else self.drafter.model,
             cfg.max_num_seqs, runner.table.max_blocks_per_seq, cfg.max_model_len, self.device,
             cfg.num_speculative_tokens, cfg.speculative_max_num_seqs, graph_factory)
