@@ -1,0 +1,103 @@
+"""Verify steps through the CUDA-graph hand-over on CPU (EagerGraph): a batch of verify rows
+with the same proposal count replays its graph, padded to the next captured size (3 -> 4), and
+gives eager's tokens, acceptance counts and logits; padding rows write no K/V; a batch that
+mixes verify rows with a prefill chunk, or rows of different proposal counts, runs eager."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from workers_testlib import LocalExecutor
+
+from scheduler.plan import NewSeq, StepPlan
+from scheduler.sampling_params import SamplingParams
+from workers.cuda_graph import EagerGraph
+
+K = 2
+CONFIG = dict(num_gpu_blocks=24, num_cpu_blocks=2, max_model_len=128, max_num_seqs=4,
+              num_speculative_tokens=K, speculative_max_num_seqs=4)
+PARAMS = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=5),
+          SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=9)]
+PROMPTS = [list(range(300, 310)), list(range(500, 517)), list(range(700, 705)),
+           list(range(900, 930))]
+
+
+def _plan(step: int, seq_ids, qlens, starts, ids, drafts=None, **kw) -> StepPlan:
+    n = len(seq_ids)
+    return StepPlan(step, np.array(seq_ids, np.int64), np.array(qlens, np.int32),
+                    np.array(starts, np.int32), np.array(ids, np.int64), np.ones(n, bool),
+                    num_draft_tokens=None if drafts is None else np.array(drafts, np.int32), **kw)
+
+
+def _new(i: int) -> NewSeq:
+    return NewSeq(i, f"r{i}", 0, len(PROMPTS[i]), [], [4 * i + b for b in range(4)], PARAMS[i])
+
+
+@pytest.fixture(scope="module")
+def executors(tiny_dir: str):
+    eager = LocalExecutor(model=tiny_dir, **CONFIG)
+    graphs = LocalExecutor(model=tiny_dir, **CONFIG)
+    graphs.worker.capture_graphs(EagerGraph)
+    runner = graphs.worker.model_runner
+    assert sorted(runner.graph_runner.graphs) == [1, 2, 4]
+    assert {q: sorted(r.graphs) for q, r in runner.verify_graph_runners.items()} == {
+        2: [1], K + 1: [1, 2, 4]}
+    sizes: list[tuple[int, int]] = []  # (query length of the graph or 0, graph size)
+    prepare = runner.prepare
+
+    def logged(plan):
+        batch = prepare(plan)
+        sizes.append((0 if batch.graphs is None else batch.graphs.query_len, batch.graph_size))
+        return batch
+
+    runner.prepare = logged
+    yield eager, graphs, sizes
+    eager.close()
+    graphs.close()
+
+
+def _both(executors, plan: StepPlan):
+    """Run the plan on both workers; the graph worker's results, after checking that they are
+    eager's (tokens, accepted counts, logits)."""
+    eager, graphs, _ = executors
+    (want, want_logits), (got, got_logits) = eager.execute(plan), graphs.execute(plan)
+    np.testing.assert_array_equal(got.token_ids, want.token_ids)
+    if want.num_tokens is not None:
+        np.testing.assert_array_equal(got.num_tokens, want.num_tokens)
+    np.testing.assert_allclose(got_logits, want_logits, atol=1e-5, rtol=0)
+    return got
+
+
+def test_verify_batches_replay_padded_graphs_and_mixed_batches_run_eager(executors) -> None:
+    eager, graphs, sizes = executors
+    first = _both(executors, _plan(1, [0, 1, 2], [len(p) for p in PROMPTS[:3]], [0, 0, 0],
+                                   sum(PROMPTS[:3], []), new_seqs=[_new(i) for i in range(3)]))
+    last = first.token_ids.tolist()
+    pos = [len(p) for p in PROMPTS[:3]]
+    # three verify rows of K proposals each (the first row's proposals: its greedy tokens)
+    ids = [last[0], 0, 0, last[1], 11, 12, last[2], 13, 14]
+    out = _both(executors, _plan(2, [0, 1, 2], [K + 1] * 3, pos, ids, [K] * 3))
+    assert sizes[-1] == (K + 1, 4)  # padded: 3 rows replay the graph of 4
+    # a lone row's graph; with its true greedy tokens as proposals it accepts them all
+    g0 = int(out.token_ids[0])
+    g1 = int(_both(executors, _plan(3, [0], [K + 1], [pos[0]], [last[0], g0, 0], [K]))
+             .token_ids[1])
+    assert sizes[-1] == (K + 1, 1)
+    out = _both(executors, _plan(4, [0], [K + 1], [pos[0]], [last[0], g0, g1], [K]))
+    assert out.num_tokens.tolist() == [K + 1]
+    # one row of fewer proposals: the lone sequence's graph of q = 2
+    _both(executors, _plan(14, [1], [2], [pos[1]], [last[1], 21], [1]))
+    assert sizes[-1] == (2, 1)
+    # verify rows beside a prefill chunk, and rows of different proposal counts: eager
+    _both(executors, _plan(15, [0, 2, 3], [K + 1, K + 1, 12], [pos[0] + 1, pos[2], 0],
+                           [g0, 31, 32, last[2], 33, 34, *PROMPTS[3][:12]], [K, K, 0],
+                           new_seqs=[_new(3)]))
+    _both(executors, _plan(16, [0, 2], [K + 1, 2], [pos[0] + 2, pos[2] + 1], [5, 6, 7, 8, 9],
+                           [K, 1]))
+    assert sizes[-2:] == [(0, 0), (0, 0)]
+    # padding rows wrote no K/V: the caches hold the same values
+    np.testing.assert_allclose(graphs.worker.cache_engine.gpu_cache.numpy(),
+                               eager.worker.cache_engine.gpu_cache.numpy(), atol=1e-5, rtol=0)
+    done = _plan(17, [], [], [], [], dropped_seq_ids=[0, 1, 2, 3])
+    eager.execute(done)
+    graphs.execute(done)
