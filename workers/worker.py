@@ -14,8 +14,8 @@ from __future__ import annotations
 import gc
 import math
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
