@@ -124,9 +124,8 @@ class Worker:
                 cfg.max_model_len, cfg.block_size, self.device)
         self.model_runner = ModelRunner(model, self.device, cfg.block_size, cfg.max_model_len,
                                         cfg.max_num_seqs, mc.vocab_size, cfg.seed)
-        # (a verify step samples k + 1 rows per sequence)
-        self._outputs = StepOutputs(self.device, cfg.max_num_seqs * (1 + cfg.num_speculative_tokens),
-                                    MAX_LAUNCHED + 1)
+        rows = cfg.max_num_seqs * (1 + cfg.num_speculative_tokens)  # (verify: k + 1 each)
+        self._outputs = StepOutputs(self.device, rows, MAX_LAUNCHED + 1)
 
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block on this rank: the target's layers and the draft's."""

@@ -3,7 +3,8 @@ functions eagerly, so every line of the graph hand-over runs): verify steps (eve
 tokens) replay the verify graphs, padded to the next captured batch size; decode steps replay
 the decode graphs with a draft model too, whose follow forward replays its own graph; steps
 that mix verify rows with prefill chunks run eager (tests/workers/test_verify_graphs.py pins
-that and the padded rows' logits). Greedy tokens equal those of speculation off (n-gram; draft = the target itself, every proposal accepted; a random draft, most rejected).
+that and the padded rows' logits). Greedy tokens equal those of speculation off (n-gram;
+draft = the target itself, every proposal accepted; a random draft, most rejected).
 """
 
 from __future__ import annotations
