@@ -70,6 +70,8 @@ def check_verify_steps(eager: LocalExecutor, graphs: LocalExecutor, atol: float)
     assert {q: sorted(r.graphs) for q, r in runner.verify_graph_runners.items()} == {
         2: [1], K + 1: [1, 2, 4]}
     sizes = _logged_sizes(graphs)
+    for ex in (eager, graphs):  # (CPU caches start uninitialized: compared at the end)
+        ex.worker.cache_engine.gpu_cache.zero_()
 
     def both(plan: StepPlan):
         return _both(eager, graphs, plan, atol)
@@ -78,7 +80,7 @@ def check_verify_steps(eager: LocalExecutor, graphs: LocalExecutor, atol: float)
                        sum(PROMPTS[:3], []), new_seqs=[_new(i) for i in range(3)]))
     last = first.token_ids.tolist()
     pos = [len(p) for p in PROMPTS[:3]]
-    # three verify rows of K proposals each
+    # three verify rows of K proposals each (made-up proposals)
     ids = [last[0], 0, 0, last[1], 11, 12, last[2], 13, 14]
     out = both(_plan(2, [0, 1, 2], [K + 1] * 3, pos, ids, [K] * 3))
     assert sizes[-1] == (K + 1, 4)  # padded: 3 rows replay the graph of 4
