@@ -24,9 +24,11 @@ The acceptance count (workers/rejection_sampler.py) runs after the graph, on the
 
 With a speculative draft model each graph has a second one, `follow`: the draft's forward
 over the same static inputs (its K/V for every token of the step), replayed after the step's
-sampled ids are copied out, so that copy never waits for it. The draft's proposals (k
-one-token forwards before a verify step) run eager and write into the staged input ids the
-verify graph then copies in.
+sampled ids' copy is enqueued, so that copy never waits for it; and each verify graph a third,
+`propose`, replayed before it when the rows' proposals are the draft's (DRAFT_TOKEN): the
+draft's q - 1 one-token forwards over every row (`DraftRunner.propose_uniform`), writing each
+argmax into the next token's input and into the graph's proposal matrix, which the
+acceptance count then reads.
 
 Static inputs are laid out as the model runner stages them: the int64 ones back to back in
 `GRAPH_I64_FIELDS` order, so a step hands them over with one device copy (plus seq_lens,
@@ -43,6 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.distributed import TensorParallelGroup
+from workers.draft_runner import DraftRunner
 from workers.layers.attention import AttentionMetadata
 from workers.qwen3 import Qwen3ForCausalLM
 from workers.sampler import sample_simple
@@ -118,6 +122,9 @@ class _StepGraph:
         self.tokens: Tensor | None = None
         self.graph: Any = None
         self.follow: Any = None  # the draft's forward over the same inputs (or None)
+        self.propose: Any = None  # verify graphs with a draft: its proposals (or None)
+        # the rejection sampler's proposals (-1 in the last column: never agrees)
+        self.proposal = torch.full((bs, q), -1, dtype=torch.int64, device=device)
 
 
 class CUDAGraphRunner:
@@ -127,9 +134,11 @@ class CUDAGraphRunner:
     def __init__(self, model: Qwen3ForCausalLM, max_num_seqs: int, max_blocks_per_seq: int,
                  max_model_len: int, device: torch.device,
                  graph_factory: Callable[[], Any] | None = None, query_len: int = 1,
-                 draft: Qwen3ForCausalLM | None = None) -> None:
+                 drafter: DraftRunner | None = None,
+                 tp: TensorParallelGroup | None = None) -> None:
         self.model = model
-        self.draft = draft
+        self.drafter = drafter
+        self.tp = tp or TensorParallelGroup.single()
         self.query_len = query_len
         self.max_model_len = max_model_len
         self.max_blocks = max_blocks_per_seq
@@ -152,8 +161,14 @@ class CUDAGraphRunner:
         return logits, sample_simple(logits, g.temperature, g.rng_key, g.rng_counter)
 
     def _follow(self, g: _StepGraph) -> tuple[()]:
-        assert self.draft is not None
-        self.draft(g.input_ids, g.positions, self._metadata(g))
+        assert self.drafter is not None
+        self.drafter.model(g.input_ids, g.positions, self._metadata(g))
+        return ()
+
+    def _propose(self, g: _StepGraph) -> tuple[()]:
+        assert self.drafter is not None
+        self.drafter.propose_uniform(g.input_ids, g.positions, self._metadata(g), g.proposal,
+                                     self.tp)
         return ()
 
     @torch.inference_mode()
@@ -161,8 +176,10 @@ class CUDAGraphRunner:
         """Capture every batch size, largest first so smaller graphs reuse its pool."""
         for bs in reversed(self.batch_sizes):
             g = _StepGraph(bs, self.query_len, self.max_blocks, self.device)
+            if self.drafter is not None and self.query_len > 1:
+                g.propose, _ = self._capture(lambda g=g: self._propose(g))
             g.graph, (g.logits, g.tokens) = self._capture(lambda g=g: self._step(g))
-            if self.draft is not None:
+            if self.drafter is not None:
                 g.follow, _ = self._capture(lambda g=g: self._follow(g))
             self.graphs[bs] = g
 
@@ -192,13 +209,19 @@ class CUDAGraphRunner:
     def replay(self, batch: Any, device_block_table: Tensor
                ) -> tuple[Tensor | None, Tensor | None]:
         """Run a staged step (a model_runner.StepBatch with `graph_size` set): its inputs
-        into the graph's, then the graph; (logits [bs * q, V], tokens [bs * q]) on rank 0."""
+        into the graph's, the draft's proposals when its rows wait for them (`batch.draft`:
+        then `batch.verify` takes the graph's proposal matrix), then the graph;
+        (logits [bs * q, V], tokens [bs * q]) on rank 0."""
         g = self.graphs[batch.graph_size]
         g.i64.copy_(batch.graph_i64[:g.i64.shape[0]])
         g.seq_lens.copy_(batch.attn_metadata.seq_lens)
         if batch.graph_temperature is not None:
             g.temperature.copy_(batch.graph_temperature)
         torch.index_select(device_block_table, 0, batch.graph_rows, out=g.block_tables)
+        if batch.draft is not None:
+            g.propose.replay()
+            n = batch.verify[0].shape[0]
+            batch.verify = (batch.verify[0], g.proposal[:n])
         g.graph.replay()
         return g.logits, g.tokens
 
@@ -208,20 +231,20 @@ class CUDAGraphRunner:
         self.graphs[graph_size].follow.replay()
 
 
-def capture_step_graphs(model: Qwen3ForCausalLM, draft: Qwen3ForCausalLM | None,
-                        max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
-                        device: torch.device, num_speculative_tokens: int = 0,
+def capture_step_graphs(model: Qwen3ForCausalLM, drafter: DraftRunner | None,
+                        tp: TensorParallelGroup, max_num_seqs: int, max_blocks_per_seq: int,
+                        max_model_len: int, device: torch.device, num_speculative_tokens: int = 0,
                         max_verify_seqs: int = 0, graph_factory: Callable[[], Any] | None = None
                         ) -> tuple[CUDAGraphRunner, dict[int, CUDAGraphRunner]]:
     """The decode graphs and, with speculation (k = num_speculative_tokens > 0), the verify
     graphs by query length q: q = k + 1 up to `max_verify_seqs` sequences, q in 2..k for one
     sequence. All in one memory pool, the runner with the most token rows first; each with
-    the draft's follow graphs when there is a draft."""
+    the draft's follow graphs (and, verify graphs, its propose graphs) when there is one."""
     factory = graph_factory or CUDAGraphFactory()
 
     def runner(num_seqs: int, q: int) -> CUDAGraphRunner:
         return CUDAGraphRunner(model, num_seqs, max_blocks_per_seq, max_model_len, device,
-                               factory, q, draft)
+                               factory, q, drafter, tp)
 
     decode = runner(max_num_seqs, 1)
     verify: dict[int, CUDAGraphRunner] = {}

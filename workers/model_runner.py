@@ -195,6 +195,9 @@ class ModelRunner:
                 drafts.astype(np.int64), sample_rows, logits_idx, s_counter, constrained,
                 input_ids)
             num_sampled = int(sample_rows.shape[0])
+            if graph and entries is not None and entries.offsets[-1] != num_seqs * (q - 1):
+                # rows of the draft's proposals beside rows of given ones: no graph's shape
+                graphs, graph, pad, tpad, q = None, 0, 0, 0, 1
         s_temp = table.temperature[sample_rows]
         pen = _NO_PENALTIES
         if table.penalties.num_used:  # (sequences with penalties are rare: skip it all)

@@ -230,8 +230,8 @@ class Worker:
         `graph_factory` EagerGraph runs the graph path on CPU."""
         cfg, runner = self.config, _loaded(self.model_runner)
         runner.graph_runner, runner.verify_graph_runners = capture_step_graphs(
-            _loaded(self.model), None if self.drafter is None else self.drafter.model,
-            cfg.max_num_seqs, runner.table.max_blocks_per_seq, cfg.max_model_len, self.device,
+            _loaded(self.model), self.drafter, self.tp, cfg.max_num_seqs,
+            runner.table.max_blocks_per_seq, cfg.max_model_len, self.device,
             cfg.num_speculative_tokens, cfg.speculative_max_num_seqs, graph_factory)
 
     def warm_up(self) -> None:
@@ -330,7 +330,8 @@ class Worker:
         runner.fill_pending(batch, self.tp)
         # The forwards (the draft's, then the target's) read loaded blocks, write offloaded ones.
         cache.wait_transfers()
-        if batch.draft is not None:  # the draft's proposals into the verify rows, on device
+        # the draft's proposals into the verify rows, on device (a graph step: in its replay)
+        if batch.draft is not None and batch.graphs is None:
             table = runner.table
             assert drafter is not None and batch.verify is not None
             drafter.propose(batch.input_ids, batch.verify[1], batch.draft, table.block_table,

@@ -96,6 +96,10 @@ def check_verify_steps(eager: LocalExecutor, graphs: LocalExecutor, atol: float)
         # (the greedy rows accept everything; row 1 samples at temperature 1)
         assert sizes[-1] == (K + 1, 4) and out.num_tokens[[0, 2]].tolist() == [K + 1] * 2
         assert out.token_ids[:K].tolist() == [g0, g1]
+        # the draft's proposals beside given ones: eager
+        both(_plan(6, [0, 2], [K + 1] * 2, [pos[0], pos[2]],
+                   [last[0], DRAFT_TOKEN, DRAFT_TOKEN, last[2], 41, 42], [K] * 2))
+        assert sizes[-1] == (0, 0)
     # one row of fewer proposals: the lone sequence's graph of q = 2
     both(_plan(14, [1], [2], [pos[1]], [last[1], 21], [1]))
     assert sizes[-1] == (2, 1)
