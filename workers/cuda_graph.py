@@ -16,11 +16,13 @@ kernels read the true lengths from `seq_lens`).
 
 Fewer proposals than k (lookahead clipped by max_tokens or max_model_len near a request's end;
 an n-gram match near the tail) have graphs of one sequence only (q in 2..k, batch size 1):
-every verify step of a lone sequence (the user speculation serves best) replays a graph, while
+every verify step of a lone sequence (one conversation: where speculation pays most) replays a
+graph, while
 capturing every q at every batch size would multiply the graphs, and the logits each keeps
 (bs * q * vocab), by k. Larger batches whose rows differ in proposals (or that mix prefill
 chunks with verify rows) run eager.
-The acceptance count (workers/rejection_sampler.py) runs after the graph, on the device.
+The acceptance count (workers/rejection_sampler.py: a few small batched ops, no host sync) runs
+after the graph, on the device, the same code for graph and eager steps.
 
 With a speculative draft model each graph has a second one, `follow`: the draft's forward
 over the same static inputs (its K/V for every token of the step), replayed after the step's
