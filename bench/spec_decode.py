@@ -19,7 +19,12 @@ prompts are short). Acceptance length = 1 + accepted / drafts (tokens per verify
 
     .venv/bin/python bench/spec_decode.py [--k 4] [--tokens 256] [--batch-tokens 64]
         [--repeats 2] [--rows 1.0:1,0.0:1,0.7:32,ngram:1,draft:1,selfdraft:1] [--json out.json]
-        [--disable-by-batch-size N]
+        [--disable-by-batch-size N] [--device cuda --model DIR [--draft-model DIR]]
+        [--enforce-eager]
+
+On a GPU the engines replay CUDA graphs for decode and verify steps (workers/cuda_graph.py);
+`--enforce-eager` turns them off in both engines, so the verify graphs' gain is the ratio of
+the `tok_s_on` of two runs, one with the flag and one without (same rows, same machine).
 """
 
 from __future__ import annotations
@@ -84,17 +89,22 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
                     help="speculative_config.disable_by_batch_size (default: the engine's)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--model", default="qwen3-tiny", help="the target (checkpoint dir or name)")
+    ap.add_argument("--draft-model", default="qwen3-tiny-draft", help="the `draft` row's draft")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="no CUDA graphs (decode nor verify): the A/B for the verify graphs")
     a = ap.parse_args()
 
     from cluster import LLM
 
-    engine = dict(model="qwen3-tiny", device="cpu", executor="inprocess", max_num_seqs=64,
-                  max_model_len=1024)
+    engine = dict(model=a.model, device=a.device, executor="inprocess", max_num_seqs=64,
+                  max_model_len=1024, enforce_eager=a.enforce_eager)
     off = LLM(**engine)
     on = LLM(**engine, speculative_config={"method": "ngram", "num_speculative_tokens": a.k,
                                            "disable_by_batch_size": a.disable_by_batch_size})
     ngram = on.engine.scheduler.spec.proposer
-    draft_models = {"draft": "qwen3-tiny-draft", "selfdraft": "qwen3-tiny"}
+    draft_models = {"draft": a.draft_model, "selfdraft": a.model}
     kinds = {item.split(":")[0] for item in a.rows.split(",")}
     ons = {kind: LLM(**engine, speculative_config={
         "model": draft_models[kind], "num_speculative_tokens": a.k,
@@ -127,7 +137,8 @@ def main() -> None:
         drafts = spec.num_drafts - drafts0
         accepted = spec.num_accepted_tokens - acc0
         row = {"acceptance": acc if acc in ("ngram", *draft_models) else float(acc), "batch": batch,
-               "k": a.k, "output_tokens": tokens,
+               "k": a.k, "output_tokens": tokens, "device": a.device,
+               "cuda_graphs": a.device == "cuda" and not a.enforce_eager,
                "tok_s_off": round(statistics.median(offs), 2),
                "tok_s_on": round(statistics.median(ons_tps), 2),
                "speedup": round(statistics.median(ons_tps) / statistics.median(offs), 3),

@@ -40,6 +40,10 @@ class WorkerConfig:
     enable_expert_parallel: bool = False
     # speculative decoding's draft model, a resolved checkpoint directory (None: no draft)
     speculative_model: str | None = None
+    # speculative decoding's k (0: off) and the most sequences a verify step holds (the
+    # per-batch off switch): the verify CUDA graphs' shapes
+    num_speculative_tokens: int = 0
+    speculative_max_num_seqs: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -70,5 +74,9 @@ class WorkerConfig:
                              f"got {self.num_gpu_blocks_override}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB; got {self.swap_space}")
+        for name in ("num_speculative_tokens", "speculative_max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
         if self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB; got {self.kv_offloading_size}")

@@ -29,8 +29,13 @@ placeholder at p + j + 1 and into the rejection sampler's proposal matrix, on th
 Greedy makes the proposal a point mass, which `workers/rejection_sampler.py` accepts exactly.
 With tp > 1 rank 0 holds the gathered logits and broadcasts each forward's tokens (one small
 collective per proposal index). The host only builds index arrays from the plan (numpy, no
-per-request loop); no device value is read on the host. With a draft, decode steps run
-eager (no CUDA graphs yet: `follow` would need the graph's block tables).
+per-request loop); no device value is read on the host.
+
+CUDA graphs (workers/cuda_graph.py): on a step that replays a decode or verify graph, `follow`
+is the graph's captured twin (the draft's forward over the graph's static inputs and block
+tables, padding rows included: they write no K/V), and a verify graph's proposals come from
+its captured `propose_uniform` (the same forwards as `propose` for a batch of equal rows,
+indexed by the regular layout instead of host-made entries).
 """
 
 from __future__ import annotations
@@ -181,14 +186,37 @@ class DraftRunner:
                 query_start_loc=self._arange[:b - a + 1], seq_lens=batch.seq_lens[a:b],
                 max_query_len=1, max_seq_len=e.max_seq_lens[j])
             ids = (input_ids if j == 0 else tokens).index_select(0, batch.src[a:b])
-            hidden = self.model(ids, batch.positions[a:b], md)
-            logits = self.model.compute_logits(hidden)
-            out = tokens[a:b]
-            if logits is not None:  # rank 0
-                torch.argmax(logits, dim=-1, out=out)
-            tp.broadcast_from_first(out)
+            self._greedy(ids, batch.positions[a:b], md, tokens[a:b], tp)
         input_ids.index_put_((batch.fill,), tokens)
         proposal.view(-1).index_put_((batch.prop,), tokens)
+
+    def _greedy(self, ids: Tensor, positions: Tensor, md: AttentionMetadata, out: Tensor,
+                tp: TensorParallelGroup) -> None:
+        """One draft forward of one token per row: its argmax into `out` on every rank."""
+        logits = self.model.compute_logits(self.model(ids, positions, md))
+        if logits is not None:  # rank 0
+            torch.argmax(logits, dim=-1, out=out)
+        tp.broadcast_from_first(out)
+
+    def propose_uniform(self, input_ids: Tensor, positions: Tensor, md: AttentionMetadata,
+                        proposal: Tensor, tp: TensorParallelGroup) -> None:
+        """`propose` for a batch whose every row is a verify row of q - 1 DRAFT_TOKENs, from
+        its step's metadata (rows of q tokens, query_start_loc i * q): the same forwards over
+        every row at once, with no host-made index (what a verify CUDA graph captures).
+        `proposal` [B, q] gets the tokens in its first q - 1 columns."""
+        bs, q = proposal.shape
+        ids, pos = input_ids.view(bs, q), positions.view(bs, q)
+        slots = md.slot_mapping.view(bs, q)
+        starts = md.query_start_loc[:bs + 1] // q  # 0..bs: one token per row
+        for j in range(q - 1):
+            step = AttentionMetadata(
+                slot_mapping=slots[:, j].contiguous(), block_tables=md.block_tables,
+                query_start_loc=starts, seq_lens=md.seq_lens - (q - 1 - j), max_query_len=1,
+                max_seq_len=md.max_seq_len)
+            out = torch.empty(bs, dtype=torch.int64, device=input_ids.device)
+            self._greedy(ids[:, j].contiguous(), pos[:, j].contiguous(), step, out, tp)
+            ids[:, j + 1] = out
+            proposal[:, j] = out
 
     @torch.inference_mode()
     def follow(self, input_ids: Tensor, positions: Tensor, md: AttentionMetadata) -> None:

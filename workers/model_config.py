@@ -4,7 +4,8 @@ Dense Qwen3 (`Qwen3ForCausalLM`) and mixture-of-experts Qwen3 (`Qwen3MoeForCausa
 router and experts' sizes, and `decoder_sparse_step` / `mlp_only_layers`, which pick the
 layers whose MLP is sparse, as transformers does). Reads transformers-5 configs
 (`rope_parameters`) and legacy ones (`rope_theta`, `rope_scaling`, `torch_dtype`). The engine uses it too (max length, EOS ids, vocab size),
-so it imports nothing heavier than the standard library.
+so it imports nothing heavier than the standard library. `check_weights_fit` says, before
+any allocation, whether a rank's weights fit its device.
 """
 
 from __future__ import annotations
@@ -207,3 +208,22 @@ def _generation_config(path: Path) -> dict[str, Any]:
     """The checkpoint's generation_config.json, or {} without one."""
     gen_file = path / "generation_config.json"
     return json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+
+
+def check_weights_fit(mc: ModelConfig, tensor_parallel_size: int, itemsize: int,
+                      device_bytes: int, gpu_memory_utilization: float,
+                      draft: ModelConfig | None = None) -> None:
+    """ValueError, before any allocation, when one rank's weights (the target's, and a
+    speculative draft's shard beside them) exceed its share of the device."""
+    need = mc.weight_bytes_per_rank(tensor_parallel_size, itemsize)
+    if draft is not None:
+        need += draft.weight_bytes_per_rank(tensor_parallel_size, itemsize)
+    budget = int(device_bytes * gpu_memory_utilization)
+    if need > budget:
+        gib = 1024 ** 3
+        with_draft = "" if draft is None else f" with the draft {draft.model}"
+        raise ValueError(
+            f"{mc.model}{with_draft}: one rank's weights take {need / gib:.1f} GiB at "
+            f"tensor_parallel_size={tensor_parallel_size}, more than gpu_memory_utilization="
+            f"{gpu_memory_utilization} of the device's {device_bytes / gib:.1f} GiB "
+            f"({budget / gib:.1f} GiB); use more tensor-parallel ranks")

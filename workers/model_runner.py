@@ -7,9 +7,11 @@ tokens (async scheduling) are filled on the device by the worker between `prepar
 `forward`. Nothing here reads a device value on the host: a step can be launched while the
 one before it still runs.
 
-Decode batches (one token per sequence) replay a CUDA graph of the forward, the logits and,
+Decode batches (one token per sequence) and speculative verify batches (every sequence k + 1
+tokens: its last token and the k proposals) replay a CUDA graph of the forward, the logits and,
 for greedy/temperature-only batches, the sampling too (`workers/cuda_graph.py`); the graph's
-static inputs are laid out as the staged ones are, so handing them over is three copies.
+static inputs are laid out as the staged ones are (padded per token row), so handing them
+over is three copies.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import Tensor
 from scheduler.plan import DRAFT_TOKEN, StepPlan
 from workers.cuda_graph import CUDAGraphRunner
 from workers.distributed import TensorParallelGroup
-from workers.draft_runner import DraftBatch, draft_entries
+from workers.draft_runner import DraftBatch, DraftRunner, draft_entries
 from workers.layers.attention import AttentionMetadata
 from workers.pending import PendingTokens
 from workers.qwen3 import Qwen3ForCausalLM
@@ -46,10 +48,11 @@ class StepBatch:
     logits_indices: Tensor | None  # [S] hidden rows to sample; None: every row, in order
     sampling: SamplingMetadata | None  # None: nothing samples this step
     simple: bool  # greedy/temperature-only: a graph step samples inside the graph
-    graph_size: int  # 0: eager; else the captured decode batch size this step replays
+    graphs: CUDAGraphRunner | None  # whose graph this step replays (decode or verify); None: eager
+    graph_size: int  # 0: eager; else the captured batch size this step replays
     graph_i64: Tensor | None  # the staged region the graph's int64 inputs come from
     graph_rows: Tensor | None  # int64 [graph_size] table rows (padding: row 0)
-    graph_temperature: Tensor | None  # float32 [graph_size] (padding: 0.0)
+    graph_temperature: Tensor | None  # float32 [graph token rows] (padding: 0.0)
     pending_pos: Tensor | None  # int64 [P] token rows whose id is the last step's sample
     pending_src: Tensor | None  # int64 [P] index of that sample in the last step's output
     penalty_tokens: tuple[Tensor, Tensor, Tensor] | None  # (token rows, slots, is_prompt)
@@ -88,7 +91,9 @@ class ModelRunner:
         self._arange = torch.arange(max(max_num_seqs, 1) * 4 + 1, dtype=torch.int32,
                                     device=device)
         self.sampler = Sampler()
-        self.graph_runner: CUDAGraphRunner | None = None
+        self.graph_runner: CUDAGraphRunner | None = None  # decode graphs
+        # speculative verify graphs by query length (proposals + 1)
+        self.verify_graph_runners: dict[int, CUDAGraphRunner] = {}
 
     @property
     def seqs(self) -> dict:
@@ -165,8 +170,11 @@ class ModelRunner:
         table.num_tokens[rows] = seq_lens
         features = int(np.bitwise_or.reduce(table.features[sample_rows])) if num_sampled else 0
 
-        graph = self._graph_size(decode, num_seqs, num_sampled)
+        graphs = self._graphs_for(plan, decode, qlens, num_sampled)
+        graph = 0 if graphs is None else graphs.padded_size(num_seqs)
         pad = graph - num_seqs if graph else 0
+        q = graphs.query_len if graph else 1
+        tpad = pad * q  # padding token rows (and sampled rows: a graph step samples each)
         logits_idx = None
         if not all_sample or not decode:
             logits_idx = (cu[1:] - 1) if cu is not None else np.arange(num_seqs, dtype=np.int64)
@@ -187,21 +195,24 @@ class ModelRunner:
                 drafts.astype(np.int64), sample_rows, logits_idx, s_counter, constrained,
                 input_ids)
             num_sampled = int(sample_rows.shape[0])
+            if graph and entries is not None and entries.offsets[-1] != num_seqs * (q - 1):
+                # rows of the draft's proposals beside rows of given ones: no graph's shape
+                graphs, graph, pad, tpad, q = None, 0, 0, 0, 1
         s_temp = table.temperature[sample_rows]
         pen = _NO_PENALTIES
         if table.penalties.num_used:  # (sequences with penalties are rare: skip it all)
             pen = self._penalty_arrays(sample_rows, token_rows, positions)
         # int64: the graph's inputs first, in cuda_graph.GRAPH_I64_FIELDS order, padded
-        i64 = [_padded(input_ids, pad, 0), _padded(positions, pad, 0), _padded(slots, pad, -1),
-               _padded(table.rng_key[sample_rows], pad, 0), _padded(s_counter, pad, 0),
-               _padded(rows, pad, 0), logits_idx, pending, pending_src,
+        i64 = [_padded(input_ids, tpad, 0), _padded(positions, tpad, 0),
+               _padded(slots, tpad, -1), _padded(table.rng_key[sample_rows], tpad, 0),
+               _padded(s_counter, tpad, 0), _padded(rows, pad, 0), logits_idx, pending, pending_src,
                diff_rows if diff_rows.size else None, diff_cols if diff_rows.size else None,
                *pen[:4], *((None, None) if spec is None else (a.reshape(-1) for a in spec)),
                *((None,) * 6 if entries is None else entries.i64)]
-        i32 = [_padded(seq_lens, pad, 1), cu, table.top_k[sample_rows] if features & TOP_K
+        i32 = [_padded(seq_lens, pad, q), cu, table.top_k[sample_rows] if features & TOP_K
                else None, diff_ids if diff_ids.size else None,
                None if entries is None else entries.seq_lens]
-        f32 = [_padded(s_temp, pad, 0.0), table.top_p[sample_rows] if features & TOP_P else None,
+        f32 = [_padded(s_temp, tpad, 0.0), table.top_p[sample_rows] if features & TOP_P else None,
                table.min_p[sample_rows] if features & MIN_P else None, *pen[4:]]
         (v64, v32, vf), regions = self.stager.stage(i64, i32, f32)
         (d_ids, d_pos, d_slots, d_key, d_counter, d_rows, d_logits_idx, d_pending,
@@ -237,7 +248,8 @@ class ModelRunner:
         return StepBatch(
             step_id=plan.step_id, input_ids=d_ids, positions=d_pos, attn_metadata=md,
             logits_indices=d_logits_idx, sampling=sampling,
-            simple=not (features & ~RANDOM or plan.num_constrained), graph_size=graph,
+            simple=not (features & ~RANDOM or plan.num_constrained),
+            graphs=graphs if graph else None, graph_size=graph,
             graph_i64=regions[0] if graph else None,
             graph_rows=d_rows if graph else None, graph_temperature=d_temp if graph else None,
             pending_pos=d_pending, pending_src=d_pending_src,
@@ -285,11 +297,22 @@ class ModelRunner:
                 table.frequency_penalty[rows] if have_rows else None,
                 table.presence_penalty[rows] if have_rows else None)
 
-    def _graph_size(self, decode: bool, num_seqs: int, num_sampled: int) -> int:
-        g = self.graph_runner
-        if g is None or not decode or num_sampled != num_seqs:
-            return 0
-        return g.padded_size(num_seqs)
+    def _graphs_for(self, plan: StepPlan, decode: bool, qlens: np.ndarray,
+                    num_sampled: int) -> CUDAGraphRunner | None:
+        """The runner whose graphs fit the step, if any: every sequence samples, and either
+        each computes one token (decode) or each is a verify row of the same d proposals
+        (workers/cuda_graph.py says which d have graphs)."""
+        if num_sampled != plan.num_seqs:
+            return None
+        if decode:
+            return self.graph_runner
+        q = int(qlens[0])
+        g = self.verify_graph_runners.get(q)
+        if g is None or plan.num_draft_tokens is None:
+            return None
+        if not (qlens == q).all() or not (plan.num_draft_tokens == q - 1).all():
+            return None
+        return g
 
     # ---- device: forward, logits, sampling ------------------------------------------------
 
@@ -305,10 +328,8 @@ class ModelRunner:
         if batch.penalty_tokens is not None:
             rows, slots, is_prompt = batch.penalty_tokens
             self.table.penalties.record(slots, batch.input_ids[rows], is_prompt)
-        if batch.graph_size:
-            graphs = self.graph_runner
-            assert graphs is not None
-            logits, tokens = graphs.replay(batch, self.table.device_block_table)
+        if batch.graphs is not None:
+            logits, tokens = batch.graphs.replay(batch, self.table.device_block_table)
             n = batch.num_sampled
             if logits is None:
                 return None, None
@@ -319,6 +340,14 @@ class ModelRunner:
         if batch.logits_indices is not None:  # (None: every row samples, one token each)
             hidden = hidden[batch.logits_indices]
         return self.model.compute_logits(hidden), None
+
+    def follow(self, batch: StepBatch, drafter: DraftRunner) -> None:
+        """The draft's K/V for every token of the step (workers/draft_runner.py's invariant):
+        a graph step replays its captured follow graph over the graph's own inputs."""
+        if batch.graphs is not None:
+            batch.graphs.replay_follow(batch.graph_size)
+        else:
+            drafter.follow(batch.input_ids, batch.positions, batch.attn_metadata)
 
     def bitmask_for(self, batch: StepBatch, bitmask: np.ndarray) -> Tensor:
         """The step's token bitmask on the device: all ones but on the constrained rows."""

@@ -14,8 +14,9 @@ from __future__ import annotations
 import gc
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -24,11 +25,11 @@ from scheduler.plan import NewSeq, StepPlan, StepResult
 from scheduler.sampling_params import SamplingParams
 from workers.cache_engine import CacheEngine
 from workers.config import WorkerConfig
-from workers.cuda_graph import CUDAGraphRunner
+from workers.cuda_graph import capture_step_graphs
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftRunner
 from workers.loader import load_model
-from workers.model_config import ModelConfig, load_model_config
+from workers.model_config import ModelConfig, check_weights_fit, load_model_config
 from workers.model_runner import ModelRunner, StepBatch
 from workers.qwen3 import Qwen3ForCausalLM
 from workers.rejection_sampler import num_accepted
@@ -123,7 +124,8 @@ class Worker:
                 cfg.max_model_len, cfg.block_size, self.device)
         self.model_runner = ModelRunner(model, self.device, cfg.block_size, cfg.max_model_len,
                                         cfg.max_num_seqs, mc.vocab_size, cfg.seed)
-        self._outputs = StepOutputs(self.device, cfg.max_num_seqs, MAX_LAUNCHED + 1)
+        rows = cfg.max_num_seqs * (1 + cfg.num_speculative_tokens)  # (verify: k + 1 each)
+        self._outputs = StepOutputs(self.device, rows, MAX_LAUNCHED + 1)
 
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block on this rank: the target's layers and the draft's."""
@@ -216,18 +218,21 @@ class Worker:
             cfg.block_size, num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
             num_offload_blocks)
         self._bind_cache(self.cache_engine)
-        runner = _loaded(self.model_runner)
-        # (no decode graphs with a draft model yet: its `follow` needs every step's tables)
+        # The torch reference attention reads lengths on the host, so it cannot be captured.
         if self.device.type == "cuda" and not cfg.enforce_eager \
-                and cfg.attention_backend != "torch" and self.drafter is None:
-            # The torch reference attention reads lengths on the host, so it cannot be captured.
-            graphs = CUDAGraphRunner(_loaded(self.model), cfg.max_num_seqs,
-                                     runner.table.max_blocks_per_seq, cfg.max_model_len,
-                                     self.device)
-            graphs.capture()
-            runner.graph_runner = graphs
+                and cfg.attention_backend != "torch":
+            self.capture_graphs()
         if self.device.type == "cuda":
             self.warm_up()
+
+    def capture_graphs(self, graph_factory: Callable[[], Any] | None = None) -> None:
+        """Capture the decode and verify graphs, with the draft's (workers/cuda_graph.py);
+        `graph_factory` EagerGraph runs the graph path on CPU."""
+        cfg, runner = self.config, _loaded(self.model_runner)
+        runner.graph_runner, runner.verify_graph_runners = capture_step_graphs(
+            _loaded(self.model), self.drafter, self.tp, cfg.max_num_seqs,
+            runner.table.max_blocks_per_seq, cfg.max_model_len, self.device,
+            cfg.num_speculative_tokens, cfg.speculative_max_num_seqs, graph_factory)
 
     def warm_up(self) -> None:
         """Run the start-up warm-up's plans (workers/warmup.py) on the real cache; the worker
@@ -325,7 +330,8 @@ class Worker:
         runner.fill_pending(batch, self.tp)
         # The forwards (the draft's, then the target's) read loaded blocks, write offloaded ones.
         cache.wait_transfers()
-        if batch.draft is not None:  # the draft's proposals into the verify rows, on device
+        # the draft's proposals into the verify rows, on device (a graph step: in its replay)
+        if batch.draft is not None and batch.graphs is None:
             table = runner.table
             assert drafter is not None and batch.verify is not None
             drafter.propose(batch.input_ids, batch.verify[1], batch.draft, table.block_table,
@@ -340,7 +346,7 @@ class Worker:
             else:
                 self._sampled(step, runner.sample(batch, logits))
         if drafter is not None:  # (after sampling: the tokens' copy need not wait for it)
-            drafter.follow(batch.input_ids, batch.positions, batch.attn_metadata)
+            runner.follow(batch, drafter)
 
     def provide_bitmask(self, step_id: int, bitmask: np.ndarray) -> None:
         """The grammar bitmask of a launched step's constrained rows (int32 [C, ceil(V/32)],
@@ -409,25 +415,6 @@ class Worker:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def check_weights_fit(mc: ModelConfig, tensor_parallel_size: int, itemsize: int,
-                      device_bytes: int, gpu_memory_utilization: float,
-                      draft: ModelConfig | None = None) -> None:
-    """ValueError, before any allocation, when one rank's weights (the target's, and a
-    speculative draft's shard beside them) exceed its share of the device."""
-    need = mc.weight_bytes_per_rank(tensor_parallel_size, itemsize)
-    if draft is not None:
-        need += draft.weight_bytes_per_rank(tensor_parallel_size, itemsize)
-    budget = int(device_bytes * gpu_memory_utilization)
-    if need > budget:
-        gib = 1024 ** 3
-        with_draft = "" if draft is None else f" with the draft {draft.model}"
-        raise ValueError(
-            f"{mc.model}{with_draft}: one rank's weights take {need / gib:.1f} GiB at "
-            f"tensor_parallel_size={tensor_parallel_size}, more than gpu_memory_utilization="
-            f"{gpu_memory_utilization} of the device's {device_bytes / gib:.1f} GiB "
-            f"({budget / gib:.1f} GiB); use more tensor-parallel ranks")
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -140,7 +140,9 @@ class LLMEngine:
             num_gpu_blocks_override=config.num_gpu_blocks_override, swap_space=config.swap_space,
             kv_offloading_size=config.kv_offloading_size, enforce_eager=config.enforce_eager,
             attention_backend=config.attention_backend, seed=config.seed,
-            enable_expert_parallel=config.enable_expert_parallel, speculative_model=draft_path)
+            enable_expert_parallel=config.enable_expert_parallel, speculative_model=draft_path,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+            speculative_max_num_seqs=0 if spec is None else spec.disable_by_batch_size)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device == "cuda")
         if spec is not None and self.async_scheduling:

@@ -11,7 +11,7 @@ from workers_testlib import LocalExecutor, PlanBuilder, hf_greedy, parity_prompt
 
 from scheduler.plan import PENDING_TOKEN, NewSeq, StepPlan
 from scheduler.sampling_params import SamplingParams
-from workers.cuda_graph import CUDAGraphRunner, EagerGraph
+from workers.cuda_graph import EagerGraph
 from workers.seq_table import SeqRows
 from workers.staging import InputStager
 from workers.warmup import warmup_plans
@@ -26,12 +26,7 @@ def _plan(step: int, seq_ids, qlens, starts, ids, sample, **kw) -> StepPlan:
 
 def _with_cpu_graphs(ex: LocalExecutor) -> LocalExecutor:
     """Install decode 'graphs' that replay eagerly: every line of the graph hand-over runs."""
-    w = ex.worker
-    cfg = w.config
-    graphs = CUDAGraphRunner(w.model, cfg.max_num_seqs, w.model_runner.table.max_blocks_per_seq,
-                             cfg.max_model_len, w.device, graph_factory=EagerGraph)
-    graphs.capture()
-    w.model_runner.graph_runner = graphs
+    ex.worker.capture_graphs(EagerGraph)
     return ex
 
 
