@@ -121,6 +121,10 @@ class KVCacheManager:
         """
         return self.prefix.lookup(token_ids, extra_key, block_hashes)
 
+    def num_cached_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Leading hashes of `block_hashes` the GPU prefix cache holds now; no side effects."""
+        return self.prefix.num_cached(block_hashes)
+
     def lookup_offloaded(self, token_ids: Sequence[int], num_prefix_blocks: int,
                          extra_key: bytes | None = None,
                          block_hashes: Sequence[BlockHash] | None = None) -> list[int]:

@@ -83,6 +83,16 @@ class PrefixCache:
             self._last_hit = _LastHit(block_hashes, self.pool.num_evictions, ids, entries)
         return list(ids)
 
+    def num_cached(self, block_hashes: Sequence[BlockHash]) -> int:
+        """KVCacheManager.num_cached_blocks (documented there)."""
+        cache = self.pool.cached_block_hash_to_block
+        n = 0
+        for h in block_hashes:
+            if h not in cache:
+                break
+            n += 1
+        return n
+
     def check_new(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
                   extra_key: bytes | None, num_hit: int, no_tier: bool) -> None:
         """Raise ValueError for a new sequence's allocation that cannot be: num_hit prefix

@@ -8,24 +8,34 @@ cache_aware shape with exact block hashes instead of approximate text trees):
      `X-Session-Id` header) goes back to the replica its key last went to, unless that replica
      is overloaded: then it spills, and the key follows it.
   3. Least prompt work: among the others, the replica with the fewest prompt tokens to compute
-     before this request's first token: those it still owes for requests this router sent it
-     (`work`: what each missed there when sent) plus what this request misses there (its
-     prompt past the leading blocks that replica holds: the chained xxh3 hashes of
-     kvcache/hashing.py over the prompt the ingress tokenized, with the request's cache salt).
-     So a prefix goes home unless its home owes more than recomputing it elsewhere costs.
-     Among equals: fewer requests, then the emptier cache, then random.
+     before this request's first token: those it already owes (`work`, below) plus what this
+     request misses there (its prompt past the leading blocks that replica holds: the chained
+     xxh3 hashes of kvcache/hashing.py over the prompt the ingress tokenized, with the
+     request's cache salt). So a prefix goes home unless its home owes more than recomputing
+     it elsewhere costs. Among equals: fewer requests, then the emptier cache, then random.
 The others follow, least loaded first, so Serve falls through to them when the first refuses
-(max_ongoing_requests). Requests and work in flight count what this router routed and what it
-chose and Serve has not confirmed yet (Serve confirms a routing only after a round trip to the
-replica, and routes the next requests of a burst meanwhile); requests are the larger of that
-and the requests in the engine as the replica last reported. A request's work counts until
-it completes (an upper bound once its prefill is done). One candidate: taken as it is,
-nothing hashed.
+(max_ongoing_requests).
+
+Load and work (`queued`): what the replica reported with its last poll answer (its engine's
+`QueueLoad`: requests waiting and running, and the prompt tokens they still owe: a waiting
+request's prompt past what its prefix cache holds, a running prefill's uncomputed part; so
+what other routers sent it counts too, and a request's work stops counting once its prefill
+is done), plus what this router routed there since that poll was sent (its prompt past what
+the replica held when chosen), plus what it chose and Serve has not confirmed yet (Serve
+confirms a routing only after a round trip to the replica, and routes the next requests of a
+burst meanwhile). So a burst counts at once, nothing sent is missed, and the view is never
+more than one poll old: a request that finished (or finished its prefill) since the answer
+still counts until the next one, and one routed after the poll was sent that the answer
+already counts is counted twice as long (both over-counts, of at most one period plus one
+round trip). Before a replica's first answer, every request this router routed there and
+that has not completed counts with its whole miss. One candidate: taken as it is, nothing
+hashed.
 
 Holdings (kv_holdings.py): every `poll_period_s` (0.25 s) a task in the router's process calls
 `LLMServer.kv_events` on every replica with Serve's `DeploymentHandle.broadcast`, passing each
 replica's cursor; each answers with its `KVEventLog` entries since then (kvcache/events.py;
-stored and evicted hashes in order, batched by the polling) and its load. So the view is at
+stored and evicted hashes in order, batched by the polling) and its `QueueLoad` (the same
+answer: no round trip of its own). So the view is at
 most one period plus one round trip old (after 5 s without routing a request the period
 is 1 s; Serve's routing-stats period, 10 s, is not used), and the hashes this router just
 chose a replica for count as held there meanwhile. A replica that Serve drops or reports dead
@@ -38,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import OrderedDict
@@ -124,11 +135,13 @@ class PrefixAwareRouter(RequestRouter):
         # (RequestRouterConfig), which would copy a global dict and whatever it holds.
         self.shared = kv_holdings.SHARED.setdefault(key, kv_holdings.Shared(recent_ttl_s))
         self.view = self.shared.view
-        self.in_flight: dict[str, int] = {}  # replica -> requests routed, not completed
-        self.work: dict[str, int] = {}  # replica -> prompt tokens of those that missed there
-        # internal request id -> (replica, its work), for requests this router routed (Serve
-        # also reports broadcasts, e.g. the metrics and KV-event polls, as completed requests).
-        self._routed: dict[str, tuple[str, int]] = {}
+        # internal request id -> replica, for requests this router routed and that have not
+        # completed (Serve also reports broadcasts, e.g. the metrics and KV-event polls, as
+        # completed requests: those are not here).
+        self._routed: dict[str, str] = {}
+        # replica -> internal request id -> (when routed, its work there): routed since the
+        # poll of the replica's last answer was sent, in routing order (`queued`).
+        self._unreported: dict[str, OrderedDict[str, tuple[float, int]]] = {}
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
         self._hashes: dict[str, list[BlockHash]] = {}  # internal request id -> prompt hashes
         # internal request id -> (replica chosen, when, its work there): chosen, not routed
@@ -145,14 +158,12 @@ class PrefixAwareRouter(RequestRouter):
         super().update_replicas(replicas)
         ids = [r.replica_id.unique_id for r in replicas]
         self.view.retain(ids)
-        self.in_flight = {r: self.in_flight.get(r, 0) for r in ids}
-        self.work = {r: self.work.get(r, 0) for r in ids}
+        self._unreported = {r: self._unreported.get(r, OrderedDict()) for r in ids}
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.view.drop(replica_id.unique_id)
-        self.in_flight.pop(replica_id.unique_id, None)
-        self.work.pop(replica_id.unique_id, None)
+        self._unreported.pop(replica_id.unique_id, None)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -164,11 +175,7 @@ class PrefixAwareRouter(RequestRouter):
         ids = list(by_id)
         hashes = self._prompt_hashes(pending_request)
         matches = self.view.matches(hashes, ids) if hashes else {}
-        reported = self.view.loads()
-        chosen, chosen_work = self._count_chosen(pending_request)
-        loads = {r: max(self.in_flight.get(r, 0) + chosen.get(r, 0), reported.get(r, 0))
-                 for r in ids}
-        work = {r: self.work.get(r, 0) + chosen_work.get(r, 0) for r in ids}
+        loads, work = self.queued(ids, pending_request)
         key = _routing_key(pending_request)
         affinity = self.routing_keys.get(key) if key is not None else None
         ranked, self.last_reason = rank_replicas(ids, loads, matches, affinity, self.thresholds,
@@ -188,14 +195,13 @@ class PrefixAwareRouter(RequestRouter):
                           result: ReplicaResult) -> None:
         rid = replica_id.unique_id
         internal_id = pending_request.metadata.internal_request_id
-        self.shared.last_routed = time.monotonic()
-        self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+        now = self.shared.last_routed = time.monotonic()
         chosen = self._chosen.pop(internal_id, None)
         # Sent elsewhere than chosen (Serve fell through): count its whole prompt there.
         cost = chosen[2] if chosen is not None and chosen[0] == rid else \
             self._prompt_len(pending_request)
-        self._routed[internal_id] = (rid, cost)
-        self.work[rid] = self.work.get(rid, 0) + cost
+        self._routed[internal_id] = rid
+        self._unreported.setdefault(rid, OrderedDict())[internal_id] = (now, cost)
         hashes = self._hashes.pop(internal_id, None)
         if hashes and (chosen is None or chosen[0] != rid):  # Serve fell through to another
             self.view.note_routed(rid, hashes)
@@ -206,30 +212,38 @@ class PrefixAwareRouter(RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._hashes.pop(internal_request_id, None)
         self._chosen.pop(internal_request_id, None)
-        routed = self._routed.pop(internal_request_id, None)
-        if routed is not None and self.in_flight.get(routed[0], 0) > 0:
-            rid, cost = routed
-            self.in_flight[rid] -= 1
-            self.work[rid] = max(0, self.work.get(rid, 0) - cost)
+        rid = self._routed.pop(internal_request_id, None)
+        if rid is not None and rid in self._unreported:
+            self._unreported[rid].pop(internal_request_id, None)
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _count_chosen(self, pending: PendingRequest | None
-                      ) -> tuple[dict[str, int], dict[str, int]]:
-        """Requests and work chosen for each replica and not routed yet (not `pending` itself,
-        which Serve may route again after a refusal); entries older than CHOSEN_TTL_S are
-        dropped (a request cancelled while Serve routed it gets no completion)."""
+    def queued(self, ids: Sequence[str], pending: PendingRequest | None = None
+               ) -> tuple[dict[str, int], dict[str, int]]:
+        """Per replica the requests and the prompt tokens queued there (the module docstring):
+        its last report, what this router routed there since that poll was sent, and what it
+        chose for it and Serve has not confirmed (not `pending` itself, which Serve may route
+        again after a refusal; entries older than CHOSEN_TTL_S are dropped: a request
+        cancelled while Serve routed it gets no completion)."""
+        reports = self.view.loads()
+        loads: dict[str, int] = {}
+        work: dict[str, int] = {}
+        for r in ids:
+            report, asked_at = reports.get(r, (None, -math.inf))
+            since = self._unreported.setdefault(r, OrderedDict())
+            while since and next(iter(since.values()))[0] < asked_at:
+                since.popitem(last=False)  # routed before that poll: the answer counts it
+            loads[r] = len(since) + (report.num_waiting + report.num_running if report else 0)
+            work[r] = sum(w for _, w in since.values()) + (report.prompt_tokens if report else 0)
         own = pending.metadata.internal_request_id if pending is not None else None
         stale = time.monotonic() - CHOSEN_TTL_S
-        counts: dict[str, int] = {}
-        work: dict[str, int] = {}
         for rid, (replica, when, cost) in list(self._chosen.items()):
             if when < stale:
                 del self._chosen[rid]
-            elif rid != own:
-                counts[replica] = counts.get(replica, 0) + 1
-                work[replica] = work.get(replica, 0) + cost
-        return counts, work
+            elif rid != own and replica in loads:
+                loads[replica] += 1
+                work[replica] += cost
+        return loads, work
 
     @staticmethod
     def _prompt_len(pr: PendingRequest | None) -> int:
@@ -281,6 +295,7 @@ async def poll_holdings(shared: kv_holdings.Shared, app_name: str, deployment: s
         await asyncio.sleep(max(period_s, IDLE_POLL_PERIOD_S) if idle else period_s)
         if len(view.replica_ids()) < 2:
             continue
+        asked_at = view.clock()
         try:
             answers = await handle.broadcast("kv_events", view.cursors()).results_async(
                 timeout_s=max(2.0, 4 * period_s), return_exceptions=True)
@@ -289,7 +304,7 @@ async def poll_holdings(shared: kv_holdings.Shared, app_name: str, deployment: s
             continue
         for answer in answers:
             if not isinstance(answer, BaseException):
-                view.apply(*answer)
+                view.apply(*answer, asked_at=asked_at)
 
 
 # The manifest's `request_router` names; None picks prefix_aware when the deployment can run
