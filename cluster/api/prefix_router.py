@@ -17,31 +17,32 @@ The others follow, least loaded first, so Serve falls through to them when the f
 (max_ongoing_requests).
 
 Load and work (`queued`): what the replica reported with its last poll answer (its engine's
-`QueueLoad`: requests waiting and running, and the prompt tokens they still owe: a waiting
-request's prompt past what its prefix cache holds, a running prefill's uncomputed part; so
-what other routers sent it counts too, and a request's work stops counting once its prefill
-is done), plus what this router routed there since that poll was sent (its prompt past what
-the replica held when chosen), plus what it chose and Serve has not confirmed yet (Serve
-confirms a routing only after a round trip to the replica, and routes the next requests of a
-burst meanwhile). So a burst counts at once, nothing sent is missed, and the view is never
-more than one poll old: a request that finished (or finished its prefill) since the answer
-still counts until the next one, and one routed after the poll was sent that the answer
-already counts is counted twice as long (both over-counts, of at most one period plus one
-round trip). Before a replica's first answer, every request this router routed there and
-that has not completed counts with its whole miss. One candidate: taken as it is, nothing
-hashed.
+`QueueLoad`: requests waiting and running, and the prompt tokens they still owe, i.e. a
+waiting request's prompt past what the prefix cache holds now and a running prefill's
+uncomputed part; so what other routers sent it counts too, and a request's work stops
+counting once its prefill is done), plus what this router routed there since that poll was
+sent (each its prompt past what the replica held when chosen), plus what it chose and Serve
+has not confirmed yet (Serve confirms a routing only after a round trip to the replica, and
+routes the next requests of a burst meanwhile). So a burst counts at once and nothing sent is
+missed. Staleness: the report is as of when the replica answered, at most one poll period
+plus one round trip old (0.25 s; 1 s after 5 s without routing); for that long a request that
+finished (or finished its prefill) still counts, and one routed after the poll was sent that
+the answer already holds counts twice: over-counts only. A replica that has not answered yet
+(or misses polls) counts everything this router routed there since its last answer, each with
+its whole miss, until its request completes. One candidate: taken as it is, nothing hashed.
 
 Holdings (kv_holdings.py): every `poll_period_s` (0.25 s) a task in the router's process calls
 `LLMServer.kv_events` on every replica with Serve's `DeploymentHandle.broadcast`, passing each
 replica's cursor; each answers with its `KVEventLog` entries since then (kvcache/events.py;
-stored and evicted hashes in order, batched by the polling) and its `QueueLoad` (the same
-answer: no round trip of its own). So the view is at
-most one period plus one round trip old (after 5 s without routing a request the period
-is 1 s; Serve's routing-stats period, 10 s, is not used), and the hashes this router just
-chose a replica for count as held there meanwhile. A replica that Serve drops or reports dead
-loses its holdings at once; a restarted engine answers with a snapshot (new epoch). Per
-request the router hashes the prompt once and walks each replica's leading blocks in set
-lookups, stopping at the first miss; docs/benchmarks.md has the measured time.
+stored and evicted hashes in order, batched by the polling) and its `QueueLoad`, in the same
+answer. So the view is at most one period plus one round trip old (after 5 s without routing
+a request the period is 1 s; Serve's routing-stats period, 10 s, is not used), and the hashes
+this router just chose a replica for count as held there meanwhile. A replica that Serve drops
+or reports dead loses its holdings and its report at once; a restarted engine answers with a
+snapshot (new epoch). Per request the router hashes the prompt once, walks each replica's
+leading blocks in set lookups, stopping at the first miss, and adds up the requests routed
+since each replica's last answer (a few: one period's worth); docs/benchmarks.md has the
+measured time.
 """
 
 from __future__ import annotations
