@@ -105,5 +105,6 @@ class QueueLoad:
     num_waiting: int  # requests not running: new, preempted to recompute, or swapped out
     num_running: int
     # Prompt tokens still to compute before they decode: a waiting request's tokens past the
-    # leading blocks the prefix cache holds now, a running prefill's not computed yet.
+    # leading blocks cached now or computed first by a request ahead, a running prefill's rest.
     prompt_tokens: int
+    request_ids: frozenset[str] = frozenset()  # every unfinished request (what the above count)

@@ -164,24 +164,30 @@ class RequestQueues:
         return sum(self.reserved_seqs(r) for r in self.running)
 
     def load(self) -> QueueLoad:
-        """Requests waiting and running, and the prompt tokens they still owe: a waiting
-        request its first live sequence's tokens (a recompute victim's outputs included) past
-        the leading blocks the prefix cache holds now (at most all but the last token, as
-        admission takes them); a running sequence with more than one token left to compute is
-        prefilling and owes them (one left is a decode). Swapped requests owe nothing: they
-        are copied back, not recomputed. O(running sequences + waiting requests x their cached
-        leading blocks), between scheduler calls only."""
+        """Requests waiting and running, and the prompt tokens they still owe. A running
+        sequence with more than one token left to compute is prefilling and owes them (one
+        left is a decode); a waiting request owes its first live sequence's tokens (a
+        recompute victim's outputs included) past its leading blocks that the prefix cache
+        holds now or that a request ahead of it (a running prefill, or one waiting before
+        it) will compute first, since admission will find those cached (at most all but the
+        last token). Swapped requests owe nothing: they are copied back, not recomputed.
+        O(running sequences + waiting requests x their prompt blocks), between scheduler calls
+        only."""
         bs = self.kv.block_size
         owed = 0
-        for req in self.waiting:
-            seq = next((s for s in req.seqs if not s.status.is_finished), None)
-            if seq is not None:
-                n = len(seq.token_ids) - seq.num_computed
-                hit = min(self.kv.num_cached_blocks(req.block_hashes), (n - 1) // bs)
-                owed += n - max(0, hit) * bs
+        ahead: set = set()  # prompt blocks that requests ahead will have computed
         for req in self.running:
             for seq in req.seqs:
                 left = req.target_len(seq) - seq.num_computed
                 if seq.status is _RUNNING and left > 1:
                     owed += left
-        return QueueLoad(len(self.waiting) + len(self.swapped), len(self.running), owed)
+                    ahead.update(req.block_hashes[seq.num_computed // bs:])
+        for req in self.waiting:
+            seq = next((s for s in req.seqs if not s.status.is_finished), None)
+            if seq is not None:
+                n = len(seq.token_ids) - seq.num_computed
+                hit = min(self.kv.num_cached_blocks(req.block_hashes, ahead), (n - 1) // bs)
+                owed += n - max(0, hit) * bs
+                ahead.update(req.block_hashes)
+        return QueueLoad(len(self.waiting) + len(self.swapped), len(self.running), owed,
+                         frozenset(self.requests))

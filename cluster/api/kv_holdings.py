@@ -5,8 +5,7 @@ exact by applying the replica's own `KVEventLog` answers in order (kvcache/event
 the hashes this router sent it in the last `recent_ttl_s` seconds, which count as held until
 the events catch up (so a burst of one new prefix does not scatter before the first events
 arrive); and the queued work the replica reported with its last answer (`QueueLoad`:
-requests waiting and running, prompt tokens owed) with when that poll was sent
-(`asked_at`, this process's clock), from which on the router adds what it routed itself. `HoldingsView` is the set of them for one deployment: the router's process keeps
+requests waiting and running, prompt tokens owed, the ids of its requests). `HoldingsView` is the set of them for one deployment: the router's process keeps
 one per deployment, shared by its request routers and the poller that feeds it.
 
 A replica that leaves the view (Serve stopped or replaced it, its actor died) takes its
@@ -21,7 +20,6 @@ reads; one lock guards every change and every lookup.
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -40,7 +38,7 @@ DEFAULT_RECENT_TTL_S = 5.0
 class ReplicaHoldings:
     """One replica's held hashes per medium, its log cursor and its recently routed hashes."""
 
-    __slots__ = ("epoch", "seq", "held", "recent", "load", "asked_at")
+    __slots__ = ("epoch", "seq", "held", "recent", "load")
 
     def __init__(self) -> None:
         self.epoch: str | None = None
@@ -48,7 +46,6 @@ class ReplicaHoldings:
         self.held: dict[str, set[BlockHash]] = {DEVICE: set(), CPU: set()}
         self.recent: dict[BlockHash, float] = {}  # hash -> when it stops counting
         self.load: QueueLoad | None = None  # its queued work, as it last reported
-        self.asked_at = -math.inf  # when the poll it answered last was sent
 
     def apply(self, batch: KVEventBatch) -> None:
         for _, op, medium, hashes in batch.entries:
@@ -114,17 +111,15 @@ class HoldingsView:
         with self._lock:
             return {rid: (r.epoch, r.seq) for rid, r in self._replicas.items()}
 
-    def apply(self, replica_id: str, batch: KVEventBatch, load: QueueLoad,
-              asked_at: float | None = None) -> None:
-        """A replica's answer to the poll sent at `asked_at` (default now, this view's clock);
-        ignored for a replica no longer in the view (it died)."""
+    def apply(self, replica_id: str, batch: KVEventBatch, load: QueueLoad) -> None:
+        """A replica's answer; ignored for a replica no longer in the view (it died)."""
         now = self.clock()
         with self._lock:
             r = self._replicas.get(replica_id)
             if r is None:
                 return
             r.apply(batch)
-            r.load, r.asked_at = load, now if asked_at is None else asked_at
+            r.load = load
             r.expire(now)
 
     def note_routed(self, replica_id: str, hashes: Sequence[BlockHash]) -> None:
@@ -145,10 +140,10 @@ class HoldingsView:
                 out[rid] = r.leading_blocks(hashes, now) if r is not None else 0.0
             return out
 
-    def loads(self) -> dict[str, tuple[QueueLoad | None, float]]:
-        """Per replica its last reported queued work (None before any) and when it was asked."""
+    def loads(self) -> dict[str, QueueLoad | None]:
+        """Per replica its last reported queued work (None before any)."""
         with self._lock:
-            return {rid: (r.load, r.asked_at) for rid, r in self._replicas.items()}
+            return {rid: r.load for rid, r in self._replicas.items()}
 
     def sizes(self) -> dict[str, int]:
         """Device blocks each replica holds or was just sent (recent, expired or not)."""

@@ -18,18 +18,18 @@ The others follow, least loaded first, so Serve falls through to them when the f
 
 Load and work (`queued`): what the replica reported with its last poll answer (its engine's
 `QueueLoad`: requests waiting and running, and the prompt tokens they still owe, i.e. a
-waiting request's prompt past what the prefix cache holds now and a running prefill's
-uncomputed part; so what other routers sent it counts too, and a request's work stops
-counting once its prefill is done), plus what this router routed there since that poll was
-sent (each its prompt past what the replica held when chosen), plus what it chose and Serve
-has not confirmed yet (Serve confirms a routing only after a round trip to the replica, and
-routes the next requests of a burst meanwhile). So a burst counts at once and nothing sent is
-missed. Staleness: the report is as of when the replica answered, at most one poll period
-plus one round trip old (0.25 s; 1 s after 5 s without routing); for that long a request that
-finished (or finished its prefill) still counts, and one routed after the poll was sent that
-the answer already holds counts twice: over-counts only. A replica that has not answered yet
-(or misses polls) counts everything this router routed there since its last answer, each with
-its whole miss, until its request completes. One candidate: taken as it is, nothing hashed.
+waiting request's prompt past what the prefix cache holds now or a request ahead of it
+computes first, and a running prefill's uncomputed part; so what other routers sent it counts
+too, and a request's work stops counting once its prefill is done), plus each request this
+router routed there that the report does not name (its request ids: routed after the replica
+answered, or not arrived yet; each counts its prompt past what the replica held when chosen),
+plus what it chose and Serve has not confirmed yet (Serve confirms a routing only after a
+round trip to the replica, and routes the next requests of a burst meanwhile). So a burst
+counts at once, and a request counts once. Staleness: the report is as of when the replica
+answered, at most one poll period plus one round trip old (0.25 s; 1 s after 5 s without
+routing); for that long a request that finished (or finished its prefill) still counts: an
+over-count only. A replica that has not answered yet (or misses polls) counts every request
+this router routed there and that has not completed, with its whole miss. One candidate: taken as it is, nothing hashed.
 
 Holdings (kv_holdings.py): every `poll_period_s` (0.25 s) a task in the router's process calls
 `LLMServer.kv_events` on every replica with Serve's `DeploymentHandle.broadcast`, passing each
@@ -40,16 +40,14 @@ a request the period is 1 s; Serve's routing-stats period, 10 s, is not used), a
 this router just chose a replica for count as held there meanwhile. A replica that Serve drops
 or reports dead loses its holdings and its report at once; a restarted engine answers with a
 snapshot (new epoch). Per request the router hashes the prompt once, walks each replica's
-leading blocks in set lookups, stopping at the first miss, and adds up the requests routed
-since each replica's last answer (a few: one period's worth); docs/benchmarks.md has the
-measured time.
+leading blocks in set lookups, stopping at the first miss, and looks up the requests it has
+in flight in each replica's report (set lookups); docs/benchmarks.md has the measured time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
 from collections import OrderedDict
@@ -136,13 +134,11 @@ class PrefixAwareRouter(RequestRouter):
         # (RequestRouterConfig), which would copy a global dict and whatever it holds.
         self.shared = kv_holdings.SHARED.setdefault(key, kv_holdings.Shared(recent_ttl_s))
         self.view = self.shared.view
-        # internal request id -> replica, for requests this router routed and that have not
-        # completed (Serve also reports broadcasts, e.g. the metrics and KV-event polls, as
-        # completed requests: those are not here).
-        self._routed: dict[str, str] = {}
-        # replica -> internal request id -> (when routed, its work there): routed since the
-        # poll of the replica's last answer was sent, in routing order (`queued`).
-        self._unreported: dict[str, OrderedDict[str, tuple[float, int]]] = {}
+        # replica -> internal request id -> (engine request id, its work there), for requests
+        # this router routed and that have not completed (Serve also reports broadcasts, e.g.
+        # the metrics and KV-event polls, as completed requests: those are not here).
+        self._routed: dict[str, dict[str, tuple[str | None, int]]] = {}
+        self._routed_to: dict[str, str] = {}  # internal request id -> its replica
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
         self._hashes: dict[str, list[BlockHash]] = {}  # internal request id -> prompt hashes
         # internal request id -> (replica chosen, when, its work there): chosen, not routed
@@ -159,12 +155,12 @@ class PrefixAwareRouter(RequestRouter):
         super().update_replicas(replicas)
         ids = [r.replica_id.unique_id for r in replicas]
         self.view.retain(ids)
-        self._unreported = {r: self._unreported.get(r, OrderedDict()) for r in ids}
+        self._routed = {r: self._routed.get(r, {}) for r in ids}
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.view.drop(replica_id.unique_id)
-        self._unreported.pop(replica_id.unique_id, None)
+        self._routed.pop(replica_id.unique_id, None)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -196,13 +192,13 @@ class PrefixAwareRouter(RequestRouter):
                           result: ReplicaResult) -> None:
         rid = replica_id.unique_id
         internal_id = pending_request.metadata.internal_request_id
-        now = self.shared.last_routed = time.monotonic()
+        self.shared.last_routed = time.monotonic()
         chosen = self._chosen.pop(internal_id, None)
         # Sent elsewhere than chosen (Serve fell through): count its whole prompt there.
         cost = chosen[2] if chosen is not None and chosen[0] == rid else \
             self._prompt_len(pending_request)
-        self._routed[internal_id] = rid
-        self._unreported.setdefault(rid, OrderedDict())[internal_id] = (now, cost)
+        self._routed_to[internal_id] = rid
+        self._routed.setdefault(rid, {})[internal_id] = (_request_id(pending_request), cost)
         hashes = self._hashes.pop(internal_id, None)
         if hashes and (chosen is None or chosen[0] != rid):  # Serve fell through to another
             self.view.note_routed(rid, hashes)
@@ -213,29 +209,28 @@ class PrefixAwareRouter(RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._hashes.pop(internal_request_id, None)
         self._chosen.pop(internal_request_id, None)
-        rid = self._routed.pop(internal_request_id, None)
-        if rid is not None and rid in self._unreported:
-            self._unreported[rid].pop(internal_request_id, None)
+        rid = self._routed_to.pop(internal_request_id, None)
+        if rid is not None and rid in self._routed:
+            self._routed[rid].pop(internal_request_id, None)
 
     # ---- internals -------------------------------------------------------------------------
 
     def queued(self, ids: Sequence[str], pending: PendingRequest | None = None
                ) -> tuple[dict[str, int], dict[str, int]]:
         """Per replica the requests and the prompt tokens queued there (the module docstring):
-        its last report, what this router routed there since that poll was sent, and what it
-        chose for it and Serve has not confirmed (not `pending` itself, which Serve may route
-        again after a refusal; entries older than CHOSEN_TTL_S are dropped: a request
-        cancelled while Serve routed it gets no completion)."""
+        its last report, what this router routed there that the report does not hold, and
+        what it chose for it and Serve has not confirmed (not `pending` itself, which Serve
+        may route again after a refusal; entries older than CHOSEN_TTL_S are dropped: a
+        request cancelled while Serve routed it gets no completion)."""
         reports = self.view.loads()
         loads: dict[str, int] = {}
         work: dict[str, int] = {}
         for r in ids:
-            report, asked_at = reports.get(r, (None, -math.inf))
-            since = self._unreported.setdefault(r, OrderedDict())
-            while since and next(iter(since.values()))[0] < asked_at:
-                since.popitem(last=False)  # routed before that poll: the answer counts it
-            loads[r] = len(since) + (report.num_waiting + report.num_running if report else 0)
-            work[r] = sum(w for _, w in since.values()) + (report.prompt_tokens if report else 0)
+            report = reports.get(r)
+            held = report.request_ids if report is not None else frozenset()
+            extra = [w for req_id, w in self._routed.get(r, {}).values() if req_id not in held]
+            loads[r] = len(extra) + (report.num_waiting + report.num_running if report else 0)
+            work[r] = sum(extra) + (report.prompt_tokens if report else 0)
         own = pending.metadata.internal_request_id if pending is not None else None
         stale = time.monotonic() - CHOSEN_TTL_S
         for rid, (replica, when, cost) in list(self._chosen.items()):
@@ -284,6 +279,12 @@ def _routing_key(pr: PendingRequest | None) -> str | None:
     return pr.kwargs.get("routing_key") if pr is not None else None
 
 
+def _request_id(pr: PendingRequest) -> str | None:
+    """The engine's request id: LLMServer.generate(prompt, params, request_id, ...)."""
+    args = pr.args
+    return args[2] if len(args) > 2 and isinstance(args[2], str) else pr.kwargs.get("request_id")
+
+
 async def poll_holdings(shared: kv_holdings.Shared, app_name: str, deployment: str,
                         period_s: float) -> None:
     """Feed the view from every replica's `kv_events` each period (the module docstring)."""
@@ -296,7 +297,6 @@ async def poll_holdings(shared: kv_holdings.Shared, app_name: str, deployment: s
         await asyncio.sleep(max(period_s, IDLE_POLL_PERIOD_S) if idle else period_s)
         if len(view.replica_ids()) < 2:
             continue
-        asked_at = view.clock()
         try:
             answers = await handle.broadcast("kv_events", view.cursors()).results_async(
                 timeout_s=max(2.0, 4 * period_s), return_exceptions=True)
@@ -305,7 +305,7 @@ async def poll_holdings(shared: kv_holdings.Shared, app_name: str, deployment: s
             continue
         for answer in answers:
             if not isinstance(answer, BaseException):
-                view.apply(*answer, asked_at=asked_at)
+                view.apply(*answer)
 
 
 # The manifest's `request_router` names; None picks prefix_aware when the deployment can run

@@ -125,15 +125,15 @@ def test_queue_load_counts_prompt_tokens_owed_past_the_cached_prefix() -> None:
     sched, kv, worker = make(num_gpu_blocks=32, max_num_batched_tokens=8, max_num_seqs=4)
     sp = SamplingParams(max_tokens=4, **GREEDY)
     sched.add_request("a", list(range(10, 30)), sp)
-    assert sched.queues.load() == QueueLoad(1, 0, 20)
+    assert sched.queues.load() == QueueLoad(1, 0, 20, frozenset("a"))
     step(sched, worker)  # a's first chunk of 8: its two full blocks enter the prefix cache
-    assert sched.queues.load() == QueueLoad(0, 1, 12)
+    assert sched.queues.load() == QueueLoad(0, 1, 12, frozenset("a"))
     sched.add_request("b", list(range(10, 18)) + [99] * 10, sp)  # a's first 8 tokens, then 10
-    assert sched.queues.load() == QueueLoad(1, 1, 12 + 10)
+    sched.add_request("c", list(range(10, 30)) + [5] * 4, sp)  # a's whole prompt, then 4
+    # b misses past the cached blocks; c only its last block: a computes the rest first
+    assert sched.queues.load() == QueueLoad(2, 1, 12 + 10 + 4, frozenset("abc"))
     step(sched, worker)  # a's second chunk
-    assert sched.queues.load() == QueueLoad(1, 1, 4 + 10)
-    step(sched, worker)  # a's last 4 (it samples: a decode from now on), b's first 4 past its hit
-    assert sched.queues.load() == QueueLoad(0, 2, 6)
+    assert sched.queues.load() == QueueLoad(2, 1, 4 + 10 + 4, frozenset("abc"))
 
 
 def test_queue_load_counts_swapped_requests_as_waiting_owing_no_prompt_tokens() -> None:
@@ -145,7 +145,7 @@ def test_queue_load_counts_swapped_requests_as_waiting_owing_no_prompt_tokens() 
     sched.add_request("c", list(range(300, 308)), SamplingParams(max_tokens=3, **GREEDY))
     step(sched, worker)
     step(sched, worker)  # b swapped out, c waiting, a decoding (as in the test above)
-    assert sched.queues.load() == QueueLoad(2, 1, 8)
+    assert sched.queues.load() == QueueLoad(2, 1, 8, frozenset("abc"))
 
 
 def test_byte_level_text_of_a_whole_run_equals_decode_of_its_tokens() -> None:

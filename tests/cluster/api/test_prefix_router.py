@@ -79,10 +79,10 @@ def test_view_follows_stored_and_evicted_blocks_and_scores_leading_blocks():
     view = HoldingsView()
     view.retain(["r1", "r2"])
     m.allocate_slots(1, SYSTEM_A + [7] * 10, 74)
-    view.apply("r1", batch_of(m, (None, 0)), load=QueueLoad(0, 1, 10), asked_at=7.0)
+    view.apply("r1", batch_of(m, (None, 0)), load=QueueLoad(0, 1, 10))
     hashes_a = prompt_block_hashes(SYSTEM_A + [9] * 20, 16)
     assert view.matches(hashes_a, ["r1", "r2"]) == {"r1": 4.0, "r2": 0.0}
-    assert view.loads() == {"r1": (QueueLoad(0, 1, 10), 7.0), "r2": (None, float("-inf"))}
+    assert view.loads() == {"r1": QueueLoad(0, 1, 10), "r2": None}
     cursor = (m.events.epoch, m.events.seq)
     m.free(1)
     m.allocate_slots(2, SYSTEM_B + [8] * 64, 128)  # all 8 blocks: A's are evicted
@@ -162,7 +162,7 @@ def test_routing_cost_at_8_replicas_of_100k_blocks_is_under_a_millisecond():
         filler = tuple(raw[j:j + 16] for j in range(0, 16 * n, 16))
         held = (tuple(shared[: 40 + 10 * i]) if i % 2 else ()) + filler
         router.view.apply(rid, KVEventBatch("e", 1, [(1, STORED, DEVICE, tuple(held))], False),
-                          QueueLoad(2, 6, 500), asked_at=time.monotonic() - 1.0)
+                          QueueLoad(2, 6, 500, frozenset(f"x{j}" for j in range(8))))
     for i in range(64):
         router.on_request_routed(request(1000 + i, prompt[:100]), replicas[i % 8].replica_id,
                                  None)
@@ -312,9 +312,9 @@ def test_router_hooks_send_a_prefix_home_and_count_only_what_they_routed():
     asyncio.run(go())
 
 
-def test_queued_work_is_the_last_report_plus_what_was_routed_since_its_poll_was_sent():
+def test_queued_work_is_the_last_report_plus_what_was_routed_that_it_does_not_name():
     """The replica's own numbers (what other routers sent it too, prefills done) replace this
-    router's estimate for everything routed before the poll; what came after counts on top."""
+    router's estimate for every request the report names; the others count on top, once."""
 
     async def go() -> None:
         router = new_router()
@@ -323,21 +323,19 @@ def test_queued_work_is_the_last_report_plus_what_was_routed_since_its_poll_was_
         router.view.retain(["a", "b"])
         nothing = KVEventBatch("e", 0, [], False)
         router.on_request_routed(request(1, SYSTEM_A + [1] * 8), a.replica_id, None)
-        time.sleep(0.002)
-        asked = time.monotonic()  # a poll is sent; request 2 is routed before it is answered
-        time.sleep(0.002)
         router.on_request_routed(request(2, SYSTEM_B + [2] * 8), a.replica_id, None)
+        # no report yet: each counts with its whole miss (72 tokens) until it completes
         assert router.queued(["a", "b"]) == ({"a": 2, "b": 0}, {"a": 144, "b": 0})
-        # a's answer: request 1 (prefilled, decoding) and one from another router (waiting,
-        # 200 prompt tokens past its cached prefix); request 2 may be in it or not: counted
-        router.view.apply("a", nothing, QueueLoad(1, 1, 200), asked_at=asked)
+        # a's answer names request 1 (prefilled, decoding) and one from another router
+        # (waiting, 200 prompt tokens past its cached prefix), not request 2 (not there yet)
+        router.view.apply("a", nothing, QueueLoad(1, 1, 200, frozenset({"r1", "other"})))
         assert router.queued(["a", "b"]) == ({"a": 3, "b": 0}, {"a": 272, "b": 0})
         router.on_request_completed(a.replica_id, "internal-1")  # the report still counts it
         assert router.queued(["a"]) == ({"a": 3}, {"a": 272})
-        # the next answer covers request 2 and no longer holds request 1
-        router.view.apply("a", nothing, QueueLoad(0, 2, 30), asked_at=time.monotonic())
+        # the next answer names request 2 and no longer request 1
+        router.view.apply("a", nothing, QueueLoad(0, 2, 30, frozenset({"r2", "other"})))
         assert router.queued(["a", "b"]) == ({"a": 2, "b": 0}, {"a": 30, "b": 0})
-        router.on_request_completed(a.replica_id, "internal-2")  # covered: nothing changes
+        router.on_request_completed(a.replica_id, "internal-2")  # named: nothing changes
         assert router.queued(["a"]) == ({"a": 2}, {"a": 30})
         # chosen and not confirmed by Serve yet: counts at once, with what it misses there
         ranks = await router.choose_replicas([a, b], request(3, SYSTEM_A + [3] * 8))

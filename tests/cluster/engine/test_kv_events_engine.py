@@ -18,16 +18,18 @@ def test_kv_events_answer_with_the_stored_blocks_and_the_prompt_tokens_still_owe
                                          max_num_batched_tokens=32, async_scheduling=False))
     try:
         first, load = engine.kv_events(None, 0)
-        assert first.snapshot and load == QueueLoad(0, 0, 0)
+        assert first.snapshot and load == QueueLoad(0, 0, 0, frozenset())
         engine.engine.add_request("a", PROMPT, SamplingParams(max_tokens=2, ignore_eos=True))
-        assert engine.kv_events(first.epoch, first.seq)[1] == QueueLoad(1, 0, 80)
+        assert engine.kv_events(first.epoch, first.seq)[1] == QueueLoad(1, 0, 80, frozenset("a"))
         engine.engine.step()  # a chunk of 32: two full blocks enter the prefix cache
         batch, load = engine.kv_events(first.epoch, first.seq)
-        assert load == QueueLoad(0, 1, 48) and not batch.snapshot
+        assert load == QueueLoad(0, 1, 48, frozenset("a")) and not batch.snapshot
         stored = [h for _, op, medium, hashes in batch.entries if op == STORED
                   and medium == DEVICE for h in hashes]
         assert stored == prompt_block_hashes(PROMPT[:32], 16)
         engine.engine.add_request("b", PROMPT[:32] + [7] * 20, SamplingParams(max_tokens=2))
-        assert engine.kv_events(batch.epoch, batch.seq)[1] == QueueLoad(1, 1, 48 + 20)
+        # b's first 32 tokens are cached: it owes its last 20
+        assert engine.kv_events(batch.epoch, batch.seq)[1] == QueueLoad(1, 1, 48 + 20,
+                                                                        frozenset("ab"))
     finally:
         engine.shutdown()
