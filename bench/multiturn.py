@@ -72,12 +72,17 @@ def make_conversations(args: argparse.Namespace) -> tuple[list[list[int]], list[
 
 class ReplicaLog:
     """Where the requests went (the X-Replica-Id header): per replica the requests served and,
-    sampled every `period_s`, how many streams it had open; the routing log of the run."""
+    sampled every `period_s`, how many streams it had open; how many system prompts were
+    served by more than one replica; the routing log of the run."""
 
     def __init__(self) -> None:
         self.served: dict[str, int] = {}
         self.open: dict[str, int] = {}
         self.samples: list[dict[str, int]] = []
+        self.homes: dict[int, set[str]] = {}  # system prompt -> replicas that served it
+
+    def served_system(self, system: int, replica: str) -> None:
+        self.homes.setdefault(system, set()).add(replica)
 
     def opened(self, replica: str) -> None:
         self.served[replica] = self.served.get(replica, 0) + 1
@@ -100,12 +105,13 @@ class ReplicaLog:
         return {"served": {n[-8:]: self.served[n] for n in names},
                 "mean_open": {n[-8:]: round(sum(s.get(n, 0) for s in self.samples)
                                             / max(1, len(self.samples)), 2) for n in names},
-                "mean_open_spread": round(sum(spread) / len(spread), 2)}
+                "mean_open_spread": round(sum(spread) / len(spread), 2),
+                "systems_on_both": sum(len(h) > 1 for h in self.homes.values())}
 
 
 async def turn(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
-               session: str, replicas: ReplicaLog) -> tuple[float, int, str]:
-    """(TTFT, output tokens, answer text) of one streamed completion."""
+               session: str, replicas: ReplicaLog) -> tuple[float, int, str, str]:
+    """(TTFT, output tokens, answer text, replica) of one streamed completion."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "prompt_cache_key": session}
     start = time.perf_counter()
@@ -120,7 +126,7 @@ async def turn(client: httpx.AsyncClient, url: str, prompt: list[int], max_token
         finally:
             replicas.closed(replica)
     ttft = text.pop(0) if text else 0.0
-    return ttft, len(text), "".join(text)
+    return ttft, len(text), "".join(text), replica
 
 
 async def _read_stream(resp: httpx.Response, start: float, text: list) -> None:
@@ -156,8 +162,9 @@ async def run_workload(url: str, args: argparse.Namespace, tokenizer: Any, repli
                     await asyncio.sleep(args.think_s)
                 history += user
                 sent.append((i % len(systems), list(history)))
-                ttft, n, answer = await turn(client, url, history, args.max_tokens, f"conv-{i}",
-                                             replicas)
+                ttft, n, answer, replica = await turn(client, url, history, args.max_tokens,
+                                                      f"conv-{i}", replicas)
+                replicas.served_system(i % len(systems), replica)
                 ttfts.append(ttft)
                 out_tokens += n
                 history += tokenizer.encode(answer, add_special_tokens=False)
