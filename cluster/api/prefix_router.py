@@ -11,8 +11,10 @@ cache_aware shape with exact block hashes instead of approximate text trees):
      before this request's first token: those it already owes (`work`, below) plus what this
      request misses there (its prompt past the leading blocks that replica holds: the chained
      xxh3 hashes of kvcache/hashing.py over the prompt the ingress tokenized, with the
-     request's cache salt). So a prefix goes home unless its home owes more than recomputing
-     it elsewhere costs. Among equals: fewer requests, then the emptier cache, then random.
+     request's cache salt), a held token counting PREFIX_WEIGHT (2) times: it saves its
+     compute and a second copy in another pool. So a prefix goes home unless its home owes
+     more than twice what recomputing it elsewhere costs. Among equals: fewer requests, then
+     the emptier cache, then random.
 The others follow, least loaded first, so Serve falls through to them when the first refuses
 (max_ongoing_requests).
 
@@ -75,6 +77,10 @@ DEFAULT_POLL_PERIOD_S = 0.25
 IDLE_AFTER_S, IDLE_POLL_PERIOD_S = 5.0, 1.0
 MAX_ROUTING_KEYS = 100_000  # affinity entries kept, least recently used dropped first
 CHOSEN_TTL_S = 30.0  # a chosen request not routed by then was cancelled: it stops counting
+# A prompt token held on a replica saves computing it there now and, sent elsewhere, a second
+# copy of it in another pool, which evicts something that is recomputed later once pools are
+# full: each counts twice against prompt tokens owed (docs/benchmarks.md, issue #24, round 3).
+PREFIX_WEIGHT = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +112,8 @@ def rank_replicas(replica_ids: Sequence[str], loads: dict[str, int], matches: di
     if affinity in fit and affinity in replica_ids:
         return first(affinity), "affinity"
 
-    def cost(r: str) -> float:  # prompt tokens before this request's first token, less a constant
-        return work.get(r, 0) - matches.get(r, 0.0) * block_size
+    def cost(r: str) -> float:  # prompt work before this request's first token, less a constant
+        return work.get(r, 0) - matches.get(r, 0.0) * block_size * PREFIX_WEIGHT
 
     best = min(fit, key=cost)  # the first among equals in by_load order
     if cost(min(by_load, key=cost)) < cost(best):

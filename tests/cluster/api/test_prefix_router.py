@@ -49,10 +49,10 @@ def test_no_match_goes_to_the_least_loaded_then_the_emptier_cache():
     assert rank({"a": 0, "b": 0}, sizes={"a": 10, "b": 2}) == (["b", "a"], "load")
 
 
-def test_a_prefix_goes_home_unless_its_home_owes_more_prompt_work_than_recomputing_it():
-    # four blocks (64 tokens) held on a: a wins while it owes fewer than 64 more tokens
-    assert rank({"a": 1, "b": 1}, {"a": 4.0}, work={"a": 50, "b": 0}) == (["a", "b"], "prefix")
-    assert rank({"a": 1, "b": 1}, {"a": 4.0}, work={"a": 200, "b": 0}) == (["b", "a"], "load")
+def test_a_prefix_goes_home_unless_its_home_owes_twice_the_work_of_recomputing_it():
+    # four blocks (64 tokens) held on a: a wins while it owes fewer than 2 x 64 more tokens
+    assert rank({"a": 1, "b": 1}, {"a": 4.0}, work={"a": 120, "b": 0}) == (["a", "b"], "prefix")
+    assert rank({"a": 1, "b": 1}, {"a": 4.0}, work={"a": 130, "b": 0}) == (["b", "a"], "load")
     # no match anywhere: the replica owing least, not the one with fewer requests
     assert rank({"a": 3, "b": 1}, work={"a": 0, "b": 2000}) == (["a", "b"], "load")
 
@@ -297,11 +297,14 @@ def test_router_hooks_send_a_prefix_home_and_count_only_what_they_routed():
         hid, oid = home.replica_id.unique_id, other.replica_id.unique_id
         router.on_request_completed(home.replica_id, "a-broadcast-to-every-replica")
         # no report yet: request 1 missed everything, its 72 prompt tokens are owed until it
-        # completes; meanwhile one sharing its 64-token prefix is cheaper on the idle replica
+        # completes; one more unrelated miss there, and one sharing request 1's 64-token prefix
+        # is cheaper on the idle replica (144 owed > 2 x 64 saved)
         assert router.queued([hid, oid]) == ({hid: 1, oid: 0}, {hid: 72, oid: 0})
+        router.on_request_routed(request(5, SYSTEM_B + [5] * 8), home.replica_id, None)
         meanwhile = await router.choose_replicas([a, b], request(2, SYSTEM_A + [2] * 8))
         assert meanwhile[0] == [other] and router.last_reason == "load"
         router.on_request_completed(home.replica_id, "internal-1")
+        router.on_request_completed(home.replica_id, "internal-5")
         assert router.queued([hid]) == ({hid: 0}, {hid: 0})
         again = await router.choose_replicas([a, b], request(3, SYSTEM_A + [3] * 8))
         assert again[0] == [home] and router.last_reason == "prefix"
