@@ -31,7 +31,8 @@ counts at once, and a request counts once. Staleness: the report is as of when t
 answered, at most one poll period plus one round trip old (0.25 s; 1 s after 5 s without
 routing); for that long a request that finished (or finished its prefill) still counts: an
 over-count only. A replica that has not answered yet (or misses polls) counts every request
-this router routed there and that has not completed, with its whole miss. One candidate: taken as it is, nothing hashed.
+this router routed there and that has not completed, with its whole miss. One candidate:
+taken as it is, nothing hashed.
 
 Holdings (kv_holdings.py): every `poll_period_s` (0.25 s) a task in the router's process calls
 `LLMServer.kv_events` on every replica with Serve's `DeploymentHandle.broadcast`, passing each
@@ -166,7 +167,8 @@ class PrefixAwareRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.view.drop(replica_id.unique_id)
-        self._routed.pop(replica_id.unique_id, None)
+        for internal_id in self._routed.pop(replica_id.unique_id, {}):
+            self._routed_to.pop(internal_id, None)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
