@@ -17,6 +17,15 @@ tokens), prompt tokens computed (queried - hit), TTFT p50/p99 and output tokens/
 ideal hit rate: one replica with an unbounded cache, the same prompts in the same order
 (simulated with the engine's block hashes; the engine computes at least a prompt's last token).
 
+`--num-gpu-blocks N` caps each replica's KV pool (the manifest's `num_gpu_blocks_override`):
+set it below what one replica needs for every system prompt and the conversations in flight,
+and above half of it, and a router that ignores prefixes makes both replicas cycle all the
+system prompts through a pool that holds some of them (it thrashes), while one that keeps each
+system prompt on one replica fits. The best prefill ratio is then simulated with the same cap
+(the ideal hit rate stays the issue's: one replica holding everything): an LRU of N blocks per replica, each prompt's blocks freed last block first
+as the engine frees them, prompts one at a time (the blocks that requests in flight pin are not
+modelled, so the real pool behaves as a somewhat smaller one).
+
   source /work/bin/wt-env; .venv/bin/python bench/multiturn.py --json out.json
 """
 
@@ -29,6 +38,7 @@ import os
 import random
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +72,17 @@ def make_conversations(args: argparse.Namespace) -> tuple[list[list[int]], list[
 
 class ReplicaLog:
     """Where the requests went (the X-Replica-Id header): per replica the requests served and,
-    sampled every `period_s`, how many streams it had open; the routing log of the run."""
+    sampled every `period_s`, how many streams it had open; how many system prompts were
+    served by more than one replica; the routing log of the run."""
 
     def __init__(self) -> None:
         self.served: dict[str, int] = {}
         self.open: dict[str, int] = {}
         self.samples: list[dict[str, int]] = []
+        self.homes: dict[int, set[str]] = {}  # system prompt -> replicas that served it
+
+    def served_system(self, system: int, replica: str) -> None:
+        self.homes.setdefault(system, set()).add(replica)
 
     def opened(self, replica: str) -> None:
         self.served[replica] = self.served.get(replica, 0) + 1
@@ -90,12 +105,13 @@ class ReplicaLog:
         return {"served": {n[-8:]: self.served[n] for n in names},
                 "mean_open": {n[-8:]: round(sum(s.get(n, 0) for s in self.samples)
                                             / max(1, len(self.samples)), 2) for n in names},
-                "mean_open_spread": round(sum(spread) / len(spread), 2)}
+                "mean_open_spread": round(sum(spread) / len(spread), 2),
+                "systems_on_both": sum(len(h) > 1 for h in self.homes.values())}
 
 
 async def turn(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
-               session: str, replicas: ReplicaLog) -> tuple[float, int, str]:
-    """(TTFT, output tokens, answer text) of one streamed completion."""
+               session: str, replicas: ReplicaLog) -> tuple[float, int, str, str]:
+    """(TTFT, output tokens, answer text, replica) of one streamed completion."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "prompt_cache_key": session}
     start = time.perf_counter()
@@ -110,7 +126,7 @@ async def turn(client: httpx.AsyncClient, url: str, prompt: list[int], max_token
         finally:
             replicas.closed(replica)
     ttft = text.pop(0) if text else 0.0
-    return ttft, len(text), "".join(text)
+    return ttft, len(text), "".join(text), replica
 
 
 async def _read_stream(resp: httpx.Response, start: float, text: list) -> None:
@@ -146,8 +162,9 @@ async def run_workload(url: str, args: argparse.Namespace, tokenizer: Any, repli
                     await asyncio.sleep(args.think_s)
                 history += user
                 sent.append((i % len(systems), list(history)))
-                ttft, n, answer = await turn(client, url, history, args.max_tokens, f"conv-{i}",
-                                             replicas)
+                ttft, n, answer, replica = await turn(client, url, history, args.max_tokens,
+                                                      f"conv-{i}", replicas)
+                replicas.served_system(i % len(systems), replica)
                 ttfts.append(ttft)
                 out_tokens += n
                 history += tokenizer.encode(answer, add_special_tokens=False)
@@ -161,42 +178,52 @@ async def run_workload(url: str, args: argparse.Namespace, tokenizer: Any, repli
 
 
 def simulate(prompts: list[tuple[int, list[int]]], block_size: int, replicas: int,
-             choose: Any) -> tuple[int, int]:
-    """(prompt tokens computed, queried) with unbounded caches, the prompts in the order sent,
-    each (system prompt index, prompt) sent to replica `choose(index)`; the engine computes at
-    least a prompt's last token."""
-    seen: list[set[bytes]] = [set() for _ in range(replicas)]
+             choose: Any, capacity: int | None = None) -> tuple[int, int]:
+    """(prompt tokens computed, queried), the prompts in the order sent, each (system prompt
+    index, prompt) sent to replica `choose(index)`; the engine computes at least a prompt's
+    last token. Caches unbounded, or LRUs of `capacity` blocks (module docstring)."""
+    caches: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(replicas)]
     hit = queried = 0
     for system, p in prompts:
-        cache = seen[choose(system)]
+        cache = caches[choose(system)]
         hashes = prompt_block_hashes(p, block_size)
         n = 0
         while n < len(hashes) and hashes[n] in cache:
             n += 1
         hit += min(n, (len(p) - 1) // block_size) * block_size
         queried += len(p)
-        cache.update(hashes)
+        for h in reversed(hashes):  # freed last block first: the prefix is evicted last
+            cache[h] = None
+            cache.move_to_end(h)
+        while capacity is not None and len(cache) > capacity:
+            cache.popitem(last=False)
     return queried - hit, queried
 
 
-def ideal_hit_rate(prompts: list[tuple[int, list[int]]], block_size: int) -> float:
-    """One replica, unbounded cache, prompts in the order sent (module docstring)."""
-    computed, queried = simulate(prompts, block_size, 1, lambda _: 0)
+def ideal_hit_rate(prompts: list[tuple[int, list[int]]], block_size: int,
+                   capacity: int | None = None) -> float:
+    """One replica, prompts in the order sent, its cache unbounded or capped (module
+    docstring)."""
+    computed, queried = simulate(prompts, block_size, 1, lambda _: 0, capacity)
     return 1 - computed / queried
 
 
 def best_prefill_ratio(prompts: list[tuple[int, list[int]]], block_size: int,
-                       replicas: int = 2) -> float:
+                       replicas: int = 2, capacity: int | None = None) -> float:
     """Prompt tokens computed by the best a router can do on this workload (every system
     prompt's conversations on one replica, the prompts spread evenly) over those of a router
-    that ignores prefixes (uniformly random, fixed seed): the floor of the prefill ratio."""
+    that ignores prefixes (uniformly random, fixed seed): the floor of the prefill ratio, with
+    each replica's cache unbounded or capped at `capacity` blocks."""
     rng = random.Random(0)
-    best, _ = simulate(prompts, block_size, replicas, lambda system: system % replicas)
-    blind, _ = simulate(prompts, block_size, replicas, lambda _: rng.randrange(replicas))
+    best, _ = simulate(prompts, block_size, replicas, lambda system: system % replicas,
+                       capacity)
+    blind, _ = simulate(prompts, block_size, replicas, lambda _: rng.randrange(replicas),
+                        capacity)
     return best / blind
 
 
-def start_app(manifest: Path, router: str, overrides: list[str]) -> str:
+def start_app(manifest: Path, router: str, overrides: list[str],
+              num_gpu_blocks: int | None = None) -> str:
     """The manifest's app with that router, as `serve run` deploys it, on a fresh Ray cluster
     (free ports, no dashboard: other clusters share this machine)."""
     import ray
@@ -208,6 +235,8 @@ def start_app(manifest: Path, router: str, overrides: list[str]) -> str:
     apply_proxy_env()
     args = dict(yaml.safe_load(manifest.read_text())["applications"][0]["args"])
     args["request_router"] = router
+    if num_gpu_blocks is not None:
+        args["num_gpu_blocks_override"] = num_gpu_blocks
     for item in overrides:  # --set key=value (YAML value), e.g. router_imbalance_abs=8
         key, _, value = item.partition("=")
         args[key] = yaml.safe_load(value)
@@ -261,6 +290,8 @@ def main() -> None:
     ap.add_argument("--routers", default=",".join(ROUTERS))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a manifest arg for every run (e.g. router_imbalance_abs=8)")
+    ap.add_argument("--num-gpu-blocks", type=int, metavar="N",
+                    help="cap each replica's KV pool at N blocks (num_gpu_blocks_override)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -273,7 +304,7 @@ def main() -> None:
         "block_size", 16)
     rows, ideal = [], None
     for router in args.routers.split(","):
-        url = start_app(args.manifest, router, args.set)
+        url = start_app(args.manifest, router, args.set, args.num_gpu_blocks)
         replicas = ReplicaLog()
         try:
             ttfts, out_tokens, wall, sent = asyncio.run(
@@ -282,8 +313,8 @@ def main() -> None:
         finally:
             stop_app()
         m = {k.split("{")[0]: v for k, v in metrics.items() if "replica=" not in k}
-        ideal = ideal_hit_rate(sent, block_size)
-        floor = best_prefill_ratio(sent, block_size)
+        ideal = ideal_hit_rate(sent, block_size)  # the issue's: one replica holding everything
+        floor = best_prefill_ratio(sent, block_size, capacity=args.num_gpu_blocks)
         hits, queried = m["vllm:prefix_cache_hits_total"], m["vllm:prefix_cache_queries_total"]
         rows.append({"router": router, "hit_rate": round(hits / queried, 4),
                      "prefill_tokens": int(queried - hits),
@@ -293,8 +324,10 @@ def main() -> None:
                      "replicas": {**replicas.summary(),
                                   "prefill_tokens": per_replica_prefill(metrics)}})
         print(rows[-1], flush=True)
+    cache = (f"caches capped at {args.num_gpu_blocks} blocks" if args.num_gpu_blocks
+             else "unbounded caches")
     print(f"\nideal hit rate (one replica, unbounded cache): {ideal:.4f}; best prefill ratio "
-          f"(sticky by system prompt / random, simulated): {floor:.3f}")
+          f"(sticky by system prompt / random, simulated, {cache}): {floor:.3f}")
     print(f"{'router':<14}{'hit rate':>10}{'prefill tok':>13}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'out tok/s':>11}")
     for r in rows:

@@ -31,7 +31,7 @@ step, and every layer writes the whole batch's KV before attending.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from operator import attrgetter
 
 from kvcache import swap
@@ -120,6 +120,10 @@ class KVCacheManager:
         here (and again by allocate_slots).
         """
         return self.prefix.lookup(token_ids, extra_key, block_hashes)
+
+    def num_cached_blocks(self, block_hashes: Sequence[BlockHash], also: Container = ()) -> int:
+        """Leading hashes of `block_hashes` the GPU prefix cache holds now or `also` has."""
+        return self.prefix.num_cached(block_hashes, also)
 
     def lookup_offloaded(self, token_ids: Sequence[int], num_prefix_blocks: int,
                          extra_key: bytes | None = None,

@@ -12,7 +12,7 @@ the next `cache_full_blocks` call that reaches a known token, so at most one blo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -82,6 +82,16 @@ class PrefixCache:
             # while no block has been evicted since (then every one still holds its hash)
             self._last_hit = _LastHit(block_hashes, self.pool.num_evictions, ids, entries)
         return list(ids)
+
+    def num_cached(self, block_hashes: Sequence[BlockHash], also: Container) -> int:
+        """KVCacheManager.num_cached_blocks (documented there); no side effects."""
+        cache = self.pool.cached_block_hash_to_block
+        n = 0
+        for h in block_hashes:
+            if h not in cache and h not in also:
+                break
+            n += 1
+        return n
 
     def check_new(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
                   extra_key: bytes | None, num_hit: int, no_tier: bool) -> None:

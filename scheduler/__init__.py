@@ -5,7 +5,13 @@ Pure Python on top of kvcache/ (no torch). Workers import only `scheduler.plan` 
 """
 
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import CompletionOutput, RequestOutput, SchedulerStats, StepOutcome
+from scheduler.outputs import (
+    CompletionOutput,
+    QueueLoad,
+    RequestOutput,
+    SchedulerStats,
+    StepOutcome,
+)
 from scheduler.plan import NewSeq, StepPlan, StepResult
 from scheduler.request import Request, RequestStatus, Seq, SequenceStatus
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
@@ -14,6 +20,7 @@ from scheduler.scheduler import Scheduler
 __all__ = [
     "CompletionOutput",
     "NewSeq",
+    "QueueLoad",
     "Request",
     "RequestOutput",
     "RequestStatus",

@@ -95,3 +95,16 @@ class SchedulerStats:
     def prefix_hit_rate(self) -> float:
         """Prompt tokens served by the prefix cache over tokens looked up (0 before any)."""
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLoad:
+    """A replica's queued work, as a request router in front of it reads it (`RequestQueues.load`;
+    the engine answers it with its KV events, cluster/api/prefix_router.py)."""
+
+    num_waiting: int  # requests not running: new, preempted to recompute, or swapped out
+    num_running: int
+    # Prompt tokens still to compute before they decode: a waiting request's tokens past the
+    # leading blocks cached now or computed first by a request ahead, a running prefill's rest.
+    prompt_tokens: int
+    request_ids: frozenset[str] = frozenset()  # every unfinished request (what the above count)

@@ -16,6 +16,7 @@ from collections import deque
 
 from kvcache import KVCacheManager
 from scheduler.decode_lane import DecodeLane
+from scheduler.outputs import QueueLoad
 from scheduler.request import Request, Seq, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING
@@ -161,3 +162,32 @@ class RequestQueues:
 
     def num_running_seqs(self) -> int:
         return sum(self.reserved_seqs(r) for r in self.running)
+
+    def load(self) -> QueueLoad:
+        """Requests waiting and running, and the prompt tokens they still owe. A running
+        sequence with more than one token left to compute is prefilling and owes them (one
+        left is a decode); a waiting request owes its first live sequence's tokens (a
+        recompute victim's outputs included) past its leading blocks that the prefix cache
+        holds now or that a request ahead of it (a running prefill, or one waiting before
+        it) will compute first, since admission will find those cached (at most all but the
+        last token). Swapped requests owe nothing: they are copied back, not recomputed.
+        O(running sequences + waiting requests x their prompt blocks), between scheduler calls
+        only."""
+        bs = self.kv.block_size
+        owed = 0
+        ahead: set = set()  # prompt blocks that requests ahead will have computed
+        for req in self.running:
+            for seq in req.seqs:
+                left = req.target_len(seq) - seq.num_computed
+                if seq.status is _RUNNING and left > 1:
+                    owed += left
+                    ahead.update(req.block_hashes[seq.num_computed // bs:])
+        for req in self.waiting:
+            seq = next((s for s in req.seqs if not s.status.is_finished), None)
+            if seq is not None:
+                n = len(seq.token_ids) - seq.num_computed
+                hit = min(self.kv.num_cached_blocks(req.block_hashes, ahead), (n - 1) // bs)
+                owed += n - max(0, hit) * bs
+                ahead.update(req.block_hashes)
+        return QueueLoad(len(self.waiting) + len(self.swapped), len(self.running), owed,
+                         frozenset(self.requests))

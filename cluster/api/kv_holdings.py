@@ -4,7 +4,8 @@ One `ReplicaHoldings` per replica: the block hashes it holds per medium (a set e
 exact by applying the replica's own `KVEventLog` answers in order (kvcache/events.py), plus
 the hashes this router sent it in the last `recent_ttl_s` seconds, which count as held until
 the events catch up (so a burst of one new prefix does not scatter before the first events
-arrive). `HoldingsView` is the set of them for one deployment: the router's process keeps
+arrive); and the queued work the replica reported with its last answer (`QueueLoad`:
+requests waiting and running, prompt tokens owed, the ids of its requests). `HoldingsView` is the set of them for one deployment: the router's process keeps
 one per deployment, shared by its request routers and the poller that feeds it.
 
 A replica that leaves the view (Serve stopped or replaced it, its actor died) takes its
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvcache.events import CLEARED, CPU, DEVICE, EVICTED, STORED, KVEventBatch
 from kvcache.hashing import BlockHash
+from scheduler.outputs import QueueLoad
 
 # A block held only in a CPU tier costs a copy back to the device, not a recompute, and may
 # be gone by then: it counts this much of a device block when routing.
@@ -43,7 +45,7 @@ class ReplicaHoldings:
         self.seq = 0
         self.held: dict[str, set[BlockHash]] = {DEVICE: set(), CPU: set()}
         self.recent: dict[BlockHash, float] = {}  # hash -> when it stops counting
-        self.load = 0  # requests in the replica's engine, as it last reported
+        self.load: QueueLoad | None = None  # its queued work, as it last reported
 
     def apply(self, batch: KVEventBatch) -> None:
         for _, op, medium, hashes in batch.entries:
@@ -109,7 +111,7 @@ class HoldingsView:
         with self._lock:
             return {rid: (r.epoch, r.seq) for rid, r in self._replicas.items()}
 
-    def apply(self, replica_id: str, batch: KVEventBatch, load: int) -> None:
+    def apply(self, replica_id: str, batch: KVEventBatch, load: QueueLoad) -> None:
         """A replica's answer; ignored for a replica no longer in the view (it died)."""
         now = self.clock()
         with self._lock:
@@ -138,7 +140,8 @@ class HoldingsView:
                 out[rid] = r.leading_blocks(hashes, now) if r is not None else 0.0
             return out
 
-    def loads(self) -> dict[str, int]:
+    def loads(self) -> dict[str, QueueLoad | None]:
+        """Per replica its last reported queued work (None before any)."""
         with self._lock:
             return {rid: r.load for rid, r in self._replicas.items()}
 

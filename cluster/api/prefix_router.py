@@ -8,30 +8,43 @@ cache_aware shape with exact block hashes instead of approximate text trees):
      `X-Session-Id` header) goes back to the replica its key last went to, unless that replica
      is overloaded: then it spills, and the key follows it.
   3. Least prompt work: among the others, the replica with the fewest prompt tokens to compute
-     before this request's first token: those it still owes for requests this router sent it
-     (`work`: what each missed there when sent) plus what this request misses there (its
-     prompt past the leading blocks that replica holds: the chained xxh3 hashes of
-     kvcache/hashing.py over the prompt the ingress tokenized, with the request's cache salt).
-     So a prefix goes home unless its home owes more than recomputing it elsewhere costs.
-     Among equals: fewer requests, then the emptier cache, then random.
+     before this request's first token: those it already owes (`work`, below) plus what this
+     request misses there (its prompt past the leading blocks that replica holds: the chained
+     xxh3 hashes of kvcache/hashing.py over the prompt the ingress tokenized, with the
+     request's cache salt), a held token counting PREFIX_WEIGHT (2) times: it saves its
+     compute and a second copy in another pool. So a prefix goes home unless its home owes
+     more than twice what recomputing it elsewhere costs. Among equals: fewer requests, then
+     the emptier cache, then random.
 The others follow, least loaded first, so Serve falls through to them when the first refuses
-(max_ongoing_requests). Requests and work in flight count what this router routed and what it
-chose and Serve has not confirmed yet (Serve confirms a routing only after a round trip to the
-replica, and routes the next requests of a burst meanwhile); requests are the larger of that
-and the requests in the engine as the replica last reported. A request's work counts until
-it completes (an upper bound once its prefill is done). One candidate: taken as it is,
-nothing hashed.
+(max_ongoing_requests).
+
+Load and work (`queued`): what the replica reported with its last poll answer (its engine's
+`QueueLoad`: requests waiting and running, and the prompt tokens they still owe, i.e. a
+waiting request's prompt past what the prefix cache holds now or a request ahead of it
+computes first, and a running prefill's uncomputed part; so what other routers sent it counts
+too, and a request's work stops counting once its prefill is done), plus each request this
+router routed there that the report does not name (its request ids: routed after the replica
+answered, or not arrived yet; each counts its prompt past what the replica held when chosen),
+plus what it chose and Serve has not confirmed yet (Serve confirms a routing only after a
+round trip to the replica, and routes the next requests of a burst meanwhile). So a burst
+counts at once, and a request counts once. Staleness: the report is as of when the replica
+answered, at most one poll period plus one round trip old (0.25 s; 1 s after 5 s without
+routing); for that long a request that finished (or finished its prefill) still counts: an
+over-count only. A replica that has not answered yet (or misses polls) counts every request
+this router routed there and that has not completed, with its whole miss. One candidate:
+taken as it is, nothing hashed.
 
 Holdings (kv_holdings.py): every `poll_period_s` (0.25 s) a task in the router's process calls
 `LLMServer.kv_events` on every replica with Serve's `DeploymentHandle.broadcast`, passing each
 replica's cursor; each answers with its `KVEventLog` entries since then (kvcache/events.py;
-stored and evicted hashes in order, batched by the polling) and its load. So the view is at
-most one period plus one round trip old (after 5 s without routing a request the period
-is 1 s; Serve's routing-stats period, 10 s, is not used), and the hashes this router just
-chose a replica for count as held there meanwhile. A replica that Serve drops or reports dead
-loses its holdings at once; a restarted engine answers with a snapshot (new epoch). Per
-request the router hashes the prompt once and walks each replica's leading blocks in set
-lookups, stopping at the first miss; docs/benchmarks.md has the measured time.
+stored and evicted hashes in order, batched by the polling) and its `QueueLoad`, in the same
+answer. So the view is at most one period plus one round trip old (after 5 s without routing
+a request the period is 1 s; Serve's routing-stats period, 10 s, is not used), and the hashes
+this router just chose a replica for count as held there meanwhile. A replica that Serve drops
+or reports dead loses its holdings and its report at once; a restarted engine answers with a
+snapshot (new epoch). Per request the router hashes the prompt once, walks each replica's
+leading blocks in set lookups, stopping at the first miss, and looks up the requests it has
+in flight in each replica's report (set lookups); docs/benchmarks.md has the measured time.
 """
 
 from __future__ import annotations
@@ -65,6 +78,10 @@ DEFAULT_POLL_PERIOD_S = 0.25
 IDLE_AFTER_S, IDLE_POLL_PERIOD_S = 5.0, 1.0
 MAX_ROUTING_KEYS = 100_000  # affinity entries kept, least recently used dropped first
 CHOSEN_TTL_S = 30.0  # a chosen request not routed by then was cancelled: it stops counting
+# A prompt token held on a replica saves computing it there now and, sent elsewhere, a second
+# copy of it in another pool, which evicts something that is recomputed later once pools are
+# full: each counts twice against prompt tokens owed (docs/benchmarks.md, issue #24, round 3).
+PREFIX_WEIGHT = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +113,8 @@ def rank_replicas(replica_ids: Sequence[str], loads: dict[str, int], matches: di
     if affinity in fit and affinity in replica_ids:
         return first(affinity), "affinity"
 
-    def cost(r: str) -> float:  # prompt tokens before this request's first token, less a constant
-        return work.get(r, 0) - matches.get(r, 0.0) * block_size
+    def cost(r: str) -> float:  # prompt work before this request's first token, less a constant
+        return work.get(r, 0) - matches.get(r, 0.0) * block_size * PREFIX_WEIGHT
 
     best = min(fit, key=cost)  # the first among equals in by_load order
     if cost(min(by_load, key=cost)) < cost(best):
@@ -124,11 +141,11 @@ class PrefixAwareRouter(RequestRouter):
         # (RequestRouterConfig), which would copy a global dict and whatever it holds.
         self.shared = kv_holdings.SHARED.setdefault(key, kv_holdings.Shared(recent_ttl_s))
         self.view = self.shared.view
-        self.in_flight: dict[str, int] = {}  # replica -> requests routed, not completed
-        self.work: dict[str, int] = {}  # replica -> prompt tokens of those that missed there
-        # internal request id -> (replica, its work), for requests this router routed (Serve
-        # also reports broadcasts, e.g. the metrics and KV-event polls, as completed requests).
-        self._routed: dict[str, tuple[str, int]] = {}
+        # replica -> internal request id -> (engine request id, its work there), for requests
+        # this router routed and that have not completed (Serve also reports broadcasts, e.g.
+        # the metrics and KV-event polls, as completed requests: those are not here).
+        self._routed: dict[str, dict[str, tuple[str | None, int]]] = {}
+        self._routed_to: dict[str, str] = {}  # internal request id -> its replica
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
         self._hashes: dict[str, list[BlockHash]] = {}  # internal request id -> prompt hashes
         # internal request id -> (replica chosen, when, its work there): chosen, not routed
@@ -145,14 +162,13 @@ class PrefixAwareRouter(RequestRouter):
         super().update_replicas(replicas)
         ids = [r.replica_id.unique_id for r in replicas]
         self.view.retain(ids)
-        self.in_flight = {r: self.in_flight.get(r, 0) for r in ids}
-        self.work = {r: self.work.get(r, 0) for r in ids}
+        self._routed = {r: self._routed.get(r, {}) for r in ids}
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.view.drop(replica_id.unique_id)
-        self.in_flight.pop(replica_id.unique_id, None)
-        self.work.pop(replica_id.unique_id, None)
+        for internal_id in self._routed.pop(replica_id.unique_id, {}):
+            self._routed_to.pop(internal_id, None)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -164,11 +180,7 @@ class PrefixAwareRouter(RequestRouter):
         ids = list(by_id)
         hashes = self._prompt_hashes(pending_request)
         matches = self.view.matches(hashes, ids) if hashes else {}
-        reported = self.view.loads()
-        chosen, chosen_work = self._count_chosen(pending_request)
-        loads = {r: max(self.in_flight.get(r, 0) + chosen.get(r, 0), reported.get(r, 0))
-                 for r in ids}
-        work = {r: self.work.get(r, 0) + chosen_work.get(r, 0) for r in ids}
+        loads, work = self.queued(ids, pending_request)
         key = _routing_key(pending_request)
         affinity = self.routing_keys.get(key) if key is not None else None
         ranked, self.last_reason = rank_replicas(ids, loads, matches, affinity, self.thresholds,
@@ -189,13 +201,12 @@ class PrefixAwareRouter(RequestRouter):
         rid = replica_id.unique_id
         internal_id = pending_request.metadata.internal_request_id
         self.shared.last_routed = time.monotonic()
-        self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
         chosen = self._chosen.pop(internal_id, None)
         # Sent elsewhere than chosen (Serve fell through): count its whole prompt there.
         cost = chosen[2] if chosen is not None and chosen[0] == rid else \
             self._prompt_len(pending_request)
-        self._routed[internal_id] = (rid, cost)
-        self.work[rid] = self.work.get(rid, 0) + cost
+        self._routed_to[internal_id] = rid
+        self._routed.setdefault(rid, {})[internal_id] = (_request_id(pending_request), cost)
         hashes = self._hashes.pop(internal_id, None)
         if hashes and (chosen is None or chosen[0] != rid):  # Serve fell through to another
             self.view.note_routed(rid, hashes)
@@ -206,30 +217,37 @@ class PrefixAwareRouter(RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._hashes.pop(internal_request_id, None)
         self._chosen.pop(internal_request_id, None)
-        routed = self._routed.pop(internal_request_id, None)
-        if routed is not None and self.in_flight.get(routed[0], 0) > 0:
-            rid, cost = routed
-            self.in_flight[rid] -= 1
-            self.work[rid] = max(0, self.work.get(rid, 0) - cost)
+        rid = self._routed_to.pop(internal_request_id, None)
+        if rid is not None and rid in self._routed:
+            self._routed[rid].pop(internal_request_id, None)
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _count_chosen(self, pending: PendingRequest | None
-                      ) -> tuple[dict[str, int], dict[str, int]]:
-        """Requests and work chosen for each replica and not routed yet (not `pending` itself,
-        which Serve may route again after a refusal); entries older than CHOSEN_TTL_S are
-        dropped (a request cancelled while Serve routed it gets no completion)."""
+    def queued(self, ids: Sequence[str], pending: PendingRequest | None = None
+               ) -> tuple[dict[str, int], dict[str, int]]:
+        """Per replica the requests and the prompt tokens queued there (the module docstring):
+        its last report, what this router routed there that the report does not hold, and
+        what it chose for it and Serve has not confirmed (not `pending` itself, which Serve
+        may route again after a refusal; entries older than CHOSEN_TTL_S are dropped: a
+        request cancelled while Serve routed it gets no completion)."""
+        reports = self.view.loads()
+        loads: dict[str, int] = {}
+        work: dict[str, int] = {}
+        for r in ids:
+            report = reports.get(r)
+            held = report.request_ids if report is not None else frozenset()
+            extra = [w for req_id, w in self._routed.get(r, {}).values() if req_id not in held]
+            loads[r] = len(extra) + (report.num_waiting + report.num_running if report else 0)
+            work[r] = sum(extra) + (report.prompt_tokens if report else 0)
         own = pending.metadata.internal_request_id if pending is not None else None
         stale = time.monotonic() - CHOSEN_TTL_S
-        counts: dict[str, int] = {}
-        work: dict[str, int] = {}
         for rid, (replica, when, cost) in list(self._chosen.items()):
             if when < stale:
                 del self._chosen[rid]
-            elif rid != own:
-                counts[replica] = counts.get(replica, 0) + 1
-                work[replica] = work.get(replica, 0) + cost
-        return counts, work
+            elif rid != own and replica in loads:
+                loads[replica] += 1
+                work[replica] += cost
+        return loads, work
 
     @staticmethod
     def _prompt_len(pr: PendingRequest | None) -> int:
@@ -267,6 +285,12 @@ class PrefixAwareRouter(RequestRouter):
 
 def _routing_key(pr: PendingRequest | None) -> str | None:
     return pr.kwargs.get("routing_key") if pr is not None else None
+
+
+def _request_id(pr: PendingRequest) -> str | None:
+    """The engine's request id: LLMServer.generate(prompt, params, request_id, ...)."""
+    args = pr.args
+    return args[2] if len(args) > 2 and isinstance(args[2], str) else pr.kwargs.get("request_id")
 
 
 async def poll_holdings(shared: kv_holdings.Shared, app_name: str, deployment: str,

@@ -31,7 +31,7 @@ from cluster.engine.errors import (
 from cluster.engine.executor import WorkerDiedError
 from cluster.engine.llm_engine import LLMEngine, rebuild_or_raise
 from kvcache.events import KVEventBatch
-from scheduler import RequestOutput, SamplingParams
+from scheduler import QueueLoad, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -233,10 +233,12 @@ class AsyncLLMEngine:
     def metrics(self) -> dict[str, Any]:
         return self.engine.metrics()
 
-    def kv_events(self, epoch: str | None, seq: int) -> tuple[KVEventBatch, int]:
+    def kv_events(self, epoch: str | None, seq: int) -> tuple[KVEventBatch, QueueLoad]:
         """What the prefix cache gained and lost since a router's cursor (kvcache/events.py),
-        and the load: requests in the engine. On the event loop, between scheduling calls."""
-        return self.engine.scheduler.kv.events.since(epoch, seq), len(self._queues)
+        and the queued work as of now (requests waiting and running, prompt tokens owed:
+        scheduler/queues.py's `load`). On the event loop, between scheduling calls."""
+        scheduler = self.engine.scheduler
+        return scheduler.kv.events.since(epoch, seq), scheduler.queues.load()
 
     def shutdown(self) -> None:
         if self._task is not None:

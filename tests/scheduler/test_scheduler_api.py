@@ -7,7 +7,7 @@ import pytest
 from scheduler_harness import ByteTokenizer, make, reference_tokens, run_to_completion, step
 
 from kvcache import KVCacheManager
-from scheduler import SamplingParams, Scheduler, SchedulerConfig, SequenceStatus
+from scheduler import QueueLoad, SamplingParams, Scheduler, SchedulerConfig, SequenceStatus
 from scheduler.request import Request, Seq
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -118,6 +118,34 @@ def test_stats_count_queues_tokens_and_preemptions() -> None:
     assert (s.preemptions_swap, s.preemptions_recompute) == (1, 0)
     assert (s.prompt_tokens_total, s.generation_tokens_total, s.num_steps) == (15, 4, 3)
     assert (s.num_free_gpu_blocks, s.num_free_cpu_blocks, s.gpu_usage) == (1, 6, 0.75)
+
+
+def test_queue_load_counts_prompt_tokens_owed_past_the_cached_prefix() -> None:
+    """What a replica reports to the request router with its KV events (RequestQueues.load)."""
+    sched, kv, worker = make(num_gpu_blocks=32, max_num_batched_tokens=8, max_num_seqs=4)
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    sched.add_request("a", list(range(10, 30)), sp)
+    assert sched.queues.load() == QueueLoad(1, 0, 20, frozenset("a"))
+    step(sched, worker)  # a's first chunk of 8: its two full blocks enter the prefix cache
+    assert sched.queues.load() == QueueLoad(0, 1, 12, frozenset("a"))
+    sched.add_request("b", list(range(10, 18)) + [99] * 10, sp)  # a's first 8 tokens, then 10
+    sched.add_request("c", list(range(10, 30)) + [5] * 4, sp)  # a's whole prompt, then 4
+    # b misses past the cached blocks; c only its last block: a computes the rest first
+    assert sched.queues.load() == QueueLoad(2, 1, 12 + 10 + 4, frozenset("abc"))
+    step(sched, worker)  # a's second chunk
+    assert sched.queues.load() == QueueLoad(2, 1, 4 + 10 + 4, frozenset("abc"))
+
+
+def test_queue_load_counts_swapped_requests_as_waiting_owing_no_prompt_tokens() -> None:
+    sched, kv, worker = make(num_gpu_blocks=4, num_cpu_blocks=8, max_num_batched_tokens=16,
+                             max_num_seqs=4)
+    sched.add_request("a", list(range(100, 107)), SamplingParams(max_tokens=4, **GREEDY))
+    step(sched, worker)
+    sched.add_request("b", list(range(200, 208)), SamplingParams(max_tokens=3, **GREEDY))
+    sched.add_request("c", list(range(300, 308)), SamplingParams(max_tokens=3, **GREEDY))
+    step(sched, worker)
+    step(sched, worker)  # b swapped out, c waiting, a decoding (as in the test above)
+    assert sched.queues.load() == QueueLoad(2, 1, 8, frozenset("abc"))
 
 
 def test_byte_level_text_of_a_whole_run_equals_decode_of_its_tokens() -> None:

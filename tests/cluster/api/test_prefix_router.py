@@ -4,6 +4,7 @@ KVCacheManager's event log, affinity spill, replicas leaving, and the hash acros
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import subprocess
@@ -12,12 +13,14 @@ import time
 
 import pytest
 
-from cluster.api.kv_holdings import HoldingsView
+from cluster.api.kv_holdings import SHARED, HoldingsView
 from cluster.api.prefix_router import RoutingThresholds, rank_replicas
 from kvcache import KVCacheManager, prompt_block_hashes
 from kvcache.events import CPU, DEVICE, STORED, KVEventBatch
+from scheduler import QueueLoad
 
 TH = RoutingThresholds(imbalance_abs=4, imbalance_rel=1.5)
+IDLE = QueueLoad(0, 0, 0)
 SYSTEM_A = list(range(1000, 1064))  # four blocks of 16
 SYSTEM_B = list(range(2000, 2064))
 
@@ -46,10 +49,10 @@ def test_no_match_goes_to_the_least_loaded_then_the_emptier_cache():
     assert rank({"a": 0, "b": 0}, sizes={"a": 10, "b": 2}) == (["b", "a"], "load")
 
 
-def test_a_prefix_goes_home_unless_its_home_owes_more_prompt_work_than_recomputing_it():
-    # four blocks (64 tokens) held on a: a wins while it owes fewer than 64 more tokens
-    assert rank({"a": 1, "b": 1}, {"a": 4.0}, work={"a": 50, "b": 0}) == (["a", "b"], "prefix")
-    assert rank({"a": 1, "b": 1}, {"a": 4.0}, work={"a": 200, "b": 0}) == (["b", "a"], "load")
+def test_a_prefix_goes_home_unless_its_home_owes_twice_the_work_of_recomputing_it():
+    # four blocks (64 tokens) held on a: a wins while it owes fewer than 2 x 64 more tokens
+    assert rank({"a": 1, "b": 1}, {"a": 4.0}, work={"a": 120, "b": 0}) == (["a", "b"], "prefix")
+    assert rank({"a": 1, "b": 1}, {"a": 4.0}, work={"a": 130, "b": 0}) == (["b", "a"], "load")
     # no match anywhere: the replica owing least, not the one with fewer requests
     assert rank({"a": 3, "b": 1}, work={"a": 0, "b": 2000}) == (["a", "b"], "load")
 
@@ -76,14 +79,14 @@ def test_view_follows_stored_and_evicted_blocks_and_scores_leading_blocks():
     view = HoldingsView()
     view.retain(["r1", "r2"])
     m.allocate_slots(1, SYSTEM_A + [7] * 10, 74)
-    view.apply("r1", batch_of(m, (None, 0)), load=1)
+    view.apply("r1", batch_of(m, (None, 0)), load=QueueLoad(0, 1, 10))
     hashes_a = prompt_block_hashes(SYSTEM_A + [9] * 20, 16)
     assert view.matches(hashes_a, ["r1", "r2"]) == {"r1": 4.0, "r2": 0.0}
-    assert view.loads() == {"r1": 1, "r2": 0}
+    assert view.loads() == {"r1": QueueLoad(0, 1, 10), "r2": None}
     cursor = (m.events.epoch, m.events.seq)
     m.free(1)
     m.allocate_slots(2, SYSTEM_B + [8] * 64, 128)  # all 8 blocks: A's are evicted
-    view.apply("r1", batch_of(m, cursor), load=1)
+    view.apply("r1", batch_of(m, cursor), load=IDLE)
     assert view.matches(hashes_a, ["r1"]) == {"r1": 0.0}
     assert view.matches(prompt_block_hashes(SYSTEM_B, 16), ["r1"]) == {"r1": 4.0}
     assert view.num_held("r1") == len(m.gpu_pool.cached_block_hash_to_block) == 8
@@ -94,9 +97,9 @@ def test_leading_blocks_stop_at_the_first_miss_and_a_cpu_tier_counts_half():
     view.retain(["r"])
     h = prompt_block_hashes(SYSTEM_A, 16)
     view.apply("r", KVEventBatch("e", 2, [(1, STORED, DEVICE, (h[0], h[2], h[3])),
-                                          (2, STORED, CPU, (h[1],))], False), load=0)
+                                          (2, STORED, CPU, (h[1],))], False), load=IDLE)
     assert view.matches(h, ["r"]) == {"r": 3.5}
-    view.apply("r", KVEventBatch("e", 3, [(3, 1, CPU, (h[1],))], False), load=0)  # evicted
+    view.apply("r", KVEventBatch("e", 3, [(3, 1, CPU, (h[1],))], False), load=IDLE)  # evicted
     assert view.matches(h, ["r"]) == {"r": 1.0}
 
 
@@ -117,11 +120,11 @@ def test_a_replica_that_leaves_takes_its_holdings_and_late_answers_are_ignored()
     m.allocate_slots(1, SYSTEM_A, 64)
     view = HoldingsView()
     view.retain(["r1", "r2"])
-    view.apply("r1", batch_of(m, (None, 0)), load=3)
+    view.apply("r1", batch_of(m, (None, 0)), load=IDLE)
     view.retain(["r2", "r3"])  # Serve replaced r1
     h = prompt_block_hashes(SYSTEM_A, 16)
     assert view.matches(h, ["r1", "r2", "r3"]) == {"r1": 0.0, "r2": 0.0, "r3": 0.0}
-    view.apply("r1", batch_of(m, (None, 0)), load=3)  # an answer in flight when it died
+    view.apply("r1", batch_of(m, (None, 0)), load=IDLE)  # an answer in flight when it died
     assert view.replica_ids() == ["r2", "r3"] and view.num_held("r1") == 0
     view.drop("r2")
     assert view.replica_ids() == ["r3"]
@@ -132,22 +135,25 @@ def test_a_restarted_engine_sends_a_snapshot_that_replaces_what_was_held():
     old.allocate_slots(1, SYSTEM_A, 64)
     view = HoldingsView()
     view.retain(["r"])
-    view.apply("r", batch_of(old, (None, 0)), load=0)
+    view.apply("r", batch_of(old, (None, 0)), load=IDLE)
     new = KVCacheManager(num_gpu_blocks=8, num_cpu_blocks=0, block_size=16)  # new epoch
     new.allocate_slots(1, SYSTEM_B, 64)
     batch = new.events.since(*view.cursors()["r"])
     assert batch.snapshot
-    view.apply("r", batch, load=0)
+    view.apply("r", batch, load=IDLE)
     assert view.matches(prompt_block_hashes(SYSTEM_A, 16), ["r"]) == {"r": 0.0}
     assert view.matches(prompt_block_hashes(SYSTEM_B, 16), ["r"]) == {"r": 4.0}
 
 
 def test_routing_cost_at_8_replicas_of_100k_blocks_is_under_a_millisecond():
-    """The router's own work per request: hash a 2,000-token prompt, score 8 full replicas."""
+    """The router's own work per request (choose_replicas): hash a 2,000-token prompt, score 8
+    full replicas, count their queues (the reports, 64 requests routed since, those chosen)
+    and rank."""
     rng = random.Random(0)
-    view = HoldingsView()
+    router = new_router()
     ids = [f"r{i}" for i in range(8)]
-    view.retain(ids)
+    replicas = [_Replica(rid) for rid in ids]
+    router.view.retain(ids)
     prompt = [rng.randrange(150_000) for _ in range(2000)]
     shared = prompt_block_hashes(prompt, 16)
     for i, rid in enumerate(ids):
@@ -155,17 +161,27 @@ def test_routing_cost_at_8_replicas_of_100k_blocks_is_under_a_millisecond():
         raw = os.urandom(16 * n)
         filler = tuple(raw[j:j + 16] for j in range(0, 16 * n, 16))
         held = (tuple(shared[: 40 + 10 * i]) if i % 2 else ()) + filler
-        view.apply(rid, KVEventBatch("e", 1, [(1, STORED, DEVICE, tuple(held))], False), 0)
-    loads = dict.fromkeys(ids, 0)
-    best = []
-    for _ in range(50):
-        t = time.perf_counter()
-        hashes = prompt_block_hashes(prompt, 16)
-        matches = view.matches(hashes, ids)
-        ranked, _ = rank_replicas(ids, loads, matches, None, TH, rng, view.sizes())
-        best.append(time.perf_counter() - t)
-    assert ranked[0] == "r7" and matches["r7"] == 110.0
-    assert sorted(best)[len(best) // 2] < 1e-3  # the median; a busy shared machine adds noise
+        router.view.apply(rid, KVEventBatch("e", 1, [(1, STORED, DEVICE, tuple(held))], False),
+                          QueueLoad(2, 6, 500, frozenset(f"x{j}" for j in range(8))))
+    for i in range(64):
+        router.on_request_routed(request(1000 + i, prompt[:100]), replicas[i % 8].replica_id,
+                                 None)
+    times, first = [], []
+
+    async def go() -> None:
+        router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
+        for i in range(50):
+            t = time.perf_counter()
+            ranks = await router.choose_replicas(replicas, request(i, prompt))
+            times.append(time.perf_counter() - t)
+            first.append((ranks[0][0].replica_id.unique_id, router.last_reason))
+
+    try:
+        asyncio.run(go())
+    finally:
+        SHARED.pop(router.shared_key)  # ~200 MB of hashes
+    assert first[0] == ("r7", "prefix") and router.view.num_held("r7") == 100_000 - 125 + 110
+    assert sorted(times)[len(times) // 2] < 1e-3  # the median; a busy shared machine adds noise
 
 
 HASH_SCRIPT = ("from kvcache.hashing import prompt_block_hashes;"
@@ -237,22 +253,38 @@ class _Replica:
         self.replica_id = ReplicaID(unique_id, DeploymentID(name="LLMServer", app_name="t"))
 
 
-def test_router_hooks_send_a_prefix_home_and_count_only_what_they_routed():
-    """PrefixAwareRouter itself (no Serve): choose, routed, completed; broadcasts that Serve
-    reports as completed (metrics, KV-event polls) do not lower a replica's load."""
-    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
-    from ray.serve.request_router import PendingRequest
+_APPS = itertools.count()
+
+
+def new_router(**kwargs):
+    """A PrefixAwareRouter as Serve builds it, with a view of its own (a fresh app name)."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
     from cluster.api.prefix_router import PrefixAwareRouter
 
-    def request(i: int, tokens: list[int], key: str | None = None) -> PendingRequest:
-        return PendingRequest(args=[tokens, None, f"r{i}", None], kwargs={"routing_key": key},
-                              metadata=RequestMetadata(f"r{i}", f"internal-{i}"))
+    app = f"t{next(_APPS)}"
+    router = PrefixAwareRouter(deployment_id=DeploymentID(name="LLMServer", app_name=app),
+                               handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(block_size=16, **kwargs)
+    router.shared_key = (app, "LLMServer")
+    return router
+
+
+def request(i: int, tokens: list[int], key: str | None = None):
+    """Serve's PendingRequest for LLMServer.generate(tokens, params, request_id, cache_salt)."""
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    return PendingRequest(args=[tokens, None, f"r{i}", None], kwargs={"routing_key": key},
+                          metadata=RequestMetadata(f"r{i}", f"internal-{i}"))
+
+
+def test_router_hooks_send_a_prefix_home_and_count_only_what_they_routed():
+    """PrefixAwareRouter itself (no Serve): choose, routed, completed; broadcasts that Serve
+    reports as completed (metrics, KV-event polls) do not lower a replica's load."""
 
     async def go() -> None:
-        router = PrefixAwareRouter(deployment_id=DeploymentID(name="LLMServer", app_name="t"),
-                                   handle_source=DeploymentHandleSource.UNKNOWN)
-        router.initialize_state(block_size=16)
+        router = new_router()
         router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
         a, b = _Replica("a"), _Replica("b")
         router.view.retain(["a", "b"])
@@ -262,22 +294,56 @@ def test_router_hooks_send_a_prefix_home_and_count_only_what_they_routed():
         home = ranks[0][0]
         router.on_request_routed(first, home.replica_id, None)
         other = b if home is a else a
-        hid = home.replica_id.unique_id
-        assert router.in_flight == {hid: 1}
+        hid, oid = home.replica_id.unique_id, other.replica_id.unique_id
         router.on_request_completed(home.replica_id, "a-broadcast-to-every-replica")
-        assert router.in_flight == {hid: 1}
-        # request 1 missed everything: its 72 prompt tokens are work owed until it completes;
-        # meanwhile one sharing its 64-token prefix is cheaper to start on the idle replica
-        assert router.work == {hid: 72}
+        # no report yet: request 1 missed everything, its 72 prompt tokens are owed until it
+        # completes; one more unrelated miss there, and one sharing request 1's 64-token prefix
+        # is cheaper on the idle replica (144 owed > 2 x 64 saved)
+        assert router.queued([hid, oid]) == ({hid: 1, oid: 0}, {hid: 72, oid: 0})
+        router.on_request_routed(request(5, SYSTEM_B + [5] * 8), home.replica_id, None)
         meanwhile = await router.choose_replicas([a, b], request(2, SYSTEM_A + [2] * 8))
         assert meanwhile[0] == [other] and router.last_reason == "load"
         router.on_request_completed(home.replica_id, "internal-1")
-        assert router.in_flight == {hid: 0} and router.work == {hid: 0}
+        router.on_request_completed(home.replica_id, "internal-5")
+        assert router.queued([hid]) == ({hid: 0}, {hid: 0})
         again = await router.choose_replicas([a, b], request(3, SYSTEM_A + [3] * 8))
         assert again[0] == [home] and router.last_reason == "prefix"
         router.on_replica_actor_died(home.replica_id)
         gone = await router.choose_replicas([other], request(4, SYSTEM_A))
-        assert gone == [[other]] and router.view.replica_ids() == [other.replica_id.unique_id]
+        assert gone == [[other]] and router.view.replica_ids() == [oid]
+
+    asyncio.run(go())
+
+
+def test_queued_work_is_the_last_report_plus_what_was_routed_that_it_does_not_name():
+    """The replica's own numbers (what other routers sent it too, prefills done) replace this
+    router's estimate for every request the report names; the others count on top, once."""
+
+    async def go() -> None:
+        router = new_router()
+        router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
+        a, b = _Replica("a"), _Replica("b")
+        router.view.retain(["a", "b"])
+        nothing = KVEventBatch("e", 0, [], False)
+        router.on_request_routed(request(1, SYSTEM_A + [1] * 8), a.replica_id, None)
+        router.on_request_routed(request(2, SYSTEM_B + [2] * 8), a.replica_id, None)
+        # no report yet: each counts with its whole miss (72 tokens) until it completes
+        assert router.queued(["a", "b"]) == ({"a": 2, "b": 0}, {"a": 144, "b": 0})
+        # a's answer names request 1 (prefilled, decoding) and one from another router
+        # (waiting, 200 prompt tokens past its cached prefix), not request 2 (not there yet)
+        router.view.apply("a", nothing, QueueLoad(1, 1, 200, frozenset({"r1", "other"})))
+        assert router.queued(["a", "b"]) == ({"a": 3, "b": 0}, {"a": 272, "b": 0})
+        router.on_request_completed(a.replica_id, "internal-1")  # the report still counts it
+        assert router.queued(["a"]) == ({"a": 3}, {"a": 272})
+        # the next answer names request 2 and no longer request 1
+        router.view.apply("a", nothing, QueueLoad(0, 2, 30, frozenset({"r2", "other"})))
+        assert router.queued(["a", "b"]) == ({"a": 2, "b": 0}, {"a": 30, "b": 0})
+        router.on_request_completed(a.replica_id, "internal-2")  # named: nothing changes
+        assert router.queued(["a"]) == ({"a": 2}, {"a": 30})
+        # chosen and not confirmed by Serve yet: counts at once, with what it misses there
+        ranks = await router.choose_replicas([a, b], request(3, SYSTEM_A + [3] * 8))
+        assert ranks[0] == [b] and router.queued(["a", "b"]) == ({"a": 2, "b": 1},
+                                                                  {"a": 30, "b": 72})
 
     asyncio.run(go())
 
@@ -286,19 +352,9 @@ def test_a_burst_is_spread_and_grouped_before_serve_confirms_any_routing():
     """Serve confirms a routing (on_request_routed) only after a round trip to the replica and
     routes the next requests meanwhile: what the router chose counts as load and as held at
     once, so a burst of two prefixes puts each prefix on one replica, one per replica."""
-    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
-    from ray.serve.request_router import PendingRequest
-
-    from cluster.api.prefix_router import PrefixAwareRouter
-
-    def request(i: int, tokens: list[int]) -> PendingRequest:
-        return PendingRequest(args=[tokens, None, f"r{i}", None], kwargs={"routing_key": None},
-                              metadata=RequestMetadata(f"r{i}", f"internal-{i}"))
 
     async def go() -> None:
-        router = PrefixAwareRouter(deployment_id=DeploymentID(name="LLMServer", app_name="t"),
-                                   handle_source=DeploymentHandleSource.UNKNOWN)
-        router.initialize_state(block_size=16)
+        router = new_router()
         router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
         a, b = _Replica("a"), _Replica("b")
         router.view.retain(["a", "b"])
@@ -307,13 +363,13 @@ def test_a_burst_is_spread_and_grouped_before_serve_confirms_any_routing():
                  for r in burst]
         assert homes[0] != homes[1], "the second prefix goes to the idle replica"
         assert homes[2::2] == [homes[0]] * 2 and homes[3::2] == [homes[1]] * 2
-        assert not any(router.in_flight.values())  # nothing routed yet
-        # Serve routes request 0 where chosen: it moves from chosen to in flight
+        assert router.queued(["a", "b"])[0] == {"a": 3, "b": 3}  # all chosen, none routed
+        # Serve routes request 0 where chosen: it moves from chosen to routed, still counted
         router.on_request_routed(burst[0], a.replica_id if homes[0] == "a" else b.replica_id,
                                  None)
-        assert router.in_flight[homes[0]] == 1 and len(router._chosen) == 5
+        assert len(router._chosen) == 5 and router.queued(["a", "b"])[0] == {"a": 3, "b": 3}
         router._chosen["cancelled"] = ("a", time.monotonic() - 31.0, 1)  # never routed
-        assert router._count_chosen(None)[0] == {homes[0]: 2, homes[1]: 3}
+        assert router.queued(["a", "b"])[0] == {"a": 3, "b": 3}
         assert "cancelled" not in router._chosen
 
     asyncio.run(go())
