@@ -43,12 +43,12 @@ class Sim:
         self.url = url
 
 
-def add_node(cluster: Any) -> Any:
+def add_node(cluster: Any, wait: bool = True) -> Any:
     """A 1-CPU worker node; from the main thread only (see the module docstring)."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("add a simulated node from the main thread: its raylet dies with "
                            "the thread that started it (PR_SET_PDEATHSIG)")
-    return cluster.add_node(num_cpus=1)
+    return cluster.add_node(wait=wait, num_cpus=1)
 
 
 def _process_tree(root: int) -> list[int]:
@@ -107,7 +107,7 @@ def simulated_cluster() -> Iterator[Sim]:
         "num_cpus": 0, "include_dashboard": False, "_system_config": GCS_HEALTH_CHECKS})
     try:
         for _ in range(2):
-            add_node(cluster)
+            add_node(cluster, wait=False)  # both start at once
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
         port = get_free_port()

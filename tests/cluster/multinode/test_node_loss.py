@@ -7,7 +7,7 @@ What is pinned: the placement (ingress beside the proxy, the replicas on differe
 whole node killed under load (its raylet and every process on it, nothing else:
 sim_cluster.kill_node) and a replica actor killed mid-stream lose no request and change no
 greedy output, token for token; /health and /v1/models answer throughout; Serve brings the
-lost replica back on a node that joins; nothing is left running on the survivor. Scale-down, a
+lost replica back on a spare node; nothing is left running on the survivor. Scale-down, a
 rolling update and autoscaling 1 -> 3 -> 1 under a load ramp cut no request: a stopping replica
 hands what it has not finished to another one (cluster/api/drain.py). tp-2 groups each on one
 node, and a stalled engine replaced with its requests going on elsewhere.
@@ -45,7 +45,8 @@ ARGS: dict[str, Any] = dict(
     model="qwen3-tiny", tensor_parallel_size=1, device="cpu", executor="inprocess",
     swap_space=0.01, max_num_seqs=16, num_replicas=2,
     replica_num_cpus=1.0,  # a worker node's whole CPU: one replica per node
-    ingress_num_cpus=0.0, ingress_on_head_node=True)  # the head has no CPU for an LLM replica
+    ingress_num_cpus=0.0, ingress_on_head_node=True,  # the head has no CPU for an LLM replica
+    graceful_shutdown_timeout_s=4.0)  # a stopping replica hands its requests over after 2 s
 
 
 # Each prompt's last stream: the LLMServer replica that started it (its X-Replica-Id).
@@ -225,6 +226,7 @@ def test_node_killed_under_load_loses_nothing_and_capacity_returns(
     victim_node = _node_of(replicas[0])
     survivor = replicas[1]
     node = next(n for n in sim.cluster.worker_nodes if n.node_id == victim_node)
+    add_node(sim.cluster)  # a spare node: Serve puts the lost replica there once it is lost
     killed: list[int] = []
     got, statuses = asyncio.run(_under_failure(
         sim.url, lambda: killed.extend(kill_node(sim.cluster, node))))
@@ -232,8 +234,7 @@ def test_node_killed_under_load_loses_nothing_and_capacity_returns(
     assert got == reference
     assert _resumes_logged() > before, "no request was on the killed node"
     assert set(statuses) == {200}
-    # A node joins; Serve puts the lost replica there. The survivor served throughout.
-    add_node(sim.cluster)
+    # Serve put the lost replica on the spare node. The survivor served throughout.
     _wait_for_replicas(2)
     now = _actors(REPLICA_CLASS)
     nodes = {_node_of(a) for a in now}
@@ -419,6 +420,22 @@ def _failed_health_checks() -> list[str]:
     return lines
 
 
+def _wait_until_replaced(pid: int, timeout: float = 60) -> None:
+    """Until the replica process `pid` is gone and Serve is starting (or runs) another in its
+    place. (Not until that one serves: the stall test is the module's last, and Serve
+    starting a replica is the node-kill test's to pin.)"""
+    from ray import serve
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        states = serve.status().applications[APP].deployments["LLMServer"].replica_states
+        if (pid not in [a["Pid"] for a in _actors(REPLICA_CLASS)] and states.get("STOPPING", 0) == 0
+                and states.get("STARTING", 0) + states.get("RUNNING", 0) == 2):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"replica process {pid} not replaced: {states}")
+
+
 def test_tp2_group_on_one_node_and_a_stalled_one_is_replaced_its_requests_going_on(
         sim: Sim, reference: list[tuple]) -> None:
     """Two tp-2 replicas (Ray executor: a worker actor per rank): each group's ranks sit on its
@@ -460,6 +477,6 @@ def test_tp2_group_on_one_node_and_a_stalled_one_is_replaced_its_requests_going_
     assert _resumes_logged() > resumed, "no request was on the stalled replica"
     assert _losses_logged() == lost, "a request was cut instead of handed over"
     assert set(statuses) == {200}  # the other replica is ready all along
-    _wait_for_replicas(2, gone_pid=replica["Pid"])
+    _wait_until_replaced(replica["Pid"])
     failed = _failed_health_checks()[failed_before:]
     assert len(failed) >= 3 and all(f"id='{stopped['id']}'" in line for line in failed), failed
