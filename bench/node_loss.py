@@ -62,9 +62,9 @@ def main() -> None:
         node = next(n for n in cluster.worker_nodes if n.node_id == victim)
         before = t._resumes_logged()
         killed_at = time.monotonic()
-        got = asyncio.run(run(lambda: cluster.remove_node(node, allow_graceful=False)))
+        got = asyncio.run(run(lambda: t.kill_node(cluster, node)))
         resumed = t._resumes_logged() - before
-        cluster.add_node(num_cpus=1)
+        t.add_node(cluster)  # (from the main thread: see sim_cluster.py)
         t._wait_for_replicas(2)
         capacity_s = time.monotonic() - killed_at
         lost = sum(1 for g in got if isinstance(g, BaseException))
