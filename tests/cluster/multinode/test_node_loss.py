@@ -234,8 +234,9 @@ def test_node_killed_under_load_loses_nothing_and_capacity_returns(
     assert got == reference
     assert _resumes_logged() > before, "no request was on the killed node"
     assert set(statuses) == {200}
-    # Serve put the lost replica on the spare node. The survivor served throughout.
-    _wait_for_replicas(2)
+    # Serve put the lost replica on the spare node (once the GCS declared the killed node
+    # dead: until then Serve counts its replica RUNNING). The survivor served throughout.
+    _wait_for_replicas(2, gone_pid=replicas[0]["Pid"])
     now = _actors(REPLICA_CLASS)
     nodes = {_node_of(a) for a in now}
     assert victim_node not in nodes and len(nodes) == 2
