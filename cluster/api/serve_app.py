@@ -49,6 +49,11 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # How long Serve lets a stopping LLMServer replica finish its requests before killing it;
     # halfway, it hands the unfinished ones to another replica (cluster/api/drain.py).
     "graceful_shutdown_timeout_s": 10.0,
+    # Serve calls each LLMServer replica's check_health (fails when its engine is dead or has
+    # stalled for engine_stall_timeout_s) this often; three failures in a row, or one answer
+    # slower than the timeout, and Serve replaces the replica.
+    "health_check_period_s": 5.0,
+    "health_check_timeout_s": 30.0,
     "autoscaling_config": None,  # Serve's dict, e.g. {min_replicas, max_replicas, target_ongoing_requests}
     "max_ongoing_requests": 64,  # per LLMServer replica, in the engine at once
     "max_queued_requests": 64,   # per caller, waiting for a replica; beyond: 503 + Retry-After
@@ -81,7 +86,8 @@ SHUTDOWN_POLL_S = 0.5
 
 
 @serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["max_ongoing_requests"],
-                  health_check_period_s=5.0, health_check_timeout_s=30.0,
+                  health_check_period_s=SERVING_DEFAULTS["health_check_period_s"],
+                  health_check_timeout_s=SERVING_DEFAULTS["health_check_timeout_s"],
                   graceful_shutdown_timeout_s=SERVING_DEFAULTS["graceful_shutdown_timeout_s"],
                   graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 class LLMServer:
@@ -291,7 +297,8 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
                               or limit < 1024):
         raise ValueError("max_request_body_bytes must be an integer >= 1024 (bytes) or null "
                          f"(sized from max_model_len); got {limit!r}")
-    for key in ("graceful_shutdown_timeout_s", "ingress_graceful_shutdown_timeout_s"):
+    for key in ("graceful_shutdown_timeout_s", "ingress_graceful_shutdown_timeout_s",
+                "health_check_period_s", "health_check_timeout_s"):
         timeout = serving[key]
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"{key} must be a number of seconds > 0; got {timeout!r}")
@@ -355,6 +362,8 @@ def build_app(args: dict[str, Any]) -> Application:
         max_ongoing_requests=serving["max_ongoing_requests"],
         max_queued_requests=serving["max_queued_requests"],
         graceful_shutdown_timeout_s=float(serving["graceful_shutdown_timeout_s"]),
+        health_check_period_s=float(serving["health_check_period_s"]),
+        health_check_timeout_s=float(serving["health_check_timeout_s"]),
         backpressure_config=backpressure, **replicas,
     ).bind(config.to_dict())
     ingress_actor: dict[str, Any] = {"num_cpus": float(serving["ingress_num_cpus"]),

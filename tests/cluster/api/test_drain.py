@@ -139,7 +139,8 @@ def test_what_ends_before_the_hand_off_ends_on_the_draining_replica(
 
 
 @pytest.mark.parametrize("key", ["graceful_shutdown_timeout_s",
-                                 "ingress_graceful_shutdown_timeout_s"])
+                                 "ingress_graceful_shutdown_timeout_s",
+                                 "health_check_period_s", "health_check_timeout_s"])
 @pytest.mark.parametrize("value", [0, -1.0, True, "5"])
 def test_shutdown_timeouts_must_be_positive_seconds(key: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"{key} must be a number of seconds > 0; got"):

@@ -1,15 +1,38 @@
 """The simulated 3-node Ray cluster of this directory's tests and of bench/node_loss.py and
 bench/autoscale.py (ray.cluster_utils.Cluster, one host): a head with no CPU to offer (Serve's
 controller, the one proxy of `proxy_location: HeadOnly`) and two worker nodes with one CPU
-each."""
+each.
+
+A node loss here is exactly one node's: `kill_node` SIGKILLs that node's raylet and every
+process under it (its workers, its agents) at once, as a machine losing power would, and
+nothing else. Each simulated node's raylet is a child of the process that added the node, so
+its process tree is that node. Two traps of the simulation it avoids:
+- Ray starts each raylet with PR_SET_PDEATHSIG (kernel fate-sharing), which fires when the
+  *thread* that started it exits: a node added from a worker thread (`asyncio.to_thread`, a
+  thread pool) dies with that thread. Add nodes from the main thread only (`add_node`).
+- `Cluster.remove_node` kills only the raylet and leaves its workers to notice and exit on
+  their own; until they do, a killed node's replica may still answer.
+The GCS declares a node dead after `health_check_failure_threshold` failed checks: a killed
+raylet's port refuses at once, so that is threshold x period (5 x 1 s here, not Ray's 5 x 3 s);
+a live raylet that is slow to answer (the host overloaded) fails a check only after
+`health_check_timeout_ms`, so marking it dead by mistake takes 5 x 10 s of silence, as in Ray's
+defaults.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 from workers.distributed import get_free_port
+
+# The GCS's health checks of every raylet (Ray's defaults: 3000, 10000, 5).
+GCS_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 10000,
+                     "health_check_failure_threshold": 5}
 
 
 class Sim:
@@ -18,6 +41,57 @@ class Sim:
     def __init__(self, cluster: Any, url: str) -> None:
         self.cluster = cluster
         self.url = url
+
+
+def add_node(cluster: Any, wait: bool = True) -> Any:
+    """A 1-CPU worker node; from the main thread only (see the module docstring)."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("add a simulated node from the main thread: its raylet dies with "
+                           "the thread that started it (PR_SET_PDEATHSIG)")
+    return cluster.add_node(wait=wait, num_cpus=1)
+
+
+def _process_tree(root: int) -> list[int]:
+    """`root` and every process descended from it (from /proc; Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # (the name may hold spaces)
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def kill_node(cluster: Any, node: Any) -> list[int]:
+    """SIGKILL `node`'s raylet and every process under it at once; returns their PIDs.
+    The other nodes' processes are not touched (asserted)."""
+    from ray import ray_constants
+
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
+    others = [n.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
+              for n in cluster.worker_nodes if n is not node]
+    pids = _process_tree(raylet.pid)
+    for other in others:
+        assert other.pid not in pids, "a simulated node's processes under another's raylet"
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    # Reaps the raylet (our child) and drops the node from the cluster's books.
+    cluster.remove_node(node, allow_graceful=False)
+    assert all(o.poll() is None for o in others), "another node's raylet died with this one"
+    return pids
 
 
 @contextlib.contextmanager
@@ -30,10 +104,10 @@ def simulated_cluster() -> Iterator[Sim]:
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False})
+        "num_cpus": 0, "include_dashboard": False, "_system_config": GCS_HEALTH_CHECKS})
     try:
         for _ in range(2):
-            cluster.add_node(num_cpus=1)
+            add_node(cluster, wait=False)  # both start at once
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
         port = get_free_port()

@@ -4,12 +4,16 @@ the ingress pinned there by `ingress_on_head_node`) and two worker nodes with on
 each holds exactly one LLMServer replica (qwen3-tiny, tp 1; two of half a CPU when autoscaled).
 
 What is pinned: the placement (ingress beside the proxy, the replicas on different nodes); a
-replica actor killed mid-stream and a whole node killed under load lose no request and change
-no greedy output, token for token; /health and /v1/models answer throughout; Serve brings the
-lost replica back on a node that joins; nothing is left running on the survivor. Scale-down, a
+whole node killed under load (its raylet and every process on it, nothing else:
+sim_cluster.kill_node) and a replica actor killed mid-stream lose no request and change no
+greedy output, token for token; /health and /v1/models answer throughout; Serve brings the
+lost replica back on a spare node; nothing is left running on the survivor. Scale-down, a
 rolling update and autoscaling 1 -> 3 -> 1 under a load ramp cut no request: a stopping replica
-hands what it has not finished to another one (cluster/api/drain.py). On demand: tp-2 groups
-each on one node, and a stalled engine replaced with its requests going on elsewhere.
+hands what it has not finished to another one (cluster/api/drain.py). tp-2 groups each on one
+node, and a stalled engine replaced with its requests going on elsewhere.
+
+The tests share one cluster and run in file order, each starting from the deployment the one
+before left (a deploy costs seconds of model loading per replica on this machine).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sim_cluster import Sim, simulated_cluster
+from sim_cluster import Sim, add_node, kill_node, simulated_cluster
 
 from cluster.api.prometheus import parse_prometheus
 
@@ -37,7 +41,6 @@ INGRESS_CLASS = f"ServeReplica:{APP}:OpenAIIngress"
 MAX_TOKENS = 48
 PROMPTS = [f"Request {i}: the quick brown fox" for i in range(8)]
 DEPLOY_DEADLINE_S = 180.0
-NODE_KILL_ENV = "QWEN3_SERVE_NODE_KILL_TEST"
 ARGS: dict[str, Any] = dict(
     model="qwen3-tiny", tensor_parallel_size=1, device="cpu", executor="inprocess",
     swap_space=0.01, max_num_seqs=16, num_replicas=2,
@@ -213,33 +216,62 @@ def test_placement_ingress_beside_the_proxy_replicas_on_different_nodes(sim: Sim
     assert len(nodes) == 2 and len(set(nodes)) == 2 and head not in nodes
 
 
-@pytest.mark.skipif(
-    os.environ.get(NODE_KILL_ENV) != "1",
-    reason=f"on demand ({NODE_KILL_ENV}=1): in a cluster simulated on one host, removing a node "
-           "sometimes takes down another worker node's raylet too (ray.cluster_utils shares the "
-           "host's process groups), leaving no room for the lost replica; on separate hosts, and "
-           "in bench/node_loss.py, the node loss itself loses no request")
 def test_node_killed_under_load_loses_nothing_and_capacity_returns(
         sim: Sim, reference: list[tuple]) -> None:
+    """A worker node's raylet and every process on it SIGKILLed at once while every prompt
+    streams: the requests on its replica resume on the other node's, which is not touched."""
     before = _resumes_logged()
     replicas = _actors(REPLICA_CLASS)
     victim_node = _node_of(replicas[0])
+    survivor = replicas[1]
     node = next(n for n in sim.cluster.worker_nodes if n.node_id == victim_node)
+    add_node(sim.cluster)  # a spare node: Serve puts the lost replica there once it is lost
+    killed: list[int] = []
     got, statuses = asyncio.run(_under_failure(
-        sim.url, lambda: sim.cluster.remove_node(node, allow_graceful=False)))
+        sim.url, lambda: killed.extend(kill_node(sim.cluster, node))))
+    assert replicas[0]["Pid"] in killed  # the node's replica died with its raylet
     assert got == reference
     assert _resumes_logged() > before, "no request was on the killed node"
     assert set(statuses) == {200}
-    # A node joins; Serve puts the lost replica there.
-    sim.cluster.add_node(num_cpus=1)
-    _wait_for_replicas(2)
-    nodes = {_node_of(a) for a in _actors(REPLICA_CLASS)}
+    # Serve put the lost replica on the spare node (once the GCS declared the killed node
+    # dead: until then Serve counts its replica RUNNING). The survivor served throughout.
+    _wait_for_replicas(2, gone_pid=replicas[0]["Pid"])
+    now = _actors(REPLICA_CLASS)
+    nodes = {_node_of(a) for a in now}
     assert victim_node not in nodes and len(nodes) == 2
+    assert survivor["Pid"] in [a["Pid"] for a in now]
     # Nothing left on the survivors: no request, every KV block free.
     metrics = parse_prometheus(httpx.get(f"{sim.url}/metrics", timeout=30).text)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc"):
         assert [v for k, v in metrics.items() if k.split("{")[0] == name] == [0.0], name
+
+
+def _busier_replica() -> dict[str, Any]:
+    """The LLMServer replica actor that started most of PROMPTS' last streams."""
+    ids = [SERVED_BY[p] for p in PROMPTS]
+    busier = max(set(ids), key=ids.count)
+    return next(a for a in _actors(REPLICA_CLASS) if a["Name"].endswith(busier))
+
+
+def test_replica_killed_mid_stream_loses_nothing(sim: Sim, reference: list[tuple]) -> None:
+    from ray import serve
+
+    before = _resumes_logged()
+    killed: dict[str, Any] = {}
+
+    def kill() -> None:  # the replica's process crashes (SIGKILL: no clean-up of any kind)
+        # The busier one: the router may have sent every stream to the replica that kept
+        # serving through the node loss (its prefix cache, or the other not known yet).
+        killed.update(_busier_replica())
+        os.kill(killed["Pid"], signal.SIGKILL)
+
+    got, statuses = asyncio.run(_under_failure(sim.url, kill))
+    assert got == reference
+    assert _resumes_logged() > before, "no request was on the killed replica"
+    assert set(statuses) == {200}
+    _wait_for_replicas(2, gone_pid=killed["Pid"])
+    assert serve.status().applications[APP].status == "RUNNING"
 
 
 def _deploy(args: dict[str, Any], timeout: float = DEPLOY_DEADLINE_S) -> None:
@@ -289,25 +321,6 @@ def test_rolling_update_under_load_loses_nothing(sim: Sim, reference: list[tuple
     assert set(statuses[1::2]) == {200}  # /v1/models
     assert set(statuses[0::2]) <= {200, 503}  # /health
     _wait_for_replicas(1)
-
-
-def test_replica_killed_mid_stream_loses_nothing(sim: Sim, reference: list[tuple]) -> None:
-    from ray import serve
-
-    _deploy({**ARGS, "max_num_seqs": 10})  # two replicas again, of the updated config
-    _wait_for_replicas(2)
-    before = _resumes_logged()
-    victim = _actors(REPLICA_CLASS)[0]
-
-    def kill() -> None:  # the replica's process crashes (SIGKILL: no clean-up of any kind)
-        os.kill(victim["Pid"], signal.SIGKILL)
-
-    got, statuses = asyncio.run(_under_failure(sim.url, kill))
-    assert got == reference
-    assert _resumes_logged() > before, "no request was on the killed replica"
-    assert set(statuses) == {200}
-    _wait_for_replicas(2, gone_pid=victim["Pid"])
-    assert serve.status().applications[APP].status == "RUNNING"
 
 
 # Serve's keys; short delays so the test sees 1 -> 3 -> 1 in seconds, not minutes.
@@ -394,25 +407,45 @@ def test_autoscaling_1_to_3_and_back_to_1_under_a_load_ramp_fails_nothing(
           f"{ramp.ok} streams, 0 failed")
 
 
-STALL_ENV = "QWEN3_SERVE_STALL_TEST"
+# The stall test's deployment: two tp-2 replicas (Ray executor), each a node's whole CPU; a
+# stall caught in seconds: no step for 2 s with work fails check_health, which Serve calls
+# every second (three failures in a row and it stops the replica, which hands its requests
+# over half of graceful_shutdown_timeout_s, 2 s, later).
+STALL_ARGS = {**ARGS, "executor": "ray", "tensor_parallel_size": 2, "replica_num_cpus": 0.2,
+              "worker_num_cpus": 0.4, "engine_stall_timeout_s": 2.0,
+              "health_check_period_s": 1.0, "health_check_timeout_s": 10.0,
+              "graceful_shutdown_timeout_s": 4.0}
 
 
-def _controller_logged(text: str) -> int:
+def _failed_health_checks() -> list[str]:
+    """Every failed LLMServer health check the Serve controller logged, in order."""
     import ray
 
     logs = ray._private.worker.global_worker.node.get_logs_dir_path()
-    count = 0
-    for path in glob.glob(os.path.join(logs, "serve", "controller_*.log")):
+    lines: list[str] = []
+    for path in sorted(glob.glob(os.path.join(logs, "serve", "controller_*.log"))):
         with open(path, errors="replace") as f:
-            count += f.read().count(text)
-    return count
+            lines += [line for line in f if "deployment='LLMServer'" in line and (
+                "Health check for" in line or "Didn't receive health check response" in line)]
+    return lines
 
 
-@pytest.mark.skipif(
-    os.environ.get(STALL_ENV) != "1",
-    reason=f"on demand ({STALL_ENV}=1): CI's time budget (a Ray-executor deploy, then Serve's "
-           "three failed health checks 5 s apart: 64-103 s here); the stall check runs in CI "
-           "(tests/cluster/engine/test_resume.py) and the hand-off in tests/cluster/api/")
+def _wait_until_replaced(pid: int, timeout: float = 60) -> None:
+    """Until the replica process `pid` is gone and Serve is starting (or runs) another in its
+    place. (Not until that one serves: the stall test is the module's last, and Serve
+    starting a replica is the node-kill test's to pin.)"""
+    from ray import serve
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        states = serve.status().applications[APP].deployments["LLMServer"].replica_states
+        if (pid not in [a["Pid"] for a in _actors(REPLICA_CLASS)] and states.get("STOPPING", 0) == 0
+                and states.get("STARTING", 0) + states.get("RUNNING", 0) == 2):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"replica process {pid} not replaced: {states}")
+
+
 def test_tp2_group_on_one_node_and_a_stalled_one_is_replaced_its_requests_going_on(
         sim: Sim, reference: list[tuple]) -> None:
     """Two tp-2 replicas (Ray executor: a worker actor per rank): each group's ranks sit on its
@@ -420,22 +453,21 @@ def test_tp2_group_on_one_node_and_a_stalled_one_is_replaced_its_requests_going_
     hung device, its process alive), so its peer waits in the all-reduce: the engine loop has
     work and makes no step, check_health fails after engine_stall_timeout_s, Serve stops the
     replica, and its requests are handed over to the other one; the other one, busy all
-    along, never fails a health check."""
-    args = {**ARGS, "executor": "ray", "tensor_parallel_size": 2, "replica_num_cpus": 0.2,
-            "worker_num_cpus": 0.4, "engine_stall_timeout_s": 3.0}  # 1 CPU: a node's all
-    _deploy(args)
-    _wait_for_replicas(2)
+    along and checked every second, never fails a health check."""
+    from ray import serve
+
+    serve.delete(APP)  # both replicas start at once, not one by one as a rolling update would
+    _deploy(STALL_ARGS)
     replica_nodes = sorted(_node_of(a) for a in _actors(REPLICA_CLASS))
     assert len(set(replica_nodes)) == 2
     assert sorted(_node_of(a) for a in _actors("RayWorker")) == sorted(replica_nodes * 2)
     lost, resumed = _losses_logged(), _resumes_logged()
-    failed_checks = _controller_logged("failed health check")
+    failed_before = len(_failed_health_checks())
     stopped: dict[str, Any] = {}
 
     def stall_the_busier_replica() -> None:  # (one replica per node: its rank is beside it)
-        ids = [SERVED_BY[p] for p in PROMPTS]
-        busier = max(set(ids), key=ids.count)
-        stopped["replica"] = next(a for a in _actors(REPLICA_CLASS) if a["Name"].endswith(busier))
+        stopped["replica"] = _busier_replica()
+        stopped["id"] = stopped["replica"]["Name"].rsplit("#", 1)[-1]
         stopped["worker"] = next(a for a in _actors("RayWorker")
                                  if _node_of(a) == _node_of(stopped["replica"]))
         os.kill(stopped["worker"]["Pid"], signal.SIGSTOP)
@@ -453,5 +485,6 @@ def test_tp2_group_on_one_node_and_a_stalled_one_is_replaced_its_requests_going_
     assert _resumes_logged() > resumed, "no request was on the stalled replica"
     assert _losses_logged() == lost, "a request was cut instead of handed over"
     assert set(statuses) == {200}  # the other replica is ready all along
-    _wait_for_replicas(2, gone_pid=replica["Pid"])
-    assert _controller_logged("failed health check") == failed_checks + 1
+    _wait_until_replaced(replica["Pid"])
+    failed = _failed_health_checks()[failed_before:]
+    assert len(failed) >= 3 and all(f"id='{stopped['id']}'" in line for line in failed), failed
