@@ -163,13 +163,14 @@ def test_routing_cost_at_8_replicas_of_100k_blocks_is_under_a_millisecond():
         held = (tuple(shared[: 40 + 10 * i]) if i % 2 else ()) + filler
         router.view.apply(rid, KVEventBatch("e", 1, [(1, STORED, DEVICE, tuple(held))], False),
                           QueueLoad(2, 6, 500, frozenset(f"x{j}" for j in range(8))))
-    for i in range(64):
-        router.on_request_routed(request(1000 + i, prompt[:100]), replicas[i % 8].replica_id,
-                                 None)
     times, first = [], []
 
     async def go() -> None:
         router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
+        # (inside the loop: a PendingRequest makes its future on the running loop)
+        for i in range(64):
+            router.on_request_routed(request(1000 + i, prompt[:100]),
+                                     replicas[i % 8].replica_id, None)
         for i in range(50):
             t = time.perf_counter()
             ranks = await router.choose_replicas(replicas, request(i, prompt))
