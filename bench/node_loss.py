@@ -4,8 +4,13 @@ The head holds Serve's controller, the HeadOnly proxy and the ingress; two worke
 one LLMServer replica each (qwen3-tiny, tp 1, CPU). N greedy streams run at once; once each has
 its first tokens, one worker node is killed (raylet and every process on it). Prints requests
 lost, how many were resumed, p50/p99 end-to-end latency of all requests in the run with the
-loss against the same run before it, and the seconds until a node that joins after the loss serves again
-(full capacity). Fixed prompts; greedy outputs are checked against a run before the loss.
+loss against the same run before it, the same split into the affected requests (those whose
+stream started on the killed node's replica, from X-Replica-Id) and the unaffected ones, and
+the seconds until a node that joins after the loss serves again (full capacity). Then a
+rolling update under the same load: `serve deploy` of a changed engine config (max_num_seqs)
+while waves of every prompt stream back to back until the new version is RUNNING; failures and
+p50/p99 during it against the run before.
+Fixed prompts; greedy outputs are checked against a run before any failure.
 
     source /work/bin/wt-env && python bench/node_loss.py --requests 16 --max-tokens 64 --json out.json
 """
@@ -59,30 +64,69 @@ def main() -> None:
 
         reference = asyncio.run(run(None))
         victim_replica = t._actors(t.REPLICA_CLASS)[0]
+        victim_id = victim_replica["Name"].rsplit("#", 1)[-1]
         victim = t._node_of(victim_replica)
         node = next(n for n in cluster.worker_nodes if n.node_id == victim)
         before = t._resumes_logged()
         killed_at = time.monotonic()
         got = asyncio.run(run(lambda: t.kill_node(cluster, node)))
+        affected = [t.SERVED_BY.get(p) == victim_id for p in t.PROMPTS]
         resumed = t._resumes_logged() - before
         t.add_node(cluster)  # (from the main thread: see sim_cluster.py)
         # (Serve counts the lost replica RUNNING until the GCS declares its node dead.)
         t._wait_for_replicas(2, gone_pid=victim_replica["Pid"])
         capacity_s = time.monotonic() - killed_at
-        lost = sum(1 for g in got if isinstance(g, BaseException))
-        wrong = sum(1 for g, r in zip(got, reference)
-                    if not isinstance(g, BaseException) and g[0] != r[0])
-        lat = sorted(g[1] for g in got if not isinstance(g, BaseException))
-        base = sorted(r[1] for r in reference)
+        # A rolling update under the same load: a changed engine config replaces the replicas
+        # one at a time (each hands its unfinished requests over as it stops).
+        # Waves of every prompt run back to back from before the deploy until it is RUNNING,
+        # so requests are in flight whenever Serve stops an old replica.
+        async def rolling() -> tuple[list, list]:
+            async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+                async def wave() -> list:
+                    return await asyncio.gather(*(timed(client, p, asyncio.Event())
+                                                  for p in t.PROMPTS), return_exceptions=True)
+                results, expected = await wave(), list(reference)
+                deploy = asyncio.create_task(asyncio.to_thread(
+                    t._deploy, {**t.ARGS, "max_num_seqs": 10}))
+                while not deploy.done():
+                    results += await wave()
+                    expected += reference
+                await deploy
+            return results, expected
 
-        def pct(xs: list[float], q: float) -> float:
+        update_before = t._losses_logged()
+        updated, update_reference = asyncio.run(rolling())
+        update_cut = t._losses_logged() - update_before
+
+        def failed(results: list) -> int:
+            return sum(1 for g in results if isinstance(g, BaseException))
+
+        def differing(results: list, expected: list | None = None) -> int:
+            return sum(1 for g, r in zip(results, expected or reference)
+                       if not isinstance(g, BaseException) and g[0] != r[0])
+
+        def pct(results: list, q: float, keep: list[bool] | None = None) -> float:
+            xs = sorted(g[1] for i, g in enumerate(results) if not isinstance(g, BaseException)
+                        and (keep is None or keep[i]))
             return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
-        out = {"requests": args.requests, "max_tokens": args.max_tokens, "lost": lost,
-               "outputs_differing": wrong, "resumed": resumed,
-               "p50_s_with_node_loss": pct(lat, 0.5), "p99_s_with_node_loss": pct(lat, 0.99),
-               "p50_s_before": pct(base, 0.5), "p99_s_before": pct(base, 0.99),
-               "seconds_to_full_capacity": capacity_s}
+        unaffected = [not a for a in affected]
+        out = {"requests": args.requests, "max_tokens": args.max_tokens, "lost": failed(got),
+               "outputs_differing": differing(got), "resumed": resumed,
+               "affected": sum(affected),
+               "p50_s_with_node_loss": pct(got, 0.5), "p99_s_with_node_loss": pct(got, 0.99),
+               "p50_s_affected": pct(got, 0.5, affected),
+               "p99_s_affected": pct(got, 0.99, affected),
+               "p50_s_unaffected": pct(got, 0.5, unaffected),
+               "p99_s_unaffected": pct(got, 0.99, unaffected),
+               "p50_s_before": pct(reference, 0.5), "p99_s_before": pct(reference, 0.99),
+               "seconds_to_full_capacity": capacity_s,
+               "rolling_update_requests": len(updated),
+               "rolling_update_failed": failed(updated),
+               "rolling_update_outputs_differing": differing(updated, update_reference),
+               "rolling_update_cut_by_shutdown": update_cut,
+               "p50_s_during_rolling_update": pct(updated, 0.5),
+               "p99_s_during_rolling_update": pct(updated, 0.99)}
         print("\n".join(f"{k:28s} {v}" for k, v in out.items()))
         if args.json:
             with open(args.json, "w") as f:
