@@ -5,8 +5,9 @@ exact by applying the replica's own `KVEventLog` answers in order (kvcache/event
 the hashes this router sent it in the last `recent_ttl_s` seconds, which count as held until
 the events catch up (so a burst of one new prefix does not scatter before the first events
 arrive); and the queued work the replica reported with its last answer (`QueueLoad`:
-requests waiting and running, prompt tokens owed, the ids of its requests). `HoldingsView` is the set of them for one deployment: the router's process keeps
-one per deployment, shared by its request routers and the poller that feeds it.
+requests waiting and running, prompt tokens owed, the ids of its requests). `HoldingsView` is
+the set of them for one deployment: the router's process keeps one per deployment, shared by
+its request routers and the poller that feeds it.
 
 A replica that leaves the view (Serve stopped or replaced it, its actor died) takes its
 holdings with it; one whose log has a new epoch (a restarted engine in the same replica)
