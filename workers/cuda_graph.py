@@ -211,16 +211,16 @@ class CUDAGraphRunner:
     def replay(self, batch: Any, device_block_table: Tensor
                ) -> tuple[Tensor | None, Tensor | None]:
         """Run a staged step (a model_runner.StepBatch with `graph_size` set): its inputs
-        into the graph's, the draft's proposals when its rows wait for them (`batch.draft`:
-        then `batch.verify` takes the graph's proposal matrix), then the graph;
-        (logits [bs * q, V], tokens [bs * q]) on rank 0."""
+        into the graph's, the draft's proposals when its rows wait for them
+        (`batch.draft_in_graph`: then `batch.verify` takes the graph's proposal matrix), then
+        the graph; (logits [bs * q, V], tokens [bs * q]) on rank 0."""
         g = self.graphs[batch.graph_size]
         g.i64.copy_(batch.graph_i64[:g.i64.shape[0]])
         g.seq_lens.copy_(batch.attn_metadata.seq_lens)
         if batch.graph_temperature is not None:
             g.temperature.copy_(batch.graph_temperature)
         torch.index_select(device_block_table, 0, batch.graph_rows, out=g.block_tables)
-        if batch.draft is not None:
+        if batch.draft_in_graph:
             g.propose.replay()
             n = batch.verify[0].shape[0]
             batch.verify = (batch.verify[0], g.proposal[:n])

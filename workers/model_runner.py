@@ -66,6 +66,9 @@ class StepBatch:
     verify: tuple[Tensor, Tensor] | None = None
     # verify rows whose proposals the draft model makes this step (workers/draft_runner.py)
     draft: DraftBatch | None = None
+    # a verify graph step whose every row's proposals are the draft's: the graph's captured
+    # `propose` makes them (workers/cuda_graph.py), no host-made entries
+    draft_in_graph: bool = False
 
     @property
     def num_sampled(self) -> int:
@@ -186,18 +189,22 @@ class ModelRunner:
         sampled_seq_ids = plan.seq_ids if all_sample else plan.seq_ids[sample]
         constrained = plan.constrained_rows
         spec = entries = None
+        draft_in_graph = False
         if plan.num_draft_tokens is not None and num_sampled:
             drafts = plan.num_draft_tokens if all_sample else plan.num_draft_tokens[sample]
-            if draft_at is not None:
+            if draft_at is not None and graph:
+                # (a verify graph's rows: q tokens each, the last known one, then proposals)
+                at = draft_at.reshape(num_seqs, q)
+                draft_in_graph = bool(at[:, 1:].all()) and not at[:, 0].any()
+            if draft_at is not None and not draft_in_graph:
                 entries = self._draft_entries(drafts.astype(np.int64), logits_idx, sample_rows,
                                               positions, slots, draft_at)
+                # rows of the draft's proposals beside rows of given ones: no graph's shape
+                graphs, graph, pad, tpad, q = None, 0, 0, 0, 1
             sample_rows, logits_idx, s_counter, constrained, spec = _verify_rows(
                 drafts.astype(np.int64), sample_rows, logits_idx, s_counter, constrained,
                 input_ids)
             num_sampled = int(sample_rows.shape[0])
-            if graph and entries is not None and entries.offsets[-1] != num_seqs * (q - 1):
-                # rows of the draft's proposals beside rows of given ones: no graph's shape
-                graphs, graph, pad, tpad, q = None, 0, 0, 0, 1
         s_temp = table.temperature[sample_rows]
         pen = _NO_PENALTIES
         if table.penalties.num_used:  # (sequences with penalties are rare: skip it all)
@@ -261,7 +268,8 @@ class ModelRunner:
             constrained_rows=constrained,
             verify=None if spec is None else (d_gather.view(spec[0].shape),
                                                d_proposal.view(spec[1].shape)),
-            draft=None if entries is None else DraftBatch(entries, *v_draft, d_draft_lens))
+            draft=None if entries is None else DraftBatch(entries, *v_draft, d_draft_lens),
+            draft_in_graph=draft_in_graph)
 
     @staticmethod
     def _draft_entries(drafts: np.ndarray, last_idx: np.ndarray, sample_rows: np.ndarray,

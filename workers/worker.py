@@ -322,7 +322,7 @@ class Worker:
             return
         batch = runner.prepare(plan)
         drafter = self.drafter
-        if batch.draft is not None and drafter is None:
+        if (batch.draft is not None or batch.draft_in_graph) and drafter is None:
             raise ValueError(f"plan {plan.step_id} has DRAFT_TOKEN proposals, but this worker "
                              "has no draft model (WorkerConfig.speculative_model)")
         step.batch = batch
@@ -331,7 +331,7 @@ class Worker:
         # The forwards (the draft's, then the target's) read loaded blocks, write offloaded ones.
         cache.wait_transfers()
         # the draft's proposals into the verify rows, on device (a graph step: in its replay)
-        if batch.draft is not None and batch.graphs is None:
+        if batch.draft is not None:
             table = runner.table
             assert drafter is not None and batch.verify is not None
             drafter.propose(batch.input_ids, batch.verify[1], batch.draft, table.block_table,
