@@ -80,9 +80,17 @@ class ReplicaLog:
         self.open: dict[str, int] = {}
         self.samples: list[dict[str, int]] = []
         self.homes: dict[int, set[str]] = {}  # system prompt -> replicas that served it
+        self.first: dict[int, set[str]] = {}  # system prompt -> replicas of its first turns
+        self.last: dict[int, str] = {}  # conversation -> replica of its latest turn
+        self.moves: list[int] = []  # the turn numbers at which a conversation changed replica
 
-    def served_system(self, system: int, replica: str) -> None:
+    def served_turn(self, conv: int, t: int, system: int, replica: str) -> None:
         self.homes.setdefault(system, set()).add(replica)
+        if t == 0:
+            self.first.setdefault(system, set()).add(replica)
+        elif self.last.get(conv) != replica:
+            self.moves.append(t)
+        self.last[conv] = replica
 
     def opened(self, replica: str) -> None:
         self.served[replica] = self.served.get(replica, 0) + 1
@@ -98,7 +106,10 @@ class ReplicaLog:
 
     def summary(self) -> dict[str, Any]:
         """Requests served and mean open streams per replica, and the mean of (most - fewest)
-        open streams over the samples: how unevenly the work sat."""
+        open streams over the samples: how unevenly the work sat; how many system prompts were
+        served by both replicas, in all and already by their conversations' first turns (a
+        burst split), and how many later turns went elsewhere than their conversation's
+        previous turn (a spill)."""
         names = sorted(self.served)
         spread = [max(s.get(n, 0) for n in names) - min(s.get(n, 0) for n in names)
                   for s in self.samples if s] or [0]
@@ -106,7 +117,9 @@ class ReplicaLog:
                 "mean_open": {n[-8:]: round(sum(s.get(n, 0) for s in self.samples)
                                             / max(1, len(self.samples)), 2) for n in names},
                 "mean_open_spread": round(sum(spread) / len(spread), 2),
-                "systems_on_both": sum(len(h) > 1 for h in self.homes.values())}
+                "systems_on_both": sum(len(h) > 1 for h in self.homes.values()),
+                "split_at_first_turn": sum(len(h) > 1 for h in self.first.values()),
+                "moves": len(self.moves)}
 
 
 async def turn(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
@@ -164,7 +177,7 @@ async def run_workload(url: str, args: argparse.Namespace, tokenizer: Any, repli
                 sent.append((i % len(systems), list(history)))
                 ttft, n, answer, replica = await turn(client, url, history, args.max_tokens,
                                                       f"conv-{i}", replicas)
-                replicas.served_system(i % len(systems), replica)
+                replicas.served_turn(i, t, i % len(systems), replica)
                 ttfts.append(ttft)
                 out_tokens += n
                 history += tokenizer.encode(answer, add_special_tokens=False)
