@@ -39,7 +39,7 @@ DEFAULT_RECENT_TTL_S = 5.0
 class ReplicaHoldings:
     """One replica's held hashes per medium, its log cursor and its recently routed hashes."""
 
-    __slots__ = ("epoch", "seq", "held", "recent", "load")
+    __slots__ = ("epoch", "seq", "held", "recent", "load", "reported_at")
 
     def __init__(self) -> None:
         self.epoch: str | None = None
@@ -47,6 +47,7 @@ class ReplicaHoldings:
         self.held: dict[str, set[BlockHash]] = {DEVICE: set(), CPU: set()}
         self.recent: dict[BlockHash, float] = {}  # hash -> when it stops counting
         self.load: QueueLoad | None = None  # its queued work, as it last reported
+        self.reported_at: float | None = None  # when the poll it answered was sent
 
     def apply(self, batch: KVEventBatch) -> None:
         for _, op, medium, hashes in batch.entries:
@@ -112,15 +113,17 @@ class HoldingsView:
         with self._lock:
             return {rid: (r.epoch, r.seq) for rid, r in self._replicas.items()}
 
-    def apply(self, replica_id: str, batch: KVEventBatch, load: QueueLoad) -> None:
-        """A replica's answer; ignored for a replica no longer in the view (it died)."""
+    def apply(self, replica_id: str, batch: KVEventBatch, load: QueueLoad,
+              as_of: float | None = None) -> None:
+        """A replica's answer to a poll sent at `as_of` (the view's clock; None: now); ignored
+        for a replica no longer in the view (it died)."""
         now = self.clock()
         with self._lock:
             r = self._replicas.get(replica_id)
             if r is None:
                 return
             r.apply(batch)
-            r.load = load
+            r.load, r.reported_at = load, now if as_of is None else as_of
             r.expire(now)
 
     def note_routed(self, replica_id: str, hashes: Sequence[BlockHash]) -> None:
@@ -145,6 +148,12 @@ class HoldingsView:
         """Per replica its last reported queued work (None before any)."""
         with self._lock:
             return {rid: r.load for rid, r in self._replicas.items()}
+
+    def reported_at(self) -> dict[str, float | None]:
+        """Per replica when the poll its last report answered was sent (None before any):
+        the report holds nothing that ended before then, and may hold what ended after."""
+        with self._lock:
+            return {rid: r.reported_at for rid, r in self._replicas.items()}
 
     def sizes(self) -> dict[str, int]:
         """Device blocks each replica holds or was just sent (recent, expired or not)."""

@@ -6,7 +6,12 @@ cache_aware shape with exact block hashes instead of approximate text trees):
      loaded one and more than `imbalance_rel` times as many is overloaded; it goes last.
   2. Affinity: a request with a routing key (OpenAI's `prompt_cache_key`, else the
      `X-Session-Id` header) goes back to the replica its key last went to, unless that replica
-     is overloaded: then it spills, and the key follows it.
+     is overloaded: then it spills, and the key follows it. A session between turns still
+     counts as one request on its replica for `session_hold_s` (5 s) after its last turn
+     completed: a client thinking or a tool running will be back, so the guard weighs how many
+     sessions each replica serves, not only which of them happen to be mid-turn (without the
+     hold, one replica's sessions thinking at once made the other look overloaded, and a
+     conversation spilled there, copying its system prompt into a second pool).
   3. Least prompt work: among the others, the replica with the fewest prompt tokens to compute
      before this request's first token: those it already owes (`work`, below) plus what this
      request misses there (its prompt past the leading blocks that replica holds: the chained
@@ -54,7 +59,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +82,7 @@ DEFAULT_POLL_PERIOD_S = 0.25
 # are not asked eight times a second for what has not changed.
 IDLE_AFTER_S, IDLE_POLL_PERIOD_S = 5.0, 1.0
 MAX_ROUTING_KEYS = 100_000  # affinity entries kept, least recently used dropped first
+DEFAULT_SESSION_HOLD_S = 5.0  # a session between turns counts as load this long
 CHOSEN_TTL_S = 30.0  # a chosen request not routed by then was cancelled: it stops counting
 # A prompt token held on a replica saves computing it there now and, sent elsewhere, a second
 # copy of it in another pool, which evicts something that is recomputed later once pools are
@@ -122,6 +128,58 @@ def rank_replicas(replica_ids: Sequence[str], loads: dict[str, int], matches: di
     return first(best), "prefix" if matches.get(best, 0.0) > 0.0 else "load"
 
 
+class SessionHolds:
+    """Sessions between turns (the module docstring's affinity): per replica its routing keys
+    and when each one's last turn completed there, oldest first; a key is held on one replica
+    at most, for `hold_s` seconds (0: never)."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self._by_replica: dict[str, OrderedDict[str, float]] = {}
+        self._replica_of: dict[str, str] = {}
+
+    def hold(self, key: str, replica: str, now: float) -> None:
+        if self.hold_s > 0:
+            self.end(key)
+            self._by_replica.setdefault(replica, OrderedDict())[key] = now
+            self._replica_of[key] = replica
+
+    def end(self, key: str) -> None:
+        replica = self._replica_of.pop(key, None)
+        if replica is not None:
+            held = self._by_replica[replica]
+            del held[key]
+            if not held:
+                del self._by_replica[replica]
+
+    def retain(self, replicas: Iterable[str]) -> None:
+        """Holds on replicas not among these end (the replica left or died)."""
+        keep = set(replicas)
+        for replica in [r for r in self._by_replica if r not in keep]:
+            for key in self._by_replica.pop(replica):
+                del self._replica_of[key]
+
+    def counts(self, now: float, reported_at: dict[str, float | None]) -> dict[str, int]:
+        """Sessions held per replica, ended holds dropped. A turn that completed after the
+        poll of the replica's last report was sent is left out: that report may still count
+        its request (reported_at None: no report, every hold counts)."""
+        out = {}
+        for replica, held in list(self._by_replica.items()):
+            while held and next(iter(held.values())) + self.hold_s <= now:
+                del self._replica_of[held.popitem(last=False)[0]]
+            if not held:
+                del self._by_replica[replica]
+                continue
+            n, since = len(held), reported_at.get(replica)
+            if since is not None:
+                for completed in reversed(held.values()):
+                    if completed < since:
+                        break
+                    n -= 1
+            out[replica] = n
+        return out
+
+
 class PrefixAwareRouter(RequestRouter):
     """Serve's request router for LLMServer (module docstring); kwargs from the manifest.
 
@@ -132,7 +190,8 @@ class PrefixAwareRouter(RequestRouter):
     def initialize_state(self, block_size: int = 16, imbalance_abs: int = 4,
                          imbalance_rel: float = 1.5,
                          poll_period_s: float = DEFAULT_POLL_PERIOD_S,
-                         recent_ttl_s: float = DEFAULT_RECENT_TTL_S, **_: Any) -> None:
+                         recent_ttl_s: float = DEFAULT_RECENT_TTL_S,
+                         session_hold_s: float = DEFAULT_SESSION_HOLD_S, **_: Any) -> None:
         self.block_size = block_size
         self.thresholds = RoutingThresholds(imbalance_abs, imbalance_rel)
         self.poll_period_s = poll_period_s
@@ -147,6 +206,8 @@ class PrefixAwareRouter(RequestRouter):
         self._routed: dict[str, dict[str, tuple[str | None, int]]] = {}
         self._routed_to: dict[str, str] = {}  # internal request id -> its replica
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
+        self.sessions = SessionHolds(session_hold_s)
+        self._key_of: dict[str, str] = {}  # internal request id -> its routing key, in flight
         self._hashes: dict[str, list[BlockHash]] = {}  # internal request id -> prompt hashes
         # internal request id -> (replica chosen, when, its work there): chosen, not routed
         # yet. Serve calls on_request_routed only once the replica has accepted (a round
@@ -163,12 +224,15 @@ class PrefixAwareRouter(RequestRouter):
         ids = [r.replica_id.unique_id for r in replicas]
         self.view.retain(ids)
         self._routed = {r: self._routed.get(r, {}) for r in ids}
+        self.sessions.retain(ids)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.view.drop(replica_id.unique_id)
         for internal_id in self._routed.pop(replica_id.unique_id, {}):
             self._routed_to.pop(internal_id, None)
+            self._key_of.pop(internal_id, None)
+        self.sessions.retain(self._routed)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -180,8 +244,10 @@ class PrefixAwareRouter(RequestRouter):
         ids = list(by_id)
         hashes = self._prompt_hashes(pending_request)
         matches = self.view.matches(hashes, ids) if hashes else {}
-        loads, work = self.queued(ids, pending_request)
         key = _routing_key(pending_request)
+        if key is not None:  # its turn has come: it counts as this request from now on
+            self.sessions.end(key)
+        loads, work = self.queued(ids, pending_request)
         affinity = self.routing_keys.get(key) if key is not None else None
         ranked, self.last_reason = rank_replicas(ids, loads, matches, affinity, self.thresholds,
                                                  self._rng, self.view.sizes(), work,
@@ -213,6 +279,7 @@ class PrefixAwareRouter(RequestRouter):
         key = _routing_key(pending_request)
         if key is not None:
             self._remember_key(key, rid)
+            self._key_of[internal_id] = key
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._hashes.pop(internal_request_id, None)
@@ -220,6 +287,9 @@ class PrefixAwareRouter(RequestRouter):
         rid = self._routed_to.pop(internal_request_id, None)
         if rid is not None and rid in self._routed:
             self._routed[rid].pop(internal_request_id, None)
+        key = self._key_of.pop(internal_request_id, None)
+        if key is not None and rid in self._routed:
+            self.sessions.hold(key, rid, time.monotonic())
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -229,7 +299,9 @@ class PrefixAwareRouter(RequestRouter):
         its last report, what this router routed there that the report does not hold, and
         what it chose for it and Serve has not confirmed (not `pending` itself, which Serve
         may route again after a refusal; entries older than CHOSEN_TTL_S are dropped: a
-        request cancelled while Serve routed it gets no completion)."""
+        request cancelled while Serve routed it gets no completion); the requests count the
+        sessions held between turns there (SessionHolds.counts; no prompt tokens: they owe
+        none yet)."""
         reports = self.view.loads()
         loads: dict[str, int] = {}
         work: dict[str, int] = {}
@@ -239,8 +311,12 @@ class PrefixAwareRouter(RequestRouter):
             extra = [w for req_id, w in self._routed.get(r, {}).values() if req_id not in held]
             loads[r] = len(extra) + (report.num_waiting + report.num_running if report else 0)
             work[r] = sum(extra) + (report.prompt_tokens if report else 0)
+        now = time.monotonic()
+        for r, held in self.sessions.counts(now, self.view.reported_at()).items():
+            if r in loads:
+                loads[r] += held
         own = pending.metadata.internal_request_id if pending is not None else None
-        stale = time.monotonic() - CHOSEN_TTL_S
+        stale = now - CHOSEN_TTL_S
         for rid, (replica, when, cost) in list(self._chosen.items()):
             if when < stale:
                 del self._chosen[rid]
@@ -305,6 +381,7 @@ async def poll_holdings(shared: kv_holdings.Shared, app_name: str, deployment: s
         await asyncio.sleep(max(period_s, IDLE_POLL_PERIOD_S) if idle else period_s)
         if len(view.replica_ids()) < 2:
             continue
+        sent = time.monotonic()
         try:
             answers = await handle.broadcast("kv_events", view.cursors()).results_async(
                 timeout_s=max(2.0, 4 * period_s), return_exceptions=True)
@@ -313,7 +390,7 @@ async def poll_holdings(shared: kv_holdings.Shared, app_name: str, deployment: s
             continue
         for answer in answers:
             if not isinstance(answer, BaseException):
-                view.apply(*answer)
+                view.apply(*answer, as_of=sent)
 
 
 # The manifest's `request_router` names; None picks prefix_aware when the deployment can run
@@ -332,6 +409,10 @@ def check_router_args(serving: dict[str, Any]) -> None:
         raise ValueError(f"router_imbalance_abs must be an integer >= 0 (requests); got {absolute!r}")
     if isinstance(rel, bool) or not isinstance(rel, (int, float)) or rel < 1.0:
         raise ValueError(f"router_imbalance_rel must be a number >= 1.0 (times); got {rel!r}")
+    hold = serving["router_session_hold_s"]
+    if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold <= 3600:
+        raise ValueError("router_session_hold_s must be a number of seconds from 0 (off) to "
+                         f"3600; got {hold!r}")
 
 
 def request_router_config(serving: dict[str, Any], block_size: int) -> Any | None:
@@ -349,4 +430,5 @@ def request_router_config(serving: dict[str, Any], block_size: int) -> Any | Non
         request_router_class=PrefixAwareRouter,
         request_router_kwargs={"block_size": block_size,
                                "imbalance_abs": serving["router_imbalance_abs"],
-                               "imbalance_rel": float(serving["router_imbalance_rel"])})
+                               "imbalance_rel": float(serving["router_imbalance_rel"]),
+                               "session_hold_s": float(serving["router_session_hold_s"])})

@@ -74,6 +74,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "request_router": None,
     "router_imbalance_abs": 4,   # a replica this many requests above the least loaded one ...
     "router_imbalance_rel": 1.5,  # ... and this many times its load gets no prefix-routed request
+    "router_session_hold_s": 5.0,  # a session between turns counts as a request this long
 }
 
 

@@ -204,6 +204,8 @@ def test_block_hashes_are_equal_across_processes_whatever_the_hash_seed():
                                       "['prefix_aware', 'power_of_two']"),
     ("router_imbalance_abs", -1, "router_imbalance_abs must be an integer >= 0"),
     ("router_imbalance_rel", 0.5, "router_imbalance_rel must be a number >= 1.0"),
+    ("router_session_hold_s", -1, "router_session_hold_s must be a number of seconds from 0"),
+    ("router_session_hold_s", "5s", "router_session_hold_s must be a number of seconds from 0"),
 ])
 def test_router_keys_fail_at_start_naming_the_choice(key, value, message):
     from cluster.api.serve_app import split_args
@@ -223,7 +225,7 @@ def test_one_replica_gets_serves_default_router_and_two_get_the_prefix_aware_one
     assert cfg.request_router_class is PrefixAwareRouter or cfg.request_router_class.endswith(
         "PrefixAwareRouter")
     assert cfg.request_router_kwargs == {"block_size": 16, "imbalance_abs": 4,
-                                         "imbalance_rel": 1.5}
+                                         "imbalance_rel": 1.5, "session_hold_s": 5.0}
     _, serving = split_args({"model": "qwen3-tiny", "autoscaling_config": {"max_replicas": 4}})
     assert request_router_config(serving, 16) is not None
     _, serving = split_args({"model": "qwen3-tiny", "num_replicas": 2,
@@ -374,3 +376,70 @@ def test_a_burst_is_spread_and_grouped_before_serve_confirms_any_routing():
         assert "cancelled" not in router._chosen
 
     asyncio.run(go())
+
+
+def test_a_session_between_turns_counts_on_its_replica_so_its_next_turn_stays_home():
+    """Nine sessions on each replica; all of a's but one are mid-turn while six of b's are
+    thinking. Without the hold a looks overloaded (8 requests against 3: more than 4 more and
+    1.5x) and the returning session spills to b, copying its prefix there; with it each
+    replica counts its nine sessions (the returning one as itself) and the session stays."""
+
+    async def go(hold: float) -> tuple[dict[str, int], str, str]:
+        router = new_router(session_hold_s=hold)
+        router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
+        a, b = _Replica("a"), _Replica("b")
+        router.view.retain(["a", "b"])
+        for i in range(18):
+            replica = a if i < 9 else b
+            router.on_request_routed(request(i, (SYSTEM_A if i < 9 else SYSTEM_B) + [i] * 8,
+                                             key=f"s{i}"), replica.replica_id, None)
+        for i in (0, 9, 10, 11, 12, 13, 14):  # their turns end; s0 comes back at once
+            router.on_request_completed((a if i < 9 else b).replica_id, f"internal-{i}")
+        loads = router.queued(["a", "b"])[0]
+        ranks = await router.choose_replicas([a, b], request(100, SYSTEM_A + [0] * 24, "s0"))
+        return loads, ranks[0][0].replica_id.unique_id, router.last_reason
+
+    assert asyncio.run(go(5.0)) == ({"a": 9, "b": 9}, "a", "affinity")
+    assert asyncio.run(go(0.0)) == ({"a": 8, "b": 3}, "b", "load")
+
+
+def test_a_session_hold_ends_when_it_expires_or_its_replica_leaves():
+    async def go() -> None:
+        router = new_router(session_hold_s=0.2)
+        router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
+        a, b = _Replica("a"), _Replica("b")
+        router.view.retain(["a", "b"])
+        for i, replica in enumerate((a, a, b)):
+            router.on_request_routed(request(i, SYSTEM_A + [i] * 8, key=f"s{i}"),
+                                     replica.replica_id, None)
+            router.on_request_completed(replica.replica_id, f"internal-{i}")
+        router.on_request_completed(a.replica_id, "internal-0")  # a second call: no change
+        assert router.queued(["a", "b"])[0] == {"a": 2, "b": 1}
+        router.on_replica_actor_died(b.replica_id)
+        assert router.queued(["a", "b"])[0] == {"a": 2, "b": 0}
+        await asyncio.sleep(0.25)
+        assert router.queued(["a", "b"])[0] == {"a": 0, "b": 0}
+        assert router.sessions.counts(time.monotonic(), {}) == {} and not router._key_of
+
+    asyncio.run(go())
+
+
+def test_a_turn_that_ended_after_the_last_report_was_asked_for_is_not_counted_twice():
+    """The report answering a poll sent before a turn ended may still count that turn's
+    request: its session's hold counts only against a report asked for after it ended."""
+    from cluster.api.prefix_router import SessionHolds
+
+    holds = SessionHolds(hold_s=5.0)
+    holds.hold("s1", "a", now=10.0)
+    holds.hold("s2", "a", now=10.2)
+    holds.hold("s3", "b", now=10.1)
+    holds.hold("s1", "b", now=10.3)  # s1's next turn ended on b: it is held there only
+    assert holds.counts(10.4, {"a": 10.15, "b": None}) == {"a": 0, "b": 2}
+    assert holds.counts(10.4, {"a": 10.25, "b": 10.2}) == {"a": 1, "b": 1}
+    holds.end("s3")
+    assert holds.counts(15.25, {"a": 11.0, "b": 11.0}) == {"b": 1}  # s2 expired at 15.2
+    holds.retain(["a"])
+    assert holds.counts(15.25, {}) == {}
+    off = SessionHolds(hold_s=0.0)
+    off.hold("s1", "a", now=1.0)
+    assert off.counts(1.0, {}) == {}
