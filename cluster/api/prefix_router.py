@@ -29,7 +29,10 @@ waiting request's prompt past what the prefix cache holds now or a request ahead
 computes first, and a running prefill's uncomputed part; so what other routers sent it counts
 too, and a request's work stops counting once its prefill is done), plus each request this
 router routed there that the report does not name (its request ids: routed after the replica
-answered, or not arrived yet; each counts its prompt past what the replica held when chosen),
+answered, or not arrived yet; each counts its prompt past what the replica held when chosen;
+one routed more than ARRIVAL_S before the report's poll was sent and not named by it has
+finished in the engine and is only streaming its last tokens out: it counts nothing, or, with
+a routing key, one request for its session between turns),
 plus what it chose and Serve has not confirmed yet (Serve confirms a routing only after a
 round trip to the replica, and routes the next requests of a burst meanwhile). So a burst
 counts at once, and a request counts once. Staleness: the report is as of when the replica
@@ -83,6 +86,7 @@ DEFAULT_POLL_PERIOD_S = 0.25
 IDLE_AFTER_S, IDLE_POLL_PERIOD_S = 5.0, 1.0
 MAX_ROUTING_KEYS = 100_000  # affinity entries kept, least recently used dropped first
 DEFAULT_SESSION_HOLD_S = 5.0  # a session between turns counts as load this long
+ARRIVAL_S = 0.1  # a request routed this long before a poll was sent is in its answer if running
 CHOSEN_TTL_S = 30.0  # a chosen request not routed by then was cancelled: it stops counting
 # A prompt token held on a replica saves computing it there now and, sent elsewhere, a second
 # copy of it in another pool, which evicts something that is recomputed later once pools are
@@ -94,7 +98,7 @@ PREFIX_WEIGHT = 2.0
 class RoutingThresholds:
     """When a replica counts as overloaded against the least loaded one (both must hold)."""
 
-    imbalance_abs: int = 4  # requests more than the least loaded replica
+    imbalance_abs: int = 8  # requests more than the least loaded replica
     imbalance_rel: float = 1.5  # times the least loaded replica's requests
 
     def overloaded(self, load: int, least: int) -> bool:
@@ -135,13 +139,17 @@ class SessionHolds:
 
     def __init__(self, hold_s: float) -> None:
         self.hold_s = hold_s
-        self._by_replica: dict[str, OrderedDict[str, float]] = {}
+        # replica -> key -> (when its turn completed, from when it counts), oldest first
+        self._by_replica: dict[str, OrderedDict[str, tuple[float, float]]] = {}
         self._replica_of: dict[str, str] = {}
 
-    def hold(self, key: str, replica: str, now: float) -> None:
+    def hold(self, key: str, replica: str, now: float, counted: bool = False) -> None:
+        """`counted`: the replica's last report already showed its turn done, so it counts
+        at once (else only against a report asked for after `now`)."""
         if self.hold_s > 0:
             self.end(key)
-            self._by_replica.setdefault(replica, OrderedDict())[key] = now
+            self._by_replica.setdefault(replica, OrderedDict())[key] = (
+                now, float("-inf") if counted else now)
             self._replica_of[key] = replica
 
     def end(self, key: str) -> None:
@@ -165,17 +173,17 @@ class SessionHolds:
         its request (reported_at None: no report, every hold counts)."""
         out = {}
         for replica, held in list(self._by_replica.items()):
-            while held and next(iter(held.values())) + self.hold_s <= now:
+            while held and next(iter(held.values()))[0] + self.hold_s <= now:
                 del self._replica_of[held.popitem(last=False)[0]]
             if not held:
                 del self._by_replica[replica]
                 continue
             n, since = len(held), reported_at.get(replica)
             if since is not None:
-                for completed in reversed(held.values()):
+                for completed, counts_from in reversed(held.values()):
                     if completed < since:
                         break
-                    n -= 1
+                    n -= counts_from >= since
             out[replica] = n
         return out
 
@@ -187,7 +195,7 @@ class PrefixAwareRouter(RequestRouter):
     base router matches the internal request id), not to the oldest one waiting.
     """
 
-    def initialize_state(self, block_size: int = 16, imbalance_abs: int = 4,
+    def initialize_state(self, block_size: int = 16, imbalance_abs: int = 8,
                          imbalance_rel: float = 1.5,
                          poll_period_s: float = DEFAULT_POLL_PERIOD_S,
                          recent_ttl_s: float = DEFAULT_RECENT_TTL_S,
@@ -200,10 +208,10 @@ class PrefixAwareRouter(RequestRouter):
         # (RequestRouterConfig), which would copy a global dict and whatever it holds.
         self.shared = kv_holdings.SHARED.setdefault(key, kv_holdings.Shared(recent_ttl_s))
         self.view = self.shared.view
-        # replica -> internal request id -> (engine request id, its work there), for requests
-        # this router routed and that have not completed (Serve also reports broadcasts, e.g.
-        # the metrics and KV-event polls, as completed requests: those are not here).
-        self._routed: dict[str, dict[str, tuple[str | None, int]]] = {}
+        # replica -> internal request id -> (engine request id, its work there, when routed),
+        # for requests this router routed and that have not completed (Serve also reports
+        # broadcasts, e.g. the metrics and KV-event polls, as completed requests: not here).
+        self._routed: dict[str, dict[str, tuple[str | None, int, float]]] = {}
         self._routed_to: dict[str, str] = {}  # internal request id -> its replica
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
         self.sessions = SessionHolds(session_hold_s)
@@ -272,7 +280,8 @@ class PrefixAwareRouter(RequestRouter):
         cost = chosen[2] if chosen is not None and chosen[0] == rid else \
             self._prompt_len(pending_request)
         self._routed_to[internal_id] = rid
-        self._routed.setdefault(rid, {})[internal_id] = (_request_id(pending_request), cost)
+        self._routed.setdefault(rid, {})[internal_id] = (_request_id(pending_request), cost,
+                                                         time.monotonic())
         hashes = self._hashes.pop(internal_id, None)
         if hashes and (chosen is None or chosen[0] != rid):  # Serve fell through to another
             self.view.note_routed(rid, hashes)
@@ -285,11 +294,12 @@ class PrefixAwareRouter(RequestRouter):
         self._hashes.pop(internal_request_id, None)
         self._chosen.pop(internal_request_id, None)
         rid = self._routed_to.pop(internal_request_id, None)
-        if rid is not None and rid in self._routed:
-            self._routed[rid].pop(internal_request_id, None)
+        entry = self._routed[rid].pop(internal_request_id, None) if rid in self._routed else None
         key = self._key_of.pop(internal_request_id, None)
-        if key is not None and rid in self._routed:
-            self.sessions.hold(key, rid, time.monotonic())
+        if key is not None and entry is not None:
+            # Already counted as between turns (the queued docstring): it goes on counting.
+            done = self._finished_in_engine(rid, entry)
+            self.sessions.hold(key, rid, time.monotonic(), counted=done)
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -302,17 +312,24 @@ class PrefixAwareRouter(RequestRouter):
         request cancelled while Serve routed it gets no completion); the requests count the
         sessions held between turns there (SessionHolds.counts; no prompt tokens: they owe
         none yet)."""
-        reports = self.view.loads()
+        reports, since = self.view.loads(), self.view.reported_at()
         loads: dict[str, int] = {}
         work: dict[str, int] = {}
         for r in ids:
             report = reports.get(r)
-            held = report.request_ids if report is not None else frozenset()
-            extra = [w for req_id, w in self._routed.get(r, {}).values() if req_id not in held]
-            loads[r] = len(extra) + (report.num_waiting + report.num_running if report else 0)
-            work[r] = sum(extra) + (report.prompt_tokens if report else 0)
+            loads[r] = report.num_waiting + report.num_running if report else 0
+            work[r] = report.prompt_tokens if report else 0
+            named = report.request_ids if report is not None else frozenset()
+            for internal_id, entry in self._routed.get(r, {}).items():
+                if entry[0] in named:
+                    continue  # the report counts it
+                if not self._finished_in_engine(r, entry, report, since.get(r)):
+                    loads[r] += 1
+                    work[r] += entry[1]
+                elif internal_id in self._key_of:  # its session is between turns
+                    loads[r] += 1
         now = time.monotonic()
-        for r, held in self.sessions.counts(now, self.view.reported_at()).items():
+        for r, held in self.sessions.counts(now, since).items():
             if r in loads:
                 loads[r] += held
         own = pending.metadata.internal_request_id if pending is not None else None
@@ -324,6 +341,15 @@ class PrefixAwareRouter(RequestRouter):
                 loads[replica] += 1
                 work[replica] += cost
         return loads, work
+
+    def _finished_in_engine(self, replica: str, entry: tuple[str | None, int, float],
+                            report: Any = False, since: float | None = None) -> bool:
+        """Whether the replica's last report (default: read now) shows a routed request done:
+        asked for more than ARRIVAL_S after it was routed, and not naming it."""
+        if report is False:
+            report, since = self.view.loads().get(replica), self.view.reported_at().get(replica)
+        return (report is not None and since is not None and entry[2] < since - ARRIVAL_S
+                and entry[0] not in report.request_ids)
 
     @staticmethod
     def _prompt_len(pr: PendingRequest | None) -> int:

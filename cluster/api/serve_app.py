@@ -72,7 +72,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "max_request_body_bytes": None,  # beyond: 413; None = max(1 MiB, 32 bytes x max_model_len)
     # prefix_aware | power_of_two (Serve's default); None = prefix_aware when > 1 replica can run
     "request_router": None,
-    "router_imbalance_abs": 4,   # a replica this many requests above the least loaded one ...
+    "router_imbalance_abs": 8,   # a replica this many requests above the least loaded one ...
     "router_imbalance_rel": 1.5,  # ... and this many times its load gets no prefix-routed request
     "router_session_hold_s": 5.0,  # a session between turns counts as a request this long
 }

@@ -224,7 +224,7 @@ def test_one_replica_gets_serves_default_router_and_two_get_the_prefix_aware_one
     cfg = request_router_config(serving, 16)
     assert cfg.request_router_class is PrefixAwareRouter or cfg.request_router_class.endswith(
         "PrefixAwareRouter")
-    assert cfg.request_router_kwargs == {"block_size": 16, "imbalance_abs": 4,
+    assert cfg.request_router_kwargs == {"block_size": 16, "imbalance_abs": 8,
                                          "imbalance_rel": 1.5, "session_hold_s": 5.0}
     _, serving = split_args({"model": "qwen3-tiny", "autoscaling_config": {"max_replicas": 4}})
     assert request_router_config(serving, 16) is not None
@@ -380,12 +380,13 @@ def test_a_burst_is_spread_and_grouped_before_serve_confirms_any_routing():
 
 def test_a_session_between_turns_counts_on_its_replica_so_its_next_turn_stays_home():
     """Nine sessions on each replica; all of a's but one are mid-turn while six of b's are
-    thinking. Without the hold a looks overloaded (8 requests against 3: more than 4 more and
-    1.5x) and the returning session spills to b, copying its prefix there; with it each
-    replica counts its nine sessions (the returning one as itself) and the session stays."""
+    thinking. Without the hold a looks overloaded (8 requests against 3: more than 4 more, the
+    threshold here, and 1.5x) and the returning session spills to b, copying its prefix there;
+    with it each replica counts its nine sessions (the returning one as itself) and the
+    session stays."""
 
     async def go(hold: float) -> tuple[dict[str, int], str, str]:
-        router = new_router(session_hold_s=hold)
+        router = new_router(session_hold_s=hold, imbalance_abs=4)
         router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
         a, b = _Replica("a"), _Replica("b")
         router.view.retain(["a", "b"])
@@ -443,3 +444,31 @@ def test_a_turn_that_ended_after_the_last_report_was_asked_for_is_not_counted_tw
     off = SessionHolds(hold_s=0.0)
     off.hold("s1", "a", now=1.0)
     assert off.counts(1.0, {}) == {}
+
+
+def test_a_request_done_in_the_engine_but_still_streaming_counts_only_as_its_session():
+    """A routed request that a report asked for well after its routing does not name has
+    finished in the engine (its last tokens are still on their way out through the ingress):
+    no prompt work and no request any more, but with a routing key its session is between
+    turns and counts once, before and after Serve reports it completed."""
+
+    async def go() -> None:
+        router = new_router()
+        router.shared.task = asyncio.get_running_loop().create_future()  # no poller here
+        a = _Replica("a")
+        router.view.retain(["a"])
+        nothing = KVEventBatch("e", 0, [], False)
+        router.on_request_routed(request(1, SYSTEM_A + [1] * 8, key="s1"), a.replica_id, None)
+        router.on_request_routed(request(2, SYSTEM_B + [2] * 8), a.replica_id, None)
+        router.on_request_routed(request(3, SYSTEM_B + [3] * 8), a.replica_id, None)
+        asked = time.monotonic()
+        # asked for at once: its silence about 1 and 2 proves nothing (they may not be there)
+        router.view.apply("a", nothing, QueueLoad(0, 1, 0, frozenset({"r3"})), as_of=asked)
+        assert router.queued(["a"]) == ({"a": 3}, {"a": 144})
+        router.view.apply("a", nothing, QueueLoad(0, 1, 0, frozenset({"r3"})), as_of=asked + 1)
+        assert router.queued(["a"]) == ({"a": 2}, {"a": 0})  # s1 between turns, and r3
+        router.on_request_completed(a.replica_id, "internal-1")
+        router.on_request_completed(a.replica_id, "internal-2")
+        assert router.queued(["a"]) == ({"a": 2}, {"a": 0})  # s1 held, from now on by its key
+
+    asyncio.run(go())
