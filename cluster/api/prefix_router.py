@@ -62,7 +62,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,9 @@ from ray.serve.request_router import (
 
 from cluster.api import kv_holdings
 from cluster.api.kv_holdings import DEFAULT_RECENT_TTL_S
+from cluster.api.sessions import SessionHolds
 from kvcache.hashing import BlockHash, prompt_block_hashes
+from scheduler.outputs import QueueLoad
 
 logger = logging.getLogger("ray.serve")
 
@@ -130,62 +132,6 @@ def rank_replicas(replica_ids: Sequence[str], loads: dict[str, int], matches: di
     if cost(min(by_load, key=cost)) < cost(best):
         return first(best), "balance"  # an overloaded replica would have been cheaper
     return first(best), "prefix" if matches.get(best, 0.0) > 0.0 else "load"
-
-
-class SessionHolds:
-    """Sessions between turns (the module docstring's affinity): per replica its routing keys
-    and when each one's last turn completed there, oldest first; a key is held on one replica
-    at most, for `hold_s` seconds (0: never)."""
-
-    def __init__(self, hold_s: float) -> None:
-        self.hold_s = hold_s
-        # replica -> key -> (when its turn completed, from when it counts), oldest first
-        self._by_replica: dict[str, OrderedDict[str, tuple[float, float]]] = {}
-        self._replica_of: dict[str, str] = {}
-
-    def hold(self, key: str, replica: str, now: float, counted: bool = False) -> None:
-        """`counted`: the replica's last report already showed its turn done, so it counts
-        at once (else only against a report asked for after `now`)."""
-        if self.hold_s > 0:
-            self.end(key)
-            self._by_replica.setdefault(replica, OrderedDict())[key] = (
-                now, float("-inf") if counted else now)
-            self._replica_of[key] = replica
-
-    def end(self, key: str) -> None:
-        replica = self._replica_of.pop(key, None)
-        if replica is not None:
-            held = self._by_replica[replica]
-            del held[key]
-            if not held:
-                del self._by_replica[replica]
-
-    def retain(self, replicas: Iterable[str]) -> None:
-        """Holds on replicas not among these end (the replica left or died)."""
-        keep = set(replicas)
-        for replica in [r for r in self._by_replica if r not in keep]:
-            for key in self._by_replica.pop(replica):
-                del self._replica_of[key]
-
-    def counts(self, now: float, reported_at: dict[str, float | None]) -> dict[str, int]:
-        """Sessions held per replica, ended holds dropped. A turn that completed after the
-        poll of the replica's last report was sent is left out: that report may still count
-        its request (reported_at None: no report, every hold counts)."""
-        out = {}
-        for replica, held in list(self._by_replica.items()):
-            while held and next(iter(held.values()))[0] + self.hold_s <= now:
-                del self._replica_of[held.popitem(last=False)[0]]
-            if not held:
-                del self._by_replica[replica]
-                continue
-            n, since = len(held), reported_at.get(replica)
-            if since is not None:
-                for completed, counts_from in reversed(held.values()):
-                    if completed < since:
-                        break
-                    n -= counts_from >= since
-            out[replica] = n
-        return out
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -298,7 +244,8 @@ class PrefixAwareRouter(RequestRouter):
         key = self._key_of.pop(internal_request_id, None)
         if key is not None and entry is not None:
             # Already counted as between turns (the queued docstring): it goes on counting.
-            done = self._finished_in_engine(rid, entry)
+            done = _finished_in_engine(entry, self.view.loads().get(rid),
+                                       self.view.reported_at().get(rid))
             self.sessions.hold(key, rid, time.monotonic(), counted=done)
 
     # ---- internals -------------------------------------------------------------------------
@@ -323,7 +270,7 @@ class PrefixAwareRouter(RequestRouter):
             for internal_id, entry in self._routed.get(r, {}).items():
                 if entry[0] in named:
                     continue  # the report counts it
-                if not self._finished_in_engine(r, entry, report, since.get(r)):
+                if not _finished_in_engine(entry, report, since.get(r)):
                     loads[r] += 1
                     work[r] += entry[1]
                 elif internal_id in self._key_of:  # its session is between turns
@@ -341,15 +288,6 @@ class PrefixAwareRouter(RequestRouter):
                 loads[replica] += 1
                 work[replica] += cost
         return loads, work
-
-    def _finished_in_engine(self, replica: str, entry: tuple[str | None, int, float],
-                            report: Any = False, since: float | None = None) -> bool:
-        """Whether the replica's last report (default: read now) shows a routed request done:
-        asked for more than ARRIVAL_S after it was routed, and not naming it."""
-        if report is False:
-            report, since = self.view.loads().get(replica), self.view.reported_at().get(replica)
-        return (report is not None and since is not None and entry[2] < since - ARRIVAL_S
-                and entry[0] not in report.request_ids)
 
     @staticmethod
     def _prompt_len(pr: PendingRequest | None) -> int:
@@ -383,6 +321,15 @@ class PrefixAwareRouter(RequestRouter):
             self.shared.task = asyncio.get_running_loop().create_task(
                 poll_holdings(self.shared, self._deployment_id.app_name,
                               self._deployment_id.name, self.poll_period_s))
+
+
+def _finished_in_engine(entry: tuple[str | None, int, float], report: QueueLoad | None,
+                        since: float | None) -> bool:
+    """Whether a replica's report, answering a poll sent at `since`, shows a routed request
+    (engine request id, work, when routed) done: asked for more than ARRIVAL_S after its
+    routing, and not naming it."""
+    return (report is not None and since is not None and entry[2] < since - ARRIVAL_S
+            and entry[0] not in report.request_ids)
 
 
 def _routing_key(pr: PendingRequest | None) -> str | None:

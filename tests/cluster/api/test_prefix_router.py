@@ -428,7 +428,7 @@ def test_a_session_hold_ends_when_it_expires_or_its_replica_leaves():
 def test_a_turn_that_ended_after_the_last_report_was_asked_for_is_not_counted_twice():
     """The report answering a poll sent before a turn ended may still count that turn's
     request: its session's hold counts only against a report asked for after it ended."""
-    from cluster.api.prefix_router import SessionHolds
+    from cluster.api.sessions import SessionHolds
 
     holds = SessionHolds(hold_s=5.0)
     holds.hold("s1", "a", now=10.0)
