@@ -1,82 +1,132 @@
 """Every GPU check and benchmark of the project in one command, written to one report.
 
-    python bench/gpu_report.py --out gpu-report        # needs CUDA; exits 2 without it
+    python bench/gpu_report.py --out gpu-report [--deadline-s 480] [--only NAME ...]
+    python bench/gpu_report.py --list      # the steps and their argv as JSON (no CUDA needed)
 
-Runs, each as its own process with its own time budget (the whole fits in 10 minutes on one
-H100), in-process engines only (the GPU box has no Ray):
-  1. the gpu-marked tests of tests/kernels, tests/workers and tests/cluster/engine/test_llm.py
-     (the greedy parity at Qwen3-0.6B's shapes with graphs on and off, and the decode loop
-     under torch.cuda.set_sync_debug_mode("error"), among them);
-  2. bench/kernels_bench.py (prefill vs SDPA with and without a prefix, decode attention, the
-     fused layer ops, kernels per decoder layer);
-  3. bench/worker_step.py --anatomy: decode steps of Qwen3-0.6B (random weights, bf16) at
-     ctx 1024, batch 1/32/128/256, launched ahead as the engine does, under torch.profiler:
-     wall and GPU-kernel ms per step, the GPU-busy fraction, kernels per step;
-  4. bench/worker_step.py --host-overhead (the worker's host time per decode step);
-  5. bench/sampler_bench.py --device cuda: one step's sampling at 1/32/256 rows, the Triton
-     draw against its torch twin, and the masks (top-p alone sorts the vocabulary; top-k +
-     top-p orders only the top k values);
-  6. bench/throughput.py --workload offline-gpu: async scheduling on and off, with and
-     without a seed per request, the first run after start-up and the second, against
-     transformers' continuous batching on a slice of the workload.
-Writes `<out>/report.md` (tables) and `<out>/report.json` (everything), plus each step's
-own JSON and log beside them. A step that fails or runs out of time is reported as such and
-the report goes on.
+`bench/gpu_run.sh` is the one command a session with a lent GPU runs: it installs what the GPU
+box lacks and calls this. Each step runs as its own process with its own time budget, in
+priority order; a step never runs past the run's deadline (the rest are reported as skipped),
+so the whole fits the device time a session gets and a rerun still fits. In-process engines
+only (the GPU box has no Ray). The steps:
+  models          write the random-weight Qwen3-0.6B checkpoint the benchmarks share;
+  gpu tests       every gpu-marked test file (greedy parity with transformers at Qwen3-0.6B's
+                  shapes, graphs on and off; the decode loop under sync debug mode "error";
+                  verify graphs; the copy stream; MoE; the Triton kernels);
+  offline-gpu     bench/throughput.py: async scheduling on and off, a seed per request, the
+                  first run after start-up and the second, transformers' continuous batching
+                  on a slice of the workload;
+  decode anatomy  bench/worker_step.py --anatomy: wall and GPU-kernel ms per decode step at ctx
+                  1024, the GPU-busy fraction, kernels per step;
+  kernels         bench/kernels_bench.py: the copy bandwidth, decode attention against it,
+                  prefill vs SDPA with and without a prefix, the layer ops, the decode step;
+  spec-decode graphs / eager   bench/spec_decode.py at Qwen3-0.6B shapes, with and without
+                  CUDA graphs (the verify graphs' gain is the ratio of the two `tok_s_on`);
+  moe             bench/moe_bench.py --device cuda at Qwen3-30B-A3B's expert shapes;
+  offload copies  bench/offload_bench.py --only copies: the CPU tier's copy bandwidth and
+                  whether the forward slows while the copy stream works;
+  sampler         bench/sampler_bench.py --device cuda;
+  host overhead   bench/worker_step.py --host-overhead;
+  lora, fp8       bench/lora_bench.py / bench/fp8_bench.py --device cuda, when the tree has them.
+Writes `<out>/report.md` (tables), `<out>/report.json` (everything) and each step's log and
+JSON beside them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 
-def _steps(out: Path) -> list[tuple[str, list[str], int, Path | None]]:
-    """(name, argv, time budget in s, JSON it writes)."""
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: list[str]
+    budget_s: int
+    result: str | None = None  # the JSON file (under out) the step writes
+    script: str | None = None  # a bench script the tree may not have yet: skipped without it
+
+
+def random_06b_path() -> Path:
+    from workers.tiny_model import cache_root
+
+    return cache_root() / "qwen3-0.6b-random"
+
+
+def steps(out: Path) -> list[Step]:
+    """The steps, most wanted first (a run that reaches its deadline drops the last)."""
     py = sys.executable
+    gpu_files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                       if "mark.gpu" in p.read_text())
+    m06 = str(random_06b_path())
+    # pytest-timeout (on the GPU box's image): one stuck test must not take the step's budget
+    timeout = ["--timeout", "100"] if importlib.util.find_spec("pytest_timeout") else []
+    # pytest-xdist (also there): Triton compiles on 4 host cores at once; tests share the GPU
+    workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []
+    spec = [py, "bench/spec_decode.py", "--device", "cuda", "--model", m06, "--rows",
+            "1.0:1,0.7:32,draft:1", "--tokens", "128", "--batch-tokens", "32", "--repeats", "1"]
     return [
-        ("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                       "tests/kernels", "tests/workers", "tests/cluster/engine/test_llm.py",
-                       f"--junitxml={out / 'gpu_tests.xml'}"], 180, None),
-        ("kernels", [py, "bench/kernels_bench.py", "--json", str(out / "kernels.json")], 80,
-         out / "kernels.json"),
-        ("decode anatomy", [py, "bench/worker_step.py", "--device", "cuda", "--anatomy",
-                            "--model", "qwen3-0.6b-random", "--batches", "1,32,128,256",
-                            "--context", "1024", "--json", str(out / "anatomy.json")], 80,
-         out / "anatomy.json"),
-        ("host overhead", [py, "bench/worker_step.py", "--device", "cuda", "--host-overhead",
-                           "--batches", "1,32,256", "--json", str(out / "host_overhead.json")],
-         30, out / "host_overhead.json"),
-        ("sampler", [py, "bench/sampler_bench.py", "--device", "cuda", "--reps", "7",
-                     "--json", str(out / "sampler.json")], 30, out / "sampler.json"),
-        ("offline-gpu", [py, "bench/throughput.py", "--workload", "offline-gpu", "--runs", "1",
-                         "--compare-async", "--seeds", "both", "--passes", "2",
-                         "--hf-continuous-only", "--hf-subset", "32",
-                         "--json", str(out / "offline_gpu.json")], 200,
-         out / "offline_gpu.json"),
+        Step("models", [py, "-c", "import sys; sys.path[:0] = ['bench', '.']; "
+                        "from throughput import model_path; model_path('qwen3-0.6b-random'); "
+                        "from workers.tiny_model import resolve_model; "
+                        "[resolve_model(m) for m in ('qwen3-tiny', 'qwen3-tiny-draft')]"], 90),
+        Step("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                           "--continue-on-collection-errors", *gpu_files, *timeout, *workers,
+                           f"--junitxml={out / 'gpu_tests.xml'}"], 150),
+        Step("offline-gpu", [py, "bench/throughput.py", "--workload", "offline-gpu", "--runs",
+                             "1", "--compare-async", "--seeds", "on", "--passes", "2",
+                             "--hf-continuous-only", "--hf-subset", "16",
+                             "--json", str(out / "offline_gpu.json")], 130, "offline_gpu.json"),
+        Step("decode anatomy", [py, "bench/worker_step.py", "--device", "cuda", "--anatomy",
+                                "--model", "qwen3-0.6b-random", "--batches", "1,32,128,256",
+                                "--context", "1024", "--json", str(out / "anatomy.json")],
+             45, "anatomy.json"),
+        Step("kernels", [py, "bench/kernels_bench.py", "--json", str(out / "kernels.json")], 70,
+             "kernels.json"),
+        Step("spec-decode graphs", [*spec, "--json", str(out / "spec_graphs.json")], 35,
+             "spec_graphs.json"),
+        Step("spec-decode eager", [*spec, "--enforce-eager", "--json",
+                                   str(out / "spec_eager.json")], 35, "spec_eager.json"),
+        Step("moe", [py, "bench/moe_bench.py", "--device", "cuda", "--tokens", "1", "32", "512",
+                     "4096", "--json", str(out / "moe.json")], 25, "moe.json"),
+        Step("offload copies", [py, "bench/offload_bench.py", "--only", "copies", "--device",
+                                "cuda", "--json", str(out / "offload.json")], 20, "offload.json"),
+        Step("sampler", [py, "bench/sampler_bench.py", "--device", "cuda", "--reps", "5",
+                         "--json", str(out / "sampler.json")], 15, "sampler.json"),
+        Step("host overhead", [py, "bench/worker_step.py", "--device", "cuda", "--host-overhead",
+                               "--batches", "1,32,256", "--json",
+                               str(out / "host_overhead.json")], 15, "host_overhead.json"),
+        Step("lora", [py, "bench/lora_bench.py", "--device", "cuda", "--json",
+                      str(out / "lora.json")], 30, "lora.json", "bench/lora_bench.py"),
+        Step("fp8", [py, "bench/fp8_bench.py", "--device", "cuda", "--json",
+                     str(out / "fp8.json")], 30, "fp8.json", "bench/fp8_bench.py"),
     ]
 
 
-def _run(name: str, argv: list[str], budget: int, out: Path) -> dict:
-    log = out / (name.replace(" ", "_") + ".log")
+def _run(step: Step, budget: float, out: Path) -> dict:
+    log = out / (step.name.replace(" ", "_") + ".log")
     start = time.perf_counter()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
     with log.open("w") as f:
         try:
-            proc = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                  timeout=budget)
+            proc = subprocess.run(step.argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                  env=env, timeout=budget)
             status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
-            status = f"timed out after {budget} s"
+            status = f"timed out after {budget:.0f} s"
     return {"status": status, "seconds": round(time.perf_counter() - start, 1),
-            "log": str(log), "tail": log.read_text()[-2000:]}
+            "log": log.name, "tail": log.read_text(errors="replace")[-2000:]}
 
 
 def _tests_summary(xml_path: Path) -> dict:
@@ -90,65 +140,135 @@ def _tests_summary(xml_path: Path) -> dict:
         "failed": failed}
 
 
+def _table(head: list[str], rows: list[list]) -> list[str]:
+    return ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
+        "| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
 def _markdown(report: dict) -> str:
-    lines = [f"# GPU report ({report['device']}, {report['date']})", ""]
-    lines += ["| step | status | seconds |", "|---|---|---|"]
-    for name, step in report["steps"].items():
-        lines.append(f"| {name} | {step['status']} | {step['seconds']} |")
+    res = report["results"]
+    lines = [f"# GPU report: {report['device']}, {report['date']}, commit {report['commit']}",
+             "", f"driver {report['driver']}; torch {report['torch']}, triton "
+             f"{report['triton']}, transformers {report['transformers']}"]
+    lines += _table(["step", "status", "seconds"],
+                    [[n, s["status"], s["seconds"]] for n, s in report["steps"].items()])
     tests = report.get("tests")
     if tests:
         lines += ["", f"gpu tests: {tests['tests']} run, {tests['failures']} failed, "
                       f"{tests['errors']} errors, {tests['skipped']} skipped"]
         lines += [f"- FAILED {t}" for t in tests["failed"]]
-    anatomy = report["results"].get("decode anatomy")
-    if anatomy:
-        lines += ["", "| batch | wall ms/step | GPU kernels ms | GPU busy | kernels/step |",
-                  "|---|---|---|---|---|"]
-        for r in anatomy["rows"]:
-            lines.append(f"| {r['batch']} | {r['wall_ms']:.2f} | {r['kernel_ms']:.2f} | "
-                         f"{100 * r['gpu_busy']:.0f}% | {r['kernels_per_step']:.0f} |")
-    host = report["results"].get("host overhead")
-    if host:
-        lines += ["", "| batch | host us/step |", "|---|---|"]
-        lines += [f"| {r['batch']} | {r['host_us_per_step']:.0f} |" for r in host["rows"]]
-    sampler = report["results"].get("sampler")
-    if sampler:
-        lines += ["", "| sampler rows | mode | ms | vs unseeded |", "|---|---|---|---|"]
-        lines += [f"| {r['rows']} | {r['mode']} | {r['ms']:.3f} | {r['vs_unseeded']:.2f}x |"
-                  for r in sampler["results"]]
-    offline = report["results"].get("offline-gpu")
-    if offline:
-        lines += ["", "| offline-gpu system | tok/s |", "|---|---|"]
-        for name, r in offline["rows"].items():
-            value = r.get("error") or (f"{r['tok_per_s']:.0f}" + "".join(
-                f"; {kind}: " + ", ".join(f"{x:.0f}" for x in runs)
-                for kind, runs in r.get("passes_tok_per_s", {}).items()))
-            lines.append(f"| {name} | {value} |")
+    if off := res.get("offline-gpu"):
+        lines += _table(["offline-gpu system", "tok/s (last pass)", "every pass"], [
+            [name, r.get("error") or f"{r['tok_per_s']:.0f}",
+             "; ".join(f"{k}: " + ", ".join(f"{x:.0f}" for x in v)
+                       for k, v in r.get("passes_tok_per_s", {}).items())]
+            for name, r in off["rows"].items()])
+    if an := res.get("decode anatomy"):
+        lines += _table(["batch", "wall ms/step", "GPU kernels ms", "GPU busy", "kernels/step"], [
+            [r["batch"], f"{r['wall_ms']:.2f}", f"{r['kernel_ms']:.2f}",
+             f"{100 * r['gpu_busy']:.0f}%", f"{r['kernels_per_step']:.0f}"] for r in an["rows"]])
+    if k := res.get("kernels"):
+        lines += ["", f"copy bandwidth {k['copy_bandwidth_GBps']:.0f} GB/s"]
+        lines += _table(["decode attn batch", "ctx", "us", "frac copy bw"], [
+            [r["batch"], r["ctx"], f"{1e3 * r['ms']:.1f}", f"{r['frac_copy_bw']:.2f}"]
+            for r in k.get("decode", [])])
+        lines += _table(["prefill prefix", "chunk", "triton ms", "sdpa ms", "x sdpa"], [
+            [r["prefix"], r["chunk"], f"{r['ms_triton']:.3f}", f"{r['ms_sdpa']:.3f}",
+             f"{r['speed_vs_sdpa']:.2f}"] for r in k.get("prefill", [])])
+        lines += _table(["decode step batch", "graph ms", "kernel ms", "kernels/step"], [
+            [r["batch"], f"{r['graph_ms']:.3f}", f"{r['kernel_ms']:.3f}",
+             f"{r['kernels_per_step']:.0f}"] for r in k.get("decode_step", [])])
+    spec_rows = [(mode, r) for mode in ("graphs", "eager")
+                 for r in res.get(f"spec-decode {mode}", {}).get("rows", [])]
+    if spec_rows:
+        lines += _table(["spec-decode", "acceptance", "batch", "tok/s off", "tok/s on",
+                         "speedup", "accept len"], [
+            [m, r["acceptance"], r["batch"], r["tok_s_off"], r["tok_s_on"], r["speedup"],
+             r["acceptance_length"]] for m, r in spec_rows])
+    if moe := res.get("moe"):
+        lines += _table(["moe tokens", "fused ms", "loop ms", "dense ms", "fused GB/s"], [
+            [r["tokens"], r["fused_ms"], r["loop_ms"], r["dense_ms"], r["fused_GBps"]]
+            for r in moe["rows"]])
+    if cp := res.get("offload copies", {}).get("copies"):
+        lines += ["", "offload copies: " + ", ".join(
+            f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in cp.items())]
+    if host := res.get("host overhead"):
+        lines += _table(["batch", "host us/step"],
+                        [[r["batch"], f"{r['host_us_per_step']:.0f}"] for r in host["rows"]])
+    if sampler := res.get("sampler"):
+        lines += _table(["sampler rows", "mode", "ms", "vs unseeded"], [
+            [r["rows"], r["mode"], f"{r['ms']:.3f}", f"{r['vs_unseeded']:.2f}x"]
+            for r in sampler["results"]])
+    for name in ("lora", "fp8"):
+        if name in res:
+            lines += ["", f"{name}: `{json.dumps(res[name])[:1500]}`"]
     return "\n".join(lines) + "\n"
+
+
+def _versions() -> dict:
+    import torch
+
+    info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    for mod in ("triton", "transformers"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            info[mod] = "absent"
+    try:
+        info["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        info["driver"] = "unknown"
+    commit = os.environ.get("GIT_COMMIT")
+    if not commit:
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True)
+        commit = git.stdout.strip() if git.returncode == 0 else "unknown"
+    return info | {"commit": commit}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("gpu-report"))
     ap.add_argument("--only", nargs="*", help="run only these steps (by name)")
+    ap.add_argument("--deadline-s", type=float, default=480,
+                    help="no step runs past this many seconds from the start")
+    ap.add_argument("--list", action="store_true", help="print the steps as JSON and exit")
     args = ap.parse_args()
+    if args.list:
+        print(json.dumps([s.__dict__ for s in steps(args.out)], indent=1))
+        return
     import torch
 
     if not torch.cuda.is_available():
         print("gpu_report: torch sees no CUDA device, so there is nothing to measure here; "
               "run it on a machine with an NVIDIA GPU", file=sys.stderr)
         sys.exit(2)
+    t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"device": torch.cuda.get_device_name(0),
-                    "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
-                    "steps": {}, "results": {}}
-    for name, argv, budget, result_json in _steps(args.out):
-        if args.only and name not in args.only:
+    report: dict = _versions() | {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                  "steps": {}, "results": {}}
+    for step in steps(args.out):
+        if args.only and step.name not in args.only:
             continue
-        print(f"gpu_report: {name} ...", flush=True)
-        report["steps"][name] = _run(name, argv, budget, args.out)
-        if result_json is not None and result_json.exists():
-            report["results"][name] = json.loads(result_json.read_text())
+        left = args.deadline_s - (time.perf_counter() - t0)
+        if step.script and not (ROOT / step.script).exists():
+            report["steps"][step.name] = {"status": f"absent ({step.script} not in this tree)",
+                                          "seconds": 0}
+            continue
+        if left < 5:
+            report["steps"][step.name] = {"status": "skipped: the run's deadline passed",
+                                          "seconds": 0}
+            continue
+        print(f"gpu_report: {step.name} (budget {min(step.budget_s, left):.0f} s) ...",
+              flush=True)
+        report["steps"][step.name] = _run(step, min(step.budget_s, left), args.out)
+        print(f"gpu_report: {step.name}: {report['steps'][step.name]['status']} in "
+              f"{report['steps'][step.name]['seconds']} s", flush=True)
+        if step.result and (args.out / step.result).exists():
+            report["results"][step.name] = json.loads((args.out / step.result).read_text())
+        (args.out / "report.json").write_text(json.dumps(report, indent=2))
     report["tests"] = _tests_summary(args.out / "gpu_tests.xml")
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     (args.out / "report.md").write_text(_markdown(report))

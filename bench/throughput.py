@@ -86,6 +86,9 @@ def run_engine(path: str, reqs: list, temperature: float, tp: int,
                 assert tokens == sum(o for _, o in reqs)
                 per_pass.setdefault("seeded" if seeded else "no seeds", []).append(
                     round(tokens / wall, 1))
+                print(f"engine async={async_scheduling} seeded={seeded} pass "
+                      f"{len(per_pass['seeded' if seeded else 'no seeds'])}: "
+                      f"{tokens / wall:.1f} tok/s", flush=True)  # survives a step's timeout
         return {"tok_per_s": tokens / wall, "wall_s": wall, "tokens": tokens,
                 "steps": eng.num_steps,
                 "overhead_ms_per_step": 1000 * (eng.step_seconds - eng.forward_seconds)
