@@ -9,6 +9,8 @@ priority order; a step never runs past the run's deadline (the rest are reported
 so the whole fits the device time a session gets and a rerun still fits. In-process engines
 only (the GPU box has no Ray). The steps:
   models          write the random-weight Qwen3-0.6B checkpoint the benchmarks share;
+  attention bounds  bench/attention_bounds.py: decode attention where the cache passes 2 GiB,
+                  each case in its own process, against a float32 reference;
   gpu tests       every gpu-marked test file (greedy parity with transformers at Qwen3-0.6B's
                   shapes, graphs on and off; the decode loop under sync debug mode "error";
                   verify graphs; the copy stream; MoE; the Triton kernels);
@@ -69,6 +71,9 @@ def steps(out: Path) -> list[Step]:
     gpu_files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
                        if "mark.gpu" in p.read_text())
     m06 = str(random_06b_path())
+    # transformers' continuous batching on a slice (GPU_REPORT_HF=0 leaves it out of a rerun)
+    hf = (["--hf-continuous-only", "--hf-subset", "16"] if os.environ.get("GPU_REPORT_HF", "1")
+          != "0" else ["--skip-hf"])
     # pytest-timeout (on the GPU box's image): one stuck test must not take the step's budget
     timeout = ["--timeout", "100"] if importlib.util.find_spec("pytest_timeout") else []
     # pytest-xdist (also there): Triton compiles on 4 host cores at once; tests share the GPU
@@ -80,23 +85,27 @@ def steps(out: Path) -> list[Step]:
                         "from throughput import model_path; model_path('qwen3-0.6b-random'); "
                         "from workers.tiny_model import resolve_model; "
                         "[resolve_model(m) for m in ('qwen3-tiny', 'qwen3-tiny-draft')]"], 90),
-        Step("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+        Step("attention bounds", [py, "bench/attention_bounds.py", "--json",
+                                  str(out / "attention_bounds.json")], 70,
+             "attention_bounds.json"),
+        Step("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-v", "-rfE", "--tb=short",
+                           "--durations=15", "-p", "no:cacheprovider",
                            "--continue-on-collection-errors", *gpu_files, *timeout, *workers,
                            f"--junitxml={out / 'gpu_tests.xml'}"], 150),
         Step("offline-gpu", [py, "bench/throughput.py", "--workload", "offline-gpu", "--runs",
                              "1", "--compare-async", "--seeds", "on", "--passes", "2",
-                             "--hf-continuous-only", "--hf-subset", "16",
+                             *hf,
                              "--json", str(out / "offline_gpu.json")], 130, "offline_gpu.json"),
         Step("decode anatomy", [py, "bench/worker_step.py", "--device", "cuda", "--anatomy",
                                 "--model", "qwen3-0.6b-random", "--batches", "1,32,128,256",
                                 "--context", "1024", "--json", str(out / "anatomy.json")],
              45, "anatomy.json"),
-        Step("kernels", [py, "bench/kernels_bench.py", "--json", str(out / "kernels.json")], 70,
-             "kernels.json"),
         Step("spec-decode graphs", [*spec, "--json", str(out / "spec_graphs.json")], 35,
              "spec_graphs.json"),
         Step("spec-decode eager", [*spec, "--enforce-eager", "--json",
                                    str(out / "spec_eager.json")], 35, "spec_eager.json"),
+        Step("kernels", [py, "bench/kernels_bench.py", "--json", str(out / "kernels.json")], 70,
+             "kernels.json"),
         Step("moe", [py, "bench/moe_bench.py", "--device", "cuda", "--tokens", "1", "32", "512",
                      "4096", "--json", str(out / "moe.json")], 25, "moe.json"),
         Step("offload copies", [py, "bench/offload_bench.py", "--only", "copies", "--device",
@@ -195,6 +204,10 @@ def _markdown(report: dict) -> str:
     if host := res.get("host overhead"):
         lines += _table(["batch", "host us/step"],
                         [[r["batch"], f"{r['host_us_per_step']:.0f}"] for r in host["rows"]])
+    if bounds := res.get("attention bounds"):
+        lines += _table(["attention bounds case", "result"], [
+            [r["case"], r.get("error") or f"max rel err {r['max_rel_err']:.2e}"]
+            for r in bounds["rows"]])
     if sampler := res.get("sampler"):
         lines += _table(["sampler rows", "mode", "ms", "vs unseeded"], [
             [r["rows"], r["mode"], f"{r['ms']:.3f}", f"{r['vs_unseeded']:.2f}x"]

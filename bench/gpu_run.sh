@@ -10,6 +10,8 @@
 #    time budget of its own and none past the run's deadline, GPU_RUN_DEADLINE_S, 480 s);
 # 3. leaves under $OUT: report.md, report.json and gpu-report.tgz (every step's log and JSON),
 #    three files, within what the device tool brings back.
+# GPU_REPORT_ONLY (step names, comma-separated) reruns some steps; GPU_REPORT_HF=0 leaves
+# transformers out of offline-gpu.
 # Without CUDA it says so and exits 0 at once: nothing here is measured on a CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,8 +33,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,tem
   --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
 report=/tmp/gpu-report
 rm -rf "$report"
+only=()  # GPU_REPORT_ONLY="gpu tests,kernels": a rerun of some steps, by name
+if [[ -n "${GPU_REPORT_ONLY:-}" ]]; then IFS=, read -ra names <<< "$GPU_REPORT_ONLY"; only=(--only "${names[@]}"); fi
 timeout -k 10 "$(( ${GPU_RUN_DEADLINE_S:-480} + 40 ))" \
-  "$PY" bench/gpu_report.py --out "$report" --deadline-s "${GPU_RUN_DEADLINE_S:-480}"
+  "$PY" bench/gpu_report.py --out "$report" --deadline-s "${GPU_RUN_DEADLINE_S:-480}" "${only[@]}"
 rc=$?
 cp "$report/report.md" "$report/report.json" "$OUT/" 2>/dev/null
 mv "$OUT/nvidia-smi.txt" "$report/" 2>/dev/null

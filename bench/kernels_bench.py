@@ -299,18 +299,10 @@ def main() -> int:
                     "copy_bandwidth_GBps": copy_bw / 1e9}
     print(f"device: {device}   measured copy bandwidth: {copy_bw / 1e9:.0f} GB/s")
 
-    batches = [1, 32] if args.quick else [1, 32, 256]
-    contexts = [512, 4096] if args.quick else [512, 4096, 32768]
-    print(f"\ndecode attention (CUDA-graph replay)\n{'batch':>6} {'ctx':>6} {'seg':>4} "
-          f"{'us':>9} {'GB/s':>8} {'frac copy bw':>13}")
-    result["decode"] = []
-    for batch in batches:
-        for ctx in contexts:
-            row = bench_decode(batch, ctx, copy_bw)
-            result["decode"].append(row)
-            print(f"{batch:>6} {ctx:>6} {row['num_segments']:>4} {1e3 * row['ms']:>9.1f} "
-                  f"{row['GBps']:>8.0f} {row['frac_copy_bw']:>13.2f}")
-            torch.cuda.empty_cache()
+    def save() -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
 
     shapes = [(0, 1024), (1024, 512), (0, 8192)] if args.quick else PREFILL_SHAPES
     print(f"\nprefill attention vs SDPA\n{'prefix':>7} {'chunk':>6} {'triton ms':>10} "
@@ -325,6 +317,7 @@ def main() -> int:
         for best in row.get("sweep", [])[:3]:
             print(f"    {best}")
         torch.cuda.empty_cache()
+        save()
 
     print("\nlayer ops, us (CUDA-graph replay)")
     result["layer_ops"] = [bench_layer_ops(t) for t in (1, 32, 256, 8192)]
@@ -362,9 +355,23 @@ def main() -> int:
               f"{row['kernels_per_step']:>13.1f} {row['kernels_per_layer']:>10.2f}")
         for name, us, n in row["top"][:8]:
             print(f"        {us:>8.1f} us  x{n:<6} {name}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    save()
+    # Decode attention last: a fault at one shape (a CUDA error ends the process) keeps the
+    # sections above, and the rows before it, in the JSON.
+    batches = [1, 32] if args.quick else [1, 32, 256]
+    contexts = [512, 4096] if args.quick else [512, 4096, 32768]
+    print(f"\ndecode attention (CUDA-graph replay)\n{'batch':>6} {'ctx':>6} {'seg':>4} "
+          f"{'us':>9} {'GB/s':>8} {'frac copy bw':>13}")
+    result["decode"] = []
+    for batch in batches:
+        for ctx in contexts:
+            row = bench_decode(batch, ctx, copy_bw)
+            result["decode"].append(row)
+            print(f"{batch:>6} {ctx:>6} {row['num_segments']:>4} {1e3 * row['ms']:>9.1f} "
+                  f"{row['GBps']:>8.0f} {row['frac_copy_bw']:>13.2f}")
+            torch.cuda.empty_cache()
+            save()
+
     return 0
 
 

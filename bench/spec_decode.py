@@ -98,14 +98,16 @@ def main() -> None:
 
     from cluster import LLM
 
+    draft_models = {"draft": a.draft_model, "selfdraft": a.model}
+    kinds = {item.split(":")[0] for item in a.rows.split(",")}
     engine = dict(model=a.model, device=a.device, executor="inprocess", max_num_seqs=64,
                   max_model_len=1024, enforce_eager=a.enforce_eager)
+    if a.device == "cuda":  # every engine lives at once: each takes its share of the GPU
+        engine["gpu_memory_utilization"] = 0.9 / (2 + len(kinds & set(draft_models)))
     off = LLM(**engine)
     on = LLM(**engine, speculative_config={"method": "ngram", "num_speculative_tokens": a.k,
                                            "disable_by_batch_size": a.disable_by_batch_size})
     ngram = on.engine.scheduler.spec.proposer
-    draft_models = {"draft": a.draft_model, "selfdraft": a.model}
-    kinds = {item.split(":")[0] for item in a.rows.split(",")}
     ons = {kind: LLM(**engine, speculative_config={
         "model": draft_models[kind], "num_speculative_tokens": a.k,
         "disable_by_batch_size": a.disable_by_batch_size})

@@ -77,6 +77,7 @@ class Worker:
         # Steps launched and not yet collected, oldest first.
         self._launched: deque[_Launched] = deque()
         self._outputs: StepOutputs | None = None  # made by load_model
+        self._free_before_load = 0  # device bytes free before this engine loaded (CUDA)
 
     # ---- set-up ---------------------------------------------------------------------------
 
@@ -106,6 +107,11 @@ class Worker:
         else:
             self.dtype = _DTYPES[cfg.dtype]
         if self.device.type == "cuda":
+            # What this engine will take is measured against the memory free before it loads:
+            # `gpu_memory_utilization` is this engine's share of the device (vLLM's meaning),
+            # whatever other engines in this process or other processes hold.
+            torch.cuda.empty_cache()
+            self._free_before_load = torch.cuda.mem_get_info()[0]
             draft = (None if cfg.speculative_model is None
                      else load_model_config(cfg.speculative_model, cfg.tensor_parallel_size))
             check_weights_fit(mc, self.tp.world_size, _itemsize(self.dtype),
@@ -164,8 +170,9 @@ class Worker:
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        used = total - free  # weights, CUDA context, library workspaces, other processes
-        available = int(total * cfg.gpu_memory_utilization) - used - peak_extra
+        own = self._free_before_load - free  # this engine's weights, graphs' pools, workspaces
+        # Its share of the device, and never more than is free beside the activations' peak.
+        available = min(int(total * cfg.gpu_memory_utilization) - own, free) - peak_extra
         num_blocks = available // block_bytes
         needed = math.ceil(cfg.max_model_len / cfg.block_size)
         if num_blocks < needed:
@@ -173,7 +180,9 @@ class Worker:
                 f"only {max(num_blocks, 0)} KV blocks fit on rank {self.rank} (one "
                 f"max_model_len={cfg.max_model_len} sequence needs {needed}); raise "
                 "gpu_memory_utilization, lower max_num_batched_tokens/max_num_seqs/max_model_len, "
-                "or use more tensor-parallel ranks")
+                f"or use more tensor-parallel ranks ({free / _GIB:.1f} GiB of "
+                f"{total / _GIB:.1f} GiB free after loading; this engine took "
+                f"{own / _GIB:.1f} GiB)")
         return int(num_blocks)
 
     def _profile_run(self) -> int:
@@ -408,9 +417,10 @@ class Worker:
 
     def shutdown(self) -> None:
         """Release the cache, the model and the process group."""
-        self.cache_engine = None
-        self.model_runner = None
+        self.cache_engine = self._bound_cache = None
+        self.model_runner = self.drafter = self._outputs = None
         self.model = None
+        self._launched.clear()
         self.tp.destroy()
         gc.collect()
         if self.device.type == "cuda":
