@@ -65,6 +65,7 @@ def run_engine(path: str, reqs: list, temperature: float, tp: int,
     warm-up request. The row's figures are the last run's; every run's tok/s is listed."""
     from cluster import LLM, SamplingParams
 
+    compiles = _CompileLog()
     llm = LLM(path, tensor_parallel_size=tp, worker_num_cpus=max(0.5, 2 / tp) if tp > 1 else 1.0,
               seed=0, async_scheduling=async_scheduling)
     try:
@@ -78,17 +79,20 @@ def run_engine(path: str, reqs: list, temperature: float, tp: int,
                 eng = llm.engine
                 eng.num_steps = 0
                 eng.forward_seconds = eng.step_seconds = 0.0
+                compiles.events.clear()
                 start = time.perf_counter()
                 outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params,
                                     use_tqdm=False)
                 wall = time.perf_counter() - start
+                compiled = compiles.summary()
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                 assert tokens == sum(o for _, o in reqs)
                 per_pass.setdefault("seeded" if seeded else "no seeds", []).append(
                     round(tokens / wall, 1))
                 print(f"engine async={async_scheduling} seeded={seeded} pass "
                       f"{len(per_pass['seeded' if seeded else 'no seeds'])}: "
-                      f"{tokens / wall:.1f} tok/s", flush=True)  # survives a step's timeout
+                      f"{tokens / wall:.1f} tok/s; Triton compiles in the pass: {compiled}",
+                      flush=True)  # printed now: survives a step's timeout
         return {"tok_per_s": tokens / wall, "wall_s": wall, "tokens": tokens,
                 "steps": eng.num_steps,
                 "overhead_ms_per_step": 1000 * (eng.step_seconds - eng.forward_seconds)
@@ -96,7 +100,45 @@ def run_engine(path: str, reqs: list, temperature: float, tp: int,
                 "overhead_fraction": eng.overhead_fraction(),
                 "passes_tok_per_s": per_pass}
     finally:
+        compiles.close()
         llm.shutdown()
+
+
+class _CompileLog:
+    """Triton JIT compilations while it is open (CUDA only): a timed run that compiles kernels
+    pays for them, so the first run after start-up says which shapes the warm-up missed."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float]] = []
+        self._started: dict[str, float] = {}
+        try:
+            from triton import knobs
+        except ImportError:
+            self._knobs = None
+            return
+        self._knobs = knobs.runtime
+        self._knobs.jit_cache_hook = self._before
+        self._knobs.jit_post_compile_hook = self._after
+
+    def _before(self, *args, **kw) -> None:  # noqa: ANN002, ANN003 — Triton's hook signature
+        self._started[kw.get("repr", "?")] = time.perf_counter()
+        return None
+
+    def _after(self, *args, **kw) -> None:  # noqa: ANN002, ANN003
+        name = kw.get("repr", "?")
+        self.events.append((name, time.perf_counter() - self._started.pop(name, time.perf_counter())))
+        return None
+
+    def summary(self) -> str:
+        if not self.events:
+            return "none"
+        secs = sum(t for _, t in self.events)
+        return f"{len(self.events)} ({secs:.1f} s): " + "; ".join(
+            f"{n[:400]} {t:.2f}s" for n, t in self.events)
+
+    def close(self) -> None:
+        if self._knobs is not None:
+            self._knobs.jit_cache_hook = self._knobs.jit_post_compile_hook = None
 
 
 def run_hf_generate(path: str, reqs: list, temperature: float, batch: int,
