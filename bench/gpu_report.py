@@ -91,7 +91,7 @@ def steps(out: Path) -> list[Step]:
         Step("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-v", "-rfE", "--tb=short",
                            "--durations=15", "-p", "no:cacheprovider",
                            "--continue-on-collection-errors", *gpu_files, *timeout, *workers,
-                           f"--junitxml={out / 'gpu_tests.xml'}"], 150),
+                           f"--junitxml={out / 'gpu_tests.xml'}"], 180),
         Step("offline-gpu", [py, "bench/throughput.py", "--workload", "offline-gpu", "--runs",
                              "1", "--compare-async", "--seeds", "on", "--passes", "2",
                              *hf,
