@@ -77,7 +77,7 @@ def steps(out: Path) -> list[Step]:
     # pytest-timeout (on the GPU box's image): one stuck test must not take the step's budget
     timeout = ["--timeout", "100"] if importlib.util.find_spec("pytest_timeout") else []
     # pytest-xdist (also there): Triton compiles on 4 host cores at once; tests share the GPU
-    workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []
+    workers = ["-n", "6"] if importlib.util.find_spec("xdist") else []
     spec = [py, "bench/spec_decode.py", "--device", "cuda", "--model", m06, "--rows",
             "1.0:1,0.7:32,draft:1", "--tokens", "128", "--batch-tokens", "32", "--repeats", "1"]
     return [
@@ -91,7 +91,7 @@ def steps(out: Path) -> list[Step]:
         Step("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-v", "-rfE", "--tb=short",
                            "--durations=15", "-p", "no:cacheprovider",
                            "--continue-on-collection-errors", *gpu_files, *timeout, *workers,
-                           f"--junitxml={out / 'gpu_tests.xml'}"], 180),
+                           f"--junitxml={out / 'gpu_tests.xml'}"], 200),
         Step("offline-gpu", [py, "bench/throughput.py", "--workload", "offline-gpu", "--runs",
                              "1", "--compare-async", "--seeds", "on", "--passes", "2",
                              *hf,
@@ -126,7 +126,7 @@ def _run(step: Step, budget: float, out: Path) -> dict:
     log = out / (step.name.replace(" ", "_") + ".log")
     start = time.perf_counter()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", PYTEST_FAILURE_LOG=str(out / "gpu_test_failures.log"))
     with log.open("w") as f:
         try:
             proc = subprocess.run(step.argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,

@@ -156,7 +156,9 @@ def _chunk_tile(acc, m_i, l_i, q, tile, q_idx, q_hi, q_start, context_len, kv_he
     return _attend_tile(acc, m_i, l_i, q, k, v, visible, scale_log2, MASKED, DOT_PRECISION)
 
 
-@triton.jit
+# Per-step integers are never specialised (== 1, divisible by 16): one compiled kernel per
+# launch type serves every batch, so no request pays for a compile the warm-up did not do.
+@triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
     query_start_loc_ptr, seq_lens_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
@@ -255,7 +257,7 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _merge_segments_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_tokens, num_q_heads,
     stride_ot, stride_oh,

@@ -49,7 +49,8 @@ def tile_config(num_pairs: int) -> tuple[int, int, int, int, int, int]:
     raise AssertionError("the last row's bound covers every batch")
 
 
-@triton.jit
+# num_pairs (tokens x top_k) changes every step: never specialised, one compile serves all.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _align_count_kernel(topk_ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
     """counts[e] += pairs routed to local expert e (bin num_experts: other ranks' experts)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -59,7 +60,7 @@ def _align_count_kernel(topk_ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK:
     tl.atomic_add(counts_ptr + key, 1, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "size"])
 def _align_offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, num_padded_ptr,
                           sorted_ids_ptr, num_pairs, num_experts, size,
                           BLOCK_M: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr):
@@ -86,7 +87,7 @@ def _align_offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, num_padded_ptr
                  mask=rows < size)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _align_place_kernel(topk_ids_ptr, starts_ptr, cursor_ptr, sorted_ids_ptr, num_pairs,
                         num_experts, BLOCK: tl.constexpr):
     """sorted_ids[start[e] + cursor[e]++] = pair, for every pair of expert (bin) e."""
@@ -126,7 +127,7 @@ def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_m: int
     return sorted_ids, expert_ids, num_padded
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_rows_total"])
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_pairs, num_rows_total,

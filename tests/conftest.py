@@ -20,6 +20,16 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With PYTEST_FAILURE_LOG set, each failure's traceback is appended to that file as it
+    happens (under xdist too): a run cut off by its time budget (the GPU report's) still says
+    why each failed test failed."""
+    path = os.environ.get("PYTEST_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_CUDA:
         return

@@ -8,7 +8,8 @@ that request milliseconds to seconds. `warmup_plans` walks the shape classes onc
 (after the KV cache and the decode graphs exist): single prefill chunks of every length class
 up to max_num_batched_tokens, with and without a cached prefix; batches of 1-5 sequences (the
 staged arrays' alignment depends on the counts); a mixed decode + prefill batch; decodes at
-short, medium and full contexts (eager, when there are no graphs); and every sampling option.
+short, medium and full contexts (eager, when there are no graphs); and every sampling option
+(plain temperature rows alone too).
 Each plan's sequences are dropped by the next plan: the worker ends the warm-up holding none.
 """
 
@@ -37,6 +38,9 @@ _SAMPLING = (
     SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2),
     SamplingParams(temperature=0.0, logprobs=5),
 )
+# Plain temperature rows, seeded and not: a batch of only these takes the sampler's simple path
+# (temperature inside the draw kernel), which the mixed batches above never reach.
+_PLAIN = (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, seed=2))
 
 
 class _Plans:
@@ -106,6 +110,10 @@ def warmup_plans(block_size: int, num_gpu_blocks: int, max_model_len: int,
     for b in range(1, 6):
         if b <= max_num_seqs and 3 * b <= limit and p.fits([3] * b):
             yield p.batch([0] * b, [3] * b)
+    # the draw kernel spreads a row over more programs up to 8 rows: both sides of that
+    for b in sorted({1, min(9, max_num_seqs)}):
+        if 3 * b <= limit and p.fits([3] * b):
+            yield p.batch([0] * b, [3] * b, _PLAIN)
     n = min(len(_SAMPLING), max_num_seqs)
     if 20 * n <= limit and p.fits([40] * n):
         plan = p.batch([0] * n, [20] * n, _SAMPLING)

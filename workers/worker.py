@@ -170,7 +170,9 @@ class Worker:
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        own = self._free_before_load - free  # this engine's weights, graphs' pools, workspaces
+        # This engine's weights and workspaces; another process freeing memory meanwhile must
+        # not make it look negative (and the share larger than gpu_memory_utilization).
+        own = max(0, self._free_before_load - free)
         # Its share of the device, and never more than is free beside the activations' peak.
         available = min(int(total * cfg.gpu_memory_utilization) - own, free) - peak_extra
         num_blocks = available // block_bytes

@@ -93,3 +93,29 @@ def test_greedy_parity_at_qwen3_06b_shapes(qwen3_06b_fp32: str, enforce_eager: b
             ids = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=new,
                                  do_sample=False)
             assert mine == ids[0, len(p):].tolist(), f"prompt of {len(p)} tokens"
+
+
+def test_no_triton_compile_after_start_up(tiny_dir: str) -> None:
+    """The first GPU run's first pass after start-up spent 10.8 s in 8 Triton compiles (the
+    prefill attention at batch sizes the warm-up never ran): after start-up, batches of any size
+    and mix (long and short chunks, decodes, seeded and plain sampling) compile nothing."""
+    from triton import knobs
+
+    from cluster import LLM
+
+    rng = random.Random(3)
+    compiled: list[str] = []
+    with LLM(tiny_dir, device="cuda", dtype="bfloat16", max_num_seqs=64,
+             max_num_batched_tokens=4096, gpu_memory_utilization=0.3) as llm:
+        knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(kw.get("repr"))
+        try:
+            for n in (7, 23, 40):
+                prompts = [{"prompt_token_ids": [rng.randrange(100, 150000)
+                                                 for _ in range(rng.randint(20, 1024))]}
+                           for _ in range(n)]
+                params = [SamplingParams(temperature=0.6, max_tokens=12, ignore_eos=True,
+                                         seed=i if i % 2 else None) for i in range(n)]
+                llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []

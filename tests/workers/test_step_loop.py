@@ -193,6 +193,12 @@ def test_warm_up_covers_the_shape_classes_and_leaves_no_sequence(tiny_dir: str) 
                 sp.logprobs is not None, sp.seed is not None)
                for p in plans for n in p.new_seqs for sp in [n.sampling_params]}
     assert len(sampled) >= 7
+    # a batch of plain temperature rows only, seeded and not, as large as max_num_seqs allows
+    assert any(len(p.new_seqs) == 8 and {n.sampling_params.seed is None for n in p.new_seqs}
+               == {True, False} and all(n.sampling_params.temperature > 0
+                                        and not n.sampling_params.top_k > 0
+                                        and n.sampling_params.top_p == 1 for n in p.new_seqs)
+               for p in plans)
     ex = LocalExecutor(model=tiny_dir, num_gpu_blocks=200, num_cpu_blocks=4, max_model_len=512,
                        max_num_seqs=8, max_num_batched_tokens=256)
     try:
