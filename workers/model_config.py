@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.hf_config import is_moe, read_hf_config
+from workers.quantization import check_checkpoint_quantization
 
 _ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MODEL_TYPES = ("qwen3", "qwen3_moe")
@@ -116,6 +117,7 @@ def load_model_config(model: str | Path, tensor_parallel_size: int = 1,
                          "not supported")
     if raw["hidden_act"] != "silu":
         raise ValueError(f"{path} uses hidden_act={raw['hidden_act']!r}; only 'silu' is supported")
+    check_checkpoint_quantization(raw, path)
     dtype = str(raw.get("dtype") or "bfloat16")
     if dtype not in _CHECKPOINT_DTYPES:
         raise ValueError(f"{path} has dtype {dtype!r}; expected one of {_CHECKPOINT_DTYPES}")

@@ -9,6 +9,7 @@ from typing import Any
 from cluster.engine.reasoning import REASONING_PARSERS
 from cluster.engine.tool_parsers import TOOL_CALL_PARSERS
 from scheduler.speculative import SpeculativeConfig
+from workers.quantization import check_quantization_arg
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -87,6 +88,10 @@ class EngineConfig:
     # Qwen3 of the target's tokenizer proposes greedily, inside the same workers, sharded like
     # the target, its KV in the same blocks (scheduler/speculative.py, workers/draft_runner.py).
     speculative_config: dict[str, Any] | None = None
+    # vLLM's weight quantization method; None: the checkpoint's weights as they are (a
+    # checkpoint's own quantization_config is checked at load). No method is supported yet
+    # (workers/quantization.py): any value is refused, naming what is.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -100,6 +105,7 @@ class EngineConfig:
         _choice(self, "reasoning_parser", (None, *REASONING_PARSERS))
         _choice(self, "tool_call_parser", (None, *TOOL_CALL_PARSERS))
         _choice(self, "generation_config", ("auto", "vllm"))
+        check_quantization_arg(self.quantization)
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("disable_any_whitespace must be true or false; "
                              f"got {self.disable_any_whitespace!r}")

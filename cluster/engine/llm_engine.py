@@ -40,10 +40,10 @@ from scheduler import (
     StepResult,
 )
 from scheduler.speculative import SpeculativeConfig
+from workers.checkpoint import checkpoint_files
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
 from workers.draft_runner import check_draft_fits
-from workers.loader import checkpoint_files
 from workers.model_config import load_generation_defaults, load_model_config
 from workers.tiny_model import resolve_model
 
