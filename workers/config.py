@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("cpu", "cuda")
@@ -44,6 +45,8 @@ class WorkerConfig:
     # per-batch off switch): the verify CUDA graphs' shapes
     num_speculative_tokens: int = 0
     speculative_max_num_seqs: int = 0
+    # vLLM's hf_overrides: config.json keys set over the target checkpoint's (hf_config.py)
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

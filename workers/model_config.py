@@ -22,6 +22,22 @@ from workers.quantization import check_checkpoint_quantization
 _ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MODEL_TYPES = ("qwen3", "qwen3_moe")
 _CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+_ROPE_TYPES = ("default", "yarn")
+
+
+@dataclass(slots=True, frozen=True)
+class YarnScaling:
+    """YaRN's rope parameters (transformers' names and defaults); the rotary table is
+    `kernels.compute_cos_sin_cache(..., yarn=asdict(this))`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,6 +67,30 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    yarn: YarnScaling | None = None  # None: plain RoPE
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest sequence the positions allow: factor x original context with YaRN (as
+        vLLM derives it), else max_position_embeddings."""
+        if self.yarn is None:
+            return self.max_position_embeddings
+        return int(self.yarn.factor * self.yarn.original_max_position_embeddings)
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """ValueError naming the limit and where it comes from when `max_model_len` is past it."""
+        if max_model_len <= self.max_context_len:
+            return
+        if self.yarn is None:
+            raise ValueError(f"max_model_len {max_model_len} exceeds {self.model}'s "
+                             f"max_position_embeddings {self.max_position_embeddings}; lower "
+                             "max_model_len, or extend the context with YaRN (hf_overrides: "
+                             "{rope_scaling: {rope_type: yarn, factor, "
+                             "original_max_position_embeddings}})")
+        raise ValueError(f"max_model_len {max_model_len} exceeds what {self.model}'s YaRN allows: "
+                         f"factor {self.yarn.factor} x original_max_position_embeddings "
+                         f"{self.yarn.original_max_position_embeddings} = {self.max_context_len}; "
+                         "lower max_model_len or raise the factor")
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the experts block (else the dense Qwen3 MLP)."""
@@ -122,7 +162,6 @@ def load_model_config(model: str | Path, tensor_parallel_size: int = 1,
     if dtype not in _CHECKPOINT_DTYPES:
         raise ValueError(f"{path} has dtype {dtype!r}; expected one of {_CHECKPOINT_DTYPES}")
     rope = raw["rope_parameters"]
-    _check_rope(rope, path)
     cfg = ModelConfig(
         model=str(path),
         vocab_size=int(raw["vocab_size"]),
@@ -139,6 +178,7 @@ def load_model_config(model: str | Path, tensor_parallel_size: int = 1,
         dtype=dtype,
         bos_token_id=raw["bos_token_id"],
         eos_token_ids=_eos_token_ids(raw, path),
+        yarn=_yarn(rope, path),
         **_moe_fields(raw, path),
     )
     cfg.verify_tensor_parallel_size(tensor_parallel_size)
@@ -169,10 +209,31 @@ def _moe_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     return fields
 
 
-def _check_rope(rope: dict[str, Any], path: Path) -> None:
-    if rope["rope_type"] != "default":
-        raise ValueError(f"{path} uses rope_type {rope['rope_type']!r}; only 'default' RoPE is "
-                         "supported")
+def _yarn(rope: dict[str, Any], path: Path) -> YarnScaling | None:
+    """The YaRN parameters of standardized rope parameters; None for plain RoPE."""
+    rope_type = rope["rope_type"]
+    if rope_type == "default":
+        return None
+    if rope_type != "yarn":
+        raise ValueError(f"{path} uses rope_type {rope_type!r} (rope_parameters / rope_scaling); "
+                         f"supported: {list(_ROPE_TYPES)}")
+    original = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor")
+    if factor is None:
+        raise ValueError(f"{path}: rope_type 'yarn' needs rope_parameters.factor (Qwen3's "
+                         "documented setting: factor 4.0, original_max_position_embeddings "
+                         "32768)")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+        raise ValueError(f"{path}: YaRN's factor must be a number >= 1; got {factor!r}")
+    if original < 1:
+        raise ValueError(f"{path}: YaRN's original_max_position_embeddings must be >= 1; "
+                         f"got {original}")
+    optional = ("attention_factor", "mscale", "mscale_all_dim")
+    return YarnScaling(
+        factor=float(factor), original_max_position_embeddings=original,
+        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+        truncate=bool(rope.get("truncate", True)),
+        **{k: float(rope[k]) for k in optional if rope.get(k) is not None})
 
 
 def _eos_token_ids(raw: dict[str, Any], path: Path) -> tuple[int, ...]:

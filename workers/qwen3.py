@@ -123,7 +123,7 @@ class Qwen3Model(nn.Module):
         ops = ops_backend(backend)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         # One cos/sin table shared by every layer.
-        rotary_emb = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
+        rotary_emb = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.yarn)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(cfg, tp, rotary_emb, dtype, backend, i, expert_parallel)
             for i in range(cfg.num_hidden_layers))
@@ -157,7 +157,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Qwen3Model(cfg, tp, dtype, backend,
-                                max_position or cfg.max_position_embeddings, expert_parallel)
+                                max_position or cfg.max_context_len, expert_parallel)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

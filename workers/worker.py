@@ -97,10 +97,8 @@ class Worker:
         cfg = self.config
         if cfg.device == "cuda" and self.device.type != "cuda":
             raise RuntimeError("call init_distributed() before load_model()")
-        mc = load_model_config(cfg.model, cfg.tensor_parallel_size)
-        if cfg.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={mc.max_position_embeddings}; lower it")
+        mc = load_model_config(cfg.model, cfg.tensor_parallel_size, cfg.hf_overrides)
+        mc.check_max_model_len(cfg.max_model_len)
         if cfg.dtype == "auto":
             self.dtype = torch.float32 if cfg.device == "cpu" else _DTYPES[mc.dtype]
         else:

@@ -22,7 +22,7 @@ class EngineConfig:
     """Everything an engine needs; validated up front so a bad value fails before any work.
 
     Fields and defaults follow vLLM's `LLM(...)` arguments. `max_model_len=None` takes the
-    checkpoint's `max_position_embeddings`; `max_num_batched_tokens=None` takes
+    checkpoint's `max_position_embeddings` (with YaRN: factor x its original context); `max_num_batched_tokens=None` takes
     max(max_model_len, 8192) so a whole prompt fits one step unless chunked.
     """
 
@@ -92,6 +92,11 @@ class EngineConfig:
     # checkpoint's own quantization_config is checked at load). No method is supported yet
     # (workers/quantization.py): any value is refused, naming what is.
     quantization: str | None = None
+    # vLLM's hf_overrides: config.json keys set over the checkpoint's, in any spelling
+    # transformers reads (workers/hf_config.py); e.g. Qwen3's YaRN to 131,072 tokens:
+    # {rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}.
+    # A key the loader does not read is refused, naming the valid ones.
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -106,6 +111,9 @@ class EngineConfig:
         _choice(self, "tool_call_parser", (None, *TOOL_CALL_PARSERS))
         _choice(self, "generation_config", ("auto", "vllm"))
         check_quantization_arg(self.quantization)
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError("hf_overrides must be a mapping of config.json keys to values; "
+                             f"got {self.hf_overrides!r}")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("disable_any_whitespace must be true or false; "
                              f"got {self.disable_any_whitespace!r}")
