@@ -69,7 +69,8 @@ class Qwen3Attention(nn.Module):
         q, k, v = kernels.qk_norm_rope_write_kv(
             qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
             self.q_norm.eps, positions, self.rotary_emb.cos_sin_cache, k_cache, v_cache,
-            attn_metadata.slot_mapping, backend=self.ops)
+            attn_metadata.slot_mapping, backend=self.ops, k_scale=self.attn.k_scale,
+            v_scale=self.attn.v_scale)
         o = self.attn(q, k, v, attn_metadata)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+import kernels
 from scheduler.plan import NewSeq, StepPlan, StepResult
 from scheduler.sampling_params import SamplingParams
 from workers.cache_engine import CacheEngine
@@ -74,6 +75,7 @@ class Worker:
         self._bound_cache: CacheEngine | None = None  # what the attention layers point at
         self.device = torch.device("cpu")
         self.dtype = torch.float32
+        self.kv_dtype = torch.float32  # the KV cache's: dtype, or float8_e4m3fn (kv_cache_dtype)
         # Steps launched and not yet collected, oldest first.
         self._launched: deque[_Launched] = deque()
         self._outputs: StepOutputs | None = None  # made by load_model
@@ -103,6 +105,7 @@ class Worker:
             self.dtype = torch.float32 if cfg.device == "cpu" else _DTYPES[mc.dtype]
         else:
             self.dtype = _DTYPES[cfg.dtype]
+        self.kv_dtype = self.dtype if cfg.kv_cache_dtype == "auto" else kernels.FP8_KV_DTYPE
         if self.device.type == "cuda":
             draft = (None if cfg.speculative_model is None
                      else load_model_config(cfg.speculative_model, cfg.tensor_parallel_size))
@@ -127,7 +130,7 @@ class Worker:
 
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block on this rank: the target's layers and the draft's."""
-        mc, itemsize = _loaded(self.model_config), _itemsize(self.dtype)
+        mc, itemsize = _loaded(self.model_config), _itemsize(self.kv_dtype)
         draft = (0 if self.drafter is None
                  else self.drafter.kv_block_bytes(self.tp.world_size, itemsize))
         return mc.kv_block_bytes(self.config.block_size, self.tp.world_size, itemsize) + draft
@@ -185,7 +188,7 @@ class Worker:
         # A scratch cache just big enough for the dummy batch; freed before the real one.
         scratch = CacheEngine(self._num_cache_layers(), mc.num_kv_heads_per_rank(self.tp.world_size),
                               mc.head_dim, cfg.block_size, int(blocks_per_seq.sum()), 0,
-                              self.dtype, self.device)
+                              self.kv_dtype, self.device)
         self._bind_cache(scratch)
         baseline = torch.cuda.memory_allocated()
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=5)
@@ -213,7 +216,7 @@ class Worker:
         cfg, mc = self.config, _loaded(self.model_config)
         self.cache_engine = CacheEngine(
             self._num_cache_layers(), mc.num_kv_heads_per_rank(self.tp.world_size), mc.head_dim,
-            cfg.block_size, num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
+            cfg.block_size, num_gpu_blocks, num_cpu_blocks, self.kv_dtype, self.device,
             num_offload_blocks)
         self._bind_cache(self.cache_engine)
         # The torch reference attention reads lengths on the host, so it cannot be captured.

@@ -9,6 +9,7 @@ from typing import Any
 from cluster.engine.reasoning import REASONING_PARSERS
 from cluster.engine.tool_parsers import TOOL_CALL_PARSERS
 from scheduler.speculative import SpeculativeConfig
+from workers.config import check_kv_cache_dtype
 from workers.quantization import check_quantization_arg
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -97,6 +98,13 @@ class EngineConfig:
     # {rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}.
     # A key the loader does not read is refused, naming the valid ones.
     hf_overrides: dict[str, Any] | None = None
+    # vLLM's kv_cache_dtype (workers/config.py KV_CACHE_DTYPES): "auto", the model's dtype;
+    # "fp8" / "fp8_e4m3": K and V stored as float8_e4m3fn over a per-tensor scale of 1.0,
+    # twice the blocks of bf16 for the same memory. Read by the torch kernels only so far.
+    kv_cache_dtype: str = "auto"
+    # vLLM's calculate_kv_scales (FP8 KV scales from the first prefill): not implemented yet,
+    # so true is refused rather than ignored.
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -111,6 +119,11 @@ class EngineConfig:
         _choice(self, "tool_call_parser", (None, *TOOL_CALL_PARSERS))
         _choice(self, "generation_config", ("auto", "vllm"))
         check_quantization_arg(self.quantization)
+        check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend,
+                             None if self.device == "auto" else self.device)
+        if self.calculate_kv_scales is not False:
+            raise ValueError("calculate_kv_scales is not supported yet (FP8 KV scales are 1.0 per "
+                             f"tensor); leave it false; got {self.calculate_kv_scales!r}")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError("hf_overrides must be a mapping of config.json keys to values; "
                              f"got {self.hf_overrides!r}")

@@ -141,7 +141,7 @@ class LLMEngine:
             enable_expert_parallel=config.enable_expert_parallel, speculative_model=draft_path,
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
             speculative_max_num_seqs=0 if spec is None else spec.disable_by_batch_size,
-            hf_overrides=config.hf_overrides)
+            hf_overrides=config.hf_overrides, kv_cache_dtype=config.kv_cache_dtype)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device == "cuda")
         if spec is not None and self.async_scheduling:
