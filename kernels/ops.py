@@ -45,14 +45,14 @@ def _resolve(backend: str, t: Tensor, *, allow_flash: bool = False) -> str:
 
 def _check_kv_scales(k_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
                      chosen: str) -> None:
-    """An FP8 cache needs its per-tensor scales and, for now, the torch kernels."""
+    """An FP8 cache needs its per-tensor scales and the torch or Triton kernels."""
     if k_cache.dtype != reference.FP8_KV_DTYPE:
         return
     if k_scale is None or v_scale is None or k_scale.numel() != 1 or v_scale.numel() != 1:
         raise ValueError("an FP8 (float8_e4m3fn) KV cache needs k_scale and v_scale, float32 [1]")
-    if chosen != "torch":
-        raise ValueError(f"the {chosen!r} kernels do not read an FP8 KV cache yet; use "
-                         "backend 'torch' (kv_cache_dtype 'fp8' with attention_backend 'torch')")
+    if chosen == "flash_attn":
+        raise ValueError("the 'flash_attn' kernels do not read an FP8 KV cache; use backend "
+                         "'triton' or 'torch' (kv_cache_dtype 'fp8')")
 
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
@@ -74,7 +74,7 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     from kernels.triton_kv import write_kv as triton_write_kv
-    triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    triton_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -127,7 +127,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                                      scale, max_query_len, max_seq_len)
     from kernels.triton_attention import paged_attention as triton_paged_attention
     return triton_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                  scale, max_query_len, max_seq_len, key, value)
+                                  scale, max_query_len, max_seq_len, key, value, k_scale, v_scale)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
@@ -197,7 +197,7 @@ def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_we
     if chosen == "torch":
         return reference.qk_norm_rope_write_kv(*args, k_scale, v_scale)
     from kernels.triton_fused import qk_norm_rope_write_kv as triton_qk_norm_rope_write_kv
-    return triton_qk_norm_rope_write_kv(*args)
+    return triton_qk_norm_rope_write_kv(*args, k_scale, v_scale)
 
 
 def silu_and_mul(x: Tensor, backend: Backend = "auto") -> Tensor:

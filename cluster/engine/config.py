@@ -100,7 +100,8 @@ class EngineConfig:
     hf_overrides: dict[str, Any] | None = None
     # vLLM's kv_cache_dtype (workers/config.py KV_CACHE_DTYPES): "auto", the model's dtype;
     # "fp8" / "fp8_e4m3": K and V stored as float8_e4m3fn over a per-tensor scale of 1.0,
-    # twice the blocks of bf16 for the same memory. Read by the torch kernels only so far.
+    # twice the blocks of bf16 for the same memory. Read by the Triton and torch kernels (not
+    # flash-attn).
     kv_cache_dtype: str = "auto"
     # vLLM's calculate_kv_scales (FP8 KV scales from the first prefill): not implemented yet,
     # so true is refused rather than ignored.
@@ -119,8 +120,7 @@ class EngineConfig:
         _choice(self, "tool_call_parser", (None, *TOOL_CALL_PARSERS))
         _choice(self, "generation_config", ("auto", "vllm"))
         check_quantization_arg(self.quantization)
-        check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend,
-                             None if self.device == "auto" else self.device)
+        check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend)
         if self.calculate_kv_scales is not False:
             raise ValueError("calculate_kv_scales is not supported yet (FP8 KV scales are 1.0 per "
                              f"tensor); leave it false; got {self.calculate_kv_scales!r}")

@@ -1,10 +1,11 @@
-"""FP8 KV cache (kv_cache_dtype fp8 / fp8_e4m3, per-tensor scales of 1.0), torch kernels.
+"""FP8 KV cache (kv_cache_dtype fp8 / fp8_e4m3, per-tensor scales of 1.0) in the worker.
 
 - The twins: a write stores x / scale saturated in e4m3; attention over an FP8 cache equals,
   bit for bit, attention over a float32 cache holding its dequantized values.
 - The worker: logits within FP8_LOGIT_BOUND of the full-precision-KV run on the same tokens at
-  tp 1 and tp 2; swap, copy-on-write and the offload tier move the FP8 bytes unchanged; the
-  same memory holds twice the blocks of a bf16 cache.
+  tp 1 and tp 2, and the Triton kernels' (interpreter) close to the torch kernels'; swap,
+  copy-on-write and the offload tier move the FP8 bytes unchanged; the same memory holds
+  twice the blocks of a bf16 cache.
 - Refusals at start naming the key and the choices.
 """
 
@@ -72,26 +73,26 @@ def test_attention_over_fp8_equals_attention_over_its_dequantized_values() -> No
 
 
 @pytest.mark.parametrize(("backend", "scales", "message"), [
-    ("triton", True, r"the 'triton' kernels do not read an FP8 KV cache yet"),
+    ("flash_attn", True, r"the 'flash_attn' kernels do not read an FP8 KV cache"),
     ("torch", False, r"FP8 \(float8_e4m3fn\) KV cache needs k_scale and v_scale"),
 ])
 def test_kernels_refuse_what_they_cannot_read(backend: str, scales: bool, message: str) -> None:
     cache = torch.zeros(2, 4, 1, 4, dtype=F8)
-    kv = torch.zeros(1, 1, 4)
     extra = dict(zip(("k_scale", "v_scale"), _scales(1.0, 1.0))) if scales else {}
     with pytest.raises(ValueError, match=message):
-        kernels.write_kv(kv, kv, cache, cache.clone(), torch.tensor([0]), backend=backend,
-                         **extra)
+        kernels.paged_attention(torch.zeros(1, 1, 4), cache, cache.clone(),
+                                torch.zeros(1, 1, dtype=torch.int32),
+                                torch.tensor([0, 1], dtype=torch.int32),
+                                torch.tensor([1], dtype=torch.int32), 0.5, 1, 1,
+                                backend=backend, **extra)
 
 
 @pytest.mark.parametrize(("args", "message"), [
     ({"kv_cache_dtype": "fp16"},
      r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3'\]; got 'fp16'"),
-    ({"kv_cache_dtype": "fp8", "attention_backend": "triton"},
-     r"kv_cache_dtype 'fp8' is read only by the torch kernels so far, not by "
-     r"attention_backend 'triton'; set attention_backend 'torch'"),
-    ({"kv_cache_dtype": "fp8_e4m3", "device": "cuda"},
-     r"not by attention_backend 'triton'"),  # auto on CUDA is Triton
+    ({"kv_cache_dtype": "fp8", "attention_backend": "flash_attn"},
+     r"kv_cache_dtype 'fp8' is not read by attention_backend 'flash_attn'; choose "
+     r"attention_backend 'auto', 'triton' or 'torch'"),
     ({"calculate_kv_scales": True}, r"calculate_kv_scales is not supported yet"),
 ])
 def test_engine_args_are_refused_naming_the_choices(args: dict, message: str) -> None:
@@ -99,11 +100,11 @@ def test_engine_args_are_refused_naming_the_choices(args: dict, message: str) ->
         EngineConfig.from_dict(args)
 
 
-def test_worker_config_refuses_fp8_with_the_triton_backend() -> None:
-    with pytest.raises(ValueError, match="attention_backend 'triton'"):
-        WorkerConfig(model="m", device="cuda", kv_cache_dtype="fp8")
-    assert WorkerConfig(model="m", device="cuda", kv_cache_dtype="fp8",
-                        attention_backend="torch").kv_cache_dtype == "fp8"
+def test_worker_config_refuses_fp8_with_flash_attn() -> None:
+    with pytest.raises(ValueError, match="attention_backend 'flash_attn'"):
+        WorkerConfig(model="m", device="cuda", kv_cache_dtype="fp8",
+                     attention_backend="flash_attn")
+    assert WorkerConfig(model="m", device="cuda", kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
 
 
 def test_same_memory_holds_twice_the_blocks_of_bf16(tiny_dir: str) -> None:
@@ -216,3 +217,19 @@ def test_fp8_swap_and_fork_give_the_tokens_without_them(second_dir: str) -> None
     moved = scenario({5: lambda b: b.swap_out(0), 7: lambda b: b.swap_in(0),
                       6: lambda b: b.fork(1, seq_index=1)})
     assert moved == plain and plain[3] == plain[1]
+
+
+def test_triton_kernels_give_the_torch_kernels_logits(second_dir: str, full_precision) -> None:
+    """The whole model on the Triton kernels (interpreter on CPU) with an FP8 cache: the KV
+    write and attention kernels read and write it as the torch twins do."""
+    prompts, tokens, _ = full_precision
+    got = {}
+    for backend in ("torch", "triton"):
+        executor = LocalExecutor(model=second_dir, num_gpu_blocks=64, max_model_len=512,
+                                 kv_cache_dtype="fp8", attention_backend=backend)
+        try:
+            got[backend] = _forced_logits(executor, prompts[:2], tokens)[1]
+        finally:
+            executor.close()
+    for sid, ref in got["torch"].items():
+        np.testing.assert_allclose(got["triton"][sid], ref, atol=2e-3, rtol=0)
