@@ -1,6 +1,7 @@
 """Paged-attention and fused kernels (Triton on CUDA, torch references on CPU) behind one dispatch point."""
 
 from kernels.ops import (
+    FP8_KV_DTYPE,
     Backend,
     compute_cos_sin_cache,
     fused_moe,
@@ -13,6 +14,6 @@ from kernels.ops import (
     write_kv,
 )
 
-__all__ = ["Backend", "compute_cos_sin_cache", "fused_moe", "moe_route",
+__all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fused_moe", "moe_route",
            "paged_attention", "qk_norm_rope_write_kv",
            "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv"]

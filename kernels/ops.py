@@ -19,12 +19,13 @@ import torch
 from torch import Tensor
 
 from kernels import moe_reference, reference
-from kernels.reference import compute_cos_sin_cache
+from kernels.reference import FP8_KV_DTYPE
+from kernels.rotary_tables import compute_cos_sin_cache
 
 Backend = Literal["auto", "triton", "flash_attn", "torch"]
 _BACKENDS = ("auto", "triton", "flash_attn", "torch")
 
-__all__ = ["Backend", "compute_cos_sin_cache", "fused_moe", "moe_route", "paged_attention", "qk_norm_rope_write_kv",
+__all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fused_moe", "moe_route", "paged_attention", "qk_norm_rope_write_kv",
            "rms_norm", "rotary_embedding", "sample_tokens", "silu_and_mul", "write_kv"]
 
 
@@ -42,9 +43,23 @@ def _resolve(backend: str, t: Tensor, *, allow_flash: bool = False) -> str:
     return backend
 
 
+def _check_kv_scales(k_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
+                     chosen: str) -> None:
+    """An FP8 cache needs its per-tensor scales and the torch or Triton kernels."""
+    if k_cache.dtype != reference.FP8_KV_DTYPE:
+        return
+    if k_scale is None or v_scale is None or k_scale.numel() != 1 or v_scale.numel() != 1:
+        raise ValueError("an FP8 (float8_e4m3fn) KV cache needs k_scale and v_scale, float32 [1]")
+    if chosen == "flash_attn":
+        raise ValueError("the 'flash_attn' kernels do not read an FP8 KV cache; use backend "
+                         "'triton' or 'torch' (kv_cache_dtype 'fp8')")
+
+
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-             backend: Backend = "auto") -> None:
-    """Store `key`/`value` `[T, Hkv, D]` into the paged caches at `slot_mapping` (`-1` = skip)."""
+             backend: Backend = "auto", k_scale: Tensor | None = None,
+             v_scale: Tensor | None = None) -> None:
+    """Store `key`/`value` `[T, Hkv, D]` into the paged caches at `slot_mapping` (`-1` = skip);
+    an FP8 cache stores them divided by `k_scale` / `v_scale` (float32 `[1]`)."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, Hkv, D]; got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -53,17 +68,20 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
                          f"the cache; got {tuple(key.shape)} and {tuple(value.shape)}")
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be [T={key.shape[0]}]; got {tuple(slot_mapping.shape)}")
-    if _resolve(backend, key) == "torch":
-        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    chosen = _resolve(backend, key)
+    _check_kv_scales(k_cache, k_scale, v_scale, chosen)
+    if chosen == "torch":
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     from kernels.triton_kv import write_kv as triton_write_kv
-    triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    triton_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     query_start_loc: Tensor, seq_lens: Tensor, scale: float,
                     max_query_len: int, max_seq_len: int, backend: Backend = "auto",
-                    key: Tensor | None = None, value: Tensor | None = None) -> Tensor:
+                    key: Tensor | None = None, value: Tensor | None = None,
+                    k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     """Causal paged attention over a mixed prefill/decode batch; returns `[T, Hq, D]` in q's dtype.
 
     Query token j of sequence b (q_len_b tokens) sits at position `seq_lens[b] - q_len_b + j`;
@@ -74,6 +92,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     prefill tiles. `key`/`value` `[T, Hkv, D]`, optional, are this step's rows exactly as
     written to the cache: the Triton kernel then reads each chunk's own keys from them
     (contiguous) instead of through the block table; the other backends ignore them.
+    An FP8 cache is read times `k_scale` / `v_scale` (float32 `[1]`).
     """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q must be [T, Hq, D] and k/v caches [num_blocks, block_size, Hkv, D]; "
@@ -98,16 +117,17 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         raise ValueError(f"key/value must be [T={q.shape[0]}, {num_kv_heads}, {head_dim}] (this "
                          f"step's K/V rows); got {tuple(key.shape)} and {tuple(value.shape)}")
     chosen = _resolve(backend, q, allow_flash=True)
+    _check_kv_scales(k_cache, k_scale, v_scale, chosen)
     if chosen == "torch":
         return reference.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                         seq_lens, scale)
+                                         seq_lens, scale, k_scale, v_scale)
     if chosen == "flash_attn":
         from kernels.flash_attn_backend import paged_attention as flash_paged_attention
         return flash_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                      scale, max_query_len, max_seq_len)
     from kernels.triton_attention import paged_attention as triton_paged_attention
     return triton_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                  scale, max_query_len, max_seq_len, key, value)
+                                  scale, max_query_len, max_seq_len, key, value, k_scale, v_scale)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
@@ -143,12 +163,14 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Ten
 def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_weight: Tensor,
                           k_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
                           k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-                          backend: Backend = "auto") -> tuple[Tensor, Tensor, Tensor]:
+                          backend: Backend = "auto", k_scale: Tensor | None = None,
+                          v_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Qwen3's attention prologue on the QKV projection's output `[T, (Hq + 2 Hkv) D]`, one launch.
 
     q and k get their per-head RMSNorm (`q_weight`/`k_weight` `[D]`) and the rotary embedding at
     `positions`, in place inside `qkv`; K and V are stored into the paged caches at
-    `slot_mapping` (-1 = skip). Returns the views (q `[T, Hq, D]`, k, v `[T, Hkv, D]`) of `qkv`.
+    `slot_mapping` (-1 = skip), an FP8 cache divided by `k_scale` / `v_scale`. Returns the views
+    (q `[T, Hq, D]`, k, v `[T, Hkv, D]`) of `qkv`.
     """
     if qkv.dim() != 2 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"qkv must be [T, (Hq + 2 Hkv) * D] and k/v caches [num_blocks, "
@@ -170,10 +192,12 @@ def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_we
                          f"{tuple(cos_sin_cache.shape)}")
     args = (qkv, num_q_heads, num_kv_heads, q_weight, k_weight, eps, positions, cos_sin_cache,
             k_cache, v_cache, slot_mapping)
-    if _resolve(backend, qkv) == "torch":
-        return reference.qk_norm_rope_write_kv(*args)
+    chosen = _resolve(backend, qkv)
+    _check_kv_scales(k_cache, k_scale, v_scale, chosen)
+    if chosen == "torch":
+        return reference.qk_norm_rope_write_kv(*args, k_scale, v_scale)
     from kernels.triton_fused import qk_norm_rope_write_kv as triton_qk_norm_rope_write_kv
-    return triton_qk_norm_rope_write_kv(*args)
+    return triton_qk_norm_rope_write_kv(*args, k_scale, v_scale)
 
 
 def silu_and_mul(x: Tensor, backend: Backend = "auto") -> Tensor:

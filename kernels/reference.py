@@ -8,7 +8,9 @@ Triton kernels (they also accumulate in float32).
 
 Cache layout (shared with the Triton kernels): one K and one V tensor per layer, each
 `[num_blocks, block_size, num_kv_heads, head_dim]`; token slot `s` lives at
-`cache[s // block_size, s % block_size]`.
+`cache[s // block_size, s % block_size]`. An FP8 cache (`float8_e4m3fn`) holds each value
+divided by its tensor's scale (`k_scale` / `v_scale`, float32 `[1]`), saturated at +-448; a
+read multiplies it back in float32 (`quantize_kv` / `dequantize_kv`).
 """
 
 from __future__ import annotations
@@ -17,17 +19,37 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.rotary_tables import compute_cos_sin_cache  # noqa: F401 (the twins' table)
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(FP8_KV_DTYPE).max
+
+
+def quantize_kv(x: Tensor, dtype: torch.dtype, scale: Tensor | None) -> Tensor:
+    """`x` as a cache of `dtype` stores it: FP8 e4m3 holds x / scale saturated at +-448."""
+    if dtype != FP8_KV_DTYPE:
+        return x.to(dtype)
+    return (x.to(torch.float32) / scale).clamp(-_FP8_MAX, _FP8_MAX).to(dtype)
+
+
+def dequantize_kv(x: Tensor, scale: Tensor | None) -> Tensor:
+    """Cached rows as values: an FP8 cache's times its scale, in float32; others as they are."""
+    if x.dtype != FP8_KV_DTYPE:
+        return x
+    return x.to(torch.float32) * scale
+
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
-             slot_mapping: Tensor) -> None:
+             slot_mapping: Tensor, k_scale: Tensor | None = None,
+             v_scale: Tensor | None = None) -> None:
     """Store `key`/`value` `[T, Hkv, D]` at `slot_mapping` `[T]`; slots equal to -1 are skipped."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_k[slots] = key[keep].to(k_cache.dtype)
-    flat_v[slots] = value[keep].to(v_cache.dtype)
+    flat_k[slots] = quantize_kv(key[keep], k_cache.dtype, k_scale)
+    flat_v[slots] = quantize_kv(value[keep], v_cache.dtype, v_scale)
 
 
 def gather_kv(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
@@ -42,7 +64,8 @@ def gather_kv(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                    query_start_loc: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+                    query_start_loc: Tensor, seq_lens: Tensor, scale: float,
+                    k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     """Causal attention of a mixed prefill/decode batch over a paged KV cache.
 
     Sequence b owns query rows `q[query_start_loc[b]:query_start_loc[b + 1]]`; its last query token
@@ -56,7 +79,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         for chunk in _decode_chunks(decode, seq_lens, k_cache):
             out[rows[chunk]] = decode_attention(q[rows[chunk]], k_cache, v_cache,
                                                 block_tables[decode[chunk]],
-                                                seq_lens[decode[chunk]], scale)
+                                                seq_lens[decode[chunk]], scale, k_scale, v_scale)
         rest = (q_lens != 1).nonzero().flatten().tolist()
     else:
         rest = range(seq_lens.shape[0])
@@ -66,18 +89,20 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         q_start, q_end = starts[b], starts[b + 1]
         if q_end > q_start:
             out[q_start:q_end] = _sequence_attention(q[q_start:q_end], k_cache, v_cache,
-                                                     block_tables[b], lens[b], scale)
+                                                     block_tables[b], lens[b], scale, k_scale,
+                                                     v_scale)
     return out
 
 
 def _sequence_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                        seq_len: int, scale: float) -> Tensor:
+                        seq_len: int, scale: float, k_scale: Tensor | None = None,
+                        v_scale: Tensor | None = None) -> Tensor:
     """One sequence's query rows `[q_len, Hq, D]`, computed as HF's eager attention does."""
     q_len = q.shape[0]
     group = q.shape[1] // k_cache.shape[2]
     # [Hq, L, D], repeated per query head the way HF's repeat_kv does it.
-    k = gather_kv(k_cache, block_table, seq_len).transpose(0, 1)
-    v = gather_kv(v_cache, block_table, seq_len).transpose(0, 1)
+    k = dequantize_kv(gather_kv(k_cache, block_table, seq_len), k_scale).transpose(0, 1)
+    v = dequantize_kv(gather_kv(v_cache, block_table, seq_len), v_scale).transpose(0, 1)
     k = k.repeat_interleave(group, dim=0).to(torch.float32)
     v = v.repeat_interleave(group, dim=0).to(torch.float32)
     query = q.transpose(0, 1).to(torch.float32)  # [Hq, q_len, D]
@@ -103,7 +128,8 @@ def _decode_chunks(decode: Tensor, seq_lens: Tensor, k_cache: Tensor) -> list[sl
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                     seq_lens: Tensor, scale: float) -> Tensor:
+                     seq_lens: Tensor, scale: float, k_scale: Tensor | None = None,
+                     v_scale: Tensor | None = None) -> Tensor:
     """Single-token queries `[B, Hq, D]` of B sequences at once: the CPU decode fast path.
 
     K/V are gathered padded to the longest context; padded positions are masked out of the
@@ -125,8 +151,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
     # Whole blocks gather fast (contiguous rows); each KV head is then a strided [B, L, D]
     # view that bmm reads in place, so no permute copy is ever made.
     length = num_blocks * block_size
-    k = k_cache[blocks].view(batch, length, num_kv_heads, head_dim).to(torch.float32)
-    v = v_cache[blocks].view(batch, length, num_kv_heads, head_dim).to(torch.float32)
+    k = dequantize_kv(k_cache[blocks], k_scale).view(batch, length, num_kv_heads, head_dim)
+    v = dequantize_kv(v_cache[blocks], v_scale).view(batch, length, num_kv_heads, head_dim)
+    k, v = k.to(torch.float32), v.to(torch.float32)
     v.masked_fill_(invalid[:, :, None, None], 0.0)  # v is a fresh gather: safe in place
     for h in range(num_kv_heads):
         scores = torch.bmm(query[:, h], k[:, :, h].transpose(1, 2)).mul_(scale)
@@ -146,15 +173,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     hidden = hidden * torch.rsqrt(variance + eps)
     out = weight * hidden.to(x.dtype)
     return out if residual is None else (out, residual)
-
-
-def compute_cos_sin_cache(head_dim: int, max_pos: int, base: float) -> Tensor:
-    """`[max_pos, head_dim]` float32: cat(cos, sin) of `pos * inv_freq`, each half `[max_pos, head_dim / 2]`."""
-    if head_dim % 2:
-        raise ValueError(f"rotary head_dim must be even, got {head_dim}")
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = torch.arange(max_pos, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -188,7 +206,8 @@ def split_qkv(qkv: Tensor, num_q_heads: int, num_kv_heads: int) -> tuple[Tensor,
 
 def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_weight: Tensor,
                           k_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
-                          k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+                          k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                          k_scale: Tensor | None = None, v_scale: Tensor | None = None
                           ) -> tuple[Tensor, Tensor, Tensor]:
     """Qwen3's attention prologue: per-head RMSNorm of q and k, rotary, K/V stored in the cache.
 
@@ -199,7 +218,7 @@ def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_we
     rotary_embedding(positions, q_rot, k_rot, cos_sin_cache)
     q.copy_(q_rot)
     k.copy_(k_rot)
-    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q, k, v
 
 

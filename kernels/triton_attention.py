@@ -23,6 +23,10 @@ One kernel serves every sequence of a batch, whatever its query length:
   no mask at all; only a partial prefix tile and the diagonal tiles are masked, and tiles past
   the block's last query are never visited.
 * Online softmax in float32 (exp2 with the scale folded into log2 units).
+* An FP8 cache (FP8) is read as e4m3 and multiplied by its per-tensor scale in registers
+  (`triton_kv.from_cache`), then cast to q's dtype for the dot products; no copy of the cache
+  in another dtype is ever made. Its chunk keys are read from the cache too (never from the
+  full-precision `key`/`value` rows), so every key is the value a later step will read.
 * Split-K: with NUM_SEGMENTS > 1 the prefix tiles of each query block are cut into
   NUM_SEGMENTS contiguous ranges, one program each (grid axis 2); the last one also attends
   the chunk's own keys. Each writes its un-normalised accumulator, running max and exp-sum; a
@@ -38,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kernels.triton_kv import from_cache, scale_args
 
 LOG2E = 1.4426950408889634
 MAX_SEGMENTS = 16
@@ -120,14 +126,16 @@ def _paged_tile_offsets(table, pos, block_size, kv_head, stride_cb, stride_cs, s
 @triton.jit
 def _prefix_tile(acc, m_i, l_i, q, tile, context_len, table, block_size, kv_head, dims, dim_ok,
                  k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, stride_ch, scale_log2,
-                 TILE_N: tl.constexpr, MASKED: tl.constexpr, DIM_MASK: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 k_scale, v_scale, TILE_N: tl.constexpr, MASKED: tl.constexpr,
+                 DIM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """Attend cached-prefix tile `tile` (positions tile * TILE_N + [0, TILE_N)) via the table."""
     pos = tile * TILE_N + tl.arange(0, TILE_N)
     ok = pos < context_len
     kv = _paged_tile_offsets(table, pos, block_size, kv_head, stride_cb, stride_cs, stride_ch, ok)
     k = _load_rows(k_cache_ptr + kv[:, None] + dims[None, :], ok, dim_ok, MASKED, DIM_MASK)
     v = _load_rows(v_cache_ptr + kv[:, None] + dims[None, :], ok, dim_ok, MASKED, DIM_MASK)
+    k = from_cache(k, k_scale, FP8).to(q.dtype)
+    v = from_cache(v, v_scale, FP8).to(q.dtype)
     return _attend_tile(acc, m_i, l_i, q, k, v, ok[None, :], scale_log2, MASKED, DOT_PRECISION)
 
 
@@ -135,8 +143,9 @@ def _prefix_tile(acc, m_i, l_i, q, tile, context_len, table, block_size, kv_head
 def _chunk_tile(acc, m_i, l_i, q, tile, q_idx, q_hi, q_start, context_len, kv_head, dims, dim_ok,
                 key_ptr, value_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                 k_cache_ptr, v_cache_ptr, table, block_size, stride_cb, stride_cs, stride_ch,
-                scale_log2, TILE_N: tl.constexpr, MASKED: tl.constexpr, DIM_MASK: tl.constexpr,
-                HAS_CHUNK_KV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                scale_log2, k_scale, v_scale, TILE_N: tl.constexpr, MASKED: tl.constexpr,
+                DIM_MASK: tl.constexpr, HAS_CHUNK_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                FP8: tl.constexpr):
     """Attend tile `tile` of this step's own keys (chunk positions tile * TILE_N + [0, TILE_N)),
     from the contiguous `key`/`value` rows or, without them, through the table."""
     j = tile * TILE_N + tl.arange(0, TILE_N)
@@ -152,6 +161,9 @@ def _chunk_tile(acc, m_i, l_i, q, tile, q_idx, q_hi, q_start, context_len, kv_he
         v_ptrs = v_cache_ptr + kv[:, None] + dims[None, :]
     k = _load_rows(k_ptrs, ok, dim_ok, MASKED, DIM_MASK)
     v = _load_rows(v_ptrs, ok, dim_ok, MASKED, DIM_MASK)
+    if not HAS_CHUNK_KV:
+        k = from_cache(k, k_scale, FP8).to(q.dtype)
+        v = from_cache(v, v_scale, FP8).to(q.dtype)
     visible = (j[None, :] <= q_idx[:, None]) & ok[None, :]
     return _attend_tile(acc, m_i, l_i, q, k, v, visible, scale_log2, MASKED, DOT_PRECISION)
 
@@ -160,7 +172,8 @@ def _chunk_tile(acc, m_i, l_i, q, tile, q_idx, q_hi, q_start, context_len, kv_he
 # launch type serves every batch, so no request pays for a compile the warm-up did not do.
 @triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi"])
 def _paged_attention_kernel(
-    out_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    out_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_tables_ptr,
     query_start_loc_ptr, seq_lens_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     scale_log2, num_seqs, num_q_heads, block_size, q_len_lo, q_len_hi,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -168,6 +181,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, HAS_CHUNK_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     q_block_global = tl.num_programs(0) - 1 - tl.program_id(0)
     head_slot = tl.program_id(1)
@@ -219,31 +233,36 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_scale, v_scale = 1.0, 1.0
+    if FP8:
+        k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
 
     # Prefix: full tiles unmasked, then the partial last tile (at most one).
     for tile in range(lo, tl.minimum(hi, n_pre_full)):
         acc, m_i, l_i = _prefix_tile(
             acc, m_i, l_i, q, tile, context_len, table, block_size, kv_head, dims, dim_ok,
             k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, stride_ch, scale_log2,
-            TILE_N, False, DIM_MASK, DOT_PRECISION)
+            k_scale, v_scale, TILE_N, False, DIM_MASK, DOT_PRECISION, FP8)
     for tile in range(tl.maximum(lo, n_pre_full), tl.minimum(hi, n_pre)):
         acc, m_i, l_i = _prefix_tile(
             acc, m_i, l_i, q, tile, context_len, table, block_size, kv_head, dims, dim_ok,
             k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, stride_ch, scale_log2,
-            TILE_N, True, DIM_MASK, DOT_PRECISION)
+            k_scale, v_scale, TILE_N, True, DIM_MASK, DOT_PRECISION, FP8)
     # Chunk: tiles before the block's first query unmasked, then the diagonal tiles.
     for tile in range(tl.maximum(lo, n_pre), tl.minimum(hi, n_pre + n_chunk_full)):
         acc, m_i, l_i = _chunk_tile(
             acc, m_i, l_i, q, tile - n_pre, q_idx, q_hi, q_start, context_len, kv_head, dims,
             dim_ok, key_ptr, value_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
             k_cache_ptr, v_cache_ptr, table, block_size, stride_cb, stride_cs, stride_ch,
-            scale_log2, TILE_N, False, DIM_MASK, HAS_CHUNK_KV, DOT_PRECISION)
+            scale_log2, k_scale, v_scale, TILE_N, False, DIM_MASK, HAS_CHUNK_KV, DOT_PRECISION,
+            FP8)
     for tile in range(tl.maximum(lo, n_pre + n_chunk_full), hi):
         acc, m_i, l_i = _chunk_tile(
             acc, m_i, l_i, q, tile - n_pre, q_idx, q_hi, q_start, context_len, kv_head, dims,
             dim_ok, key_ptr, value_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
             k_cache_ptr, v_cache_ptr, table, block_size, stride_cb, stride_cs, stride_ch,
-            scale_log2, TILE_N, True, DIM_MASK, HAS_CHUNK_KV, DOT_PRECISION)
+            scale_log2, k_scale, v_scale, TILE_N, True, DIM_MASK, HAS_CHUNK_KV, DOT_PRECISION,
+            FP8)
 
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -312,7 +331,8 @@ def choose_num_segments(num_seqs: int, num_kv_heads: int, max_query_len: int, ma
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     query_start_loc: Tensor, seq_lens: Tensor, scale: float,
                     max_query_len: int, max_seq_len: int, key: Tensor | None = None,
-                    value: Tensor | None = None, *, num_segments: int | None = None,
+                    value: Tensor | None = None, k_scale: Tensor | None = None,
+                    v_scale: Tensor | None = None, *, num_segments: int | None = None,
                     block_m: int | None = None, tile_n: int | None = None,
                     fold_gqa: bool | None = None, num_warps: int | None = None,
                     num_stages: int | None = None) -> Tensor:
@@ -326,14 +346,15 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"q, k_cache and v_cache must share a dtype; got {q.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
+    k_scale, v_scale, fp8 = scale_args(k_cache, k_scale, v_scale)
+    if (q.dtype != k_cache.dtype and not fp8) or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"q, k_cache and v_cache must share a dtype (or the caches be FP8); "
+                         f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides with a contiguous last dim")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    has_chunk_kv = key is not None
+    has_chunk_kv = key is not None and not fp8  # (FP8: every key as the cache holds it)
     if has_chunk_kv:
         if key.dtype != q.dtype or value.dtype != q.dtype:
             raise ValueError(f"key/value must have q's dtype {q.dtype}; got {key.dtype}, "
@@ -384,7 +405,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         block_q = tile_m // fold
         grid = (num_tokens // block_q + num_seqs, num_q_heads // fold, num_segments)
         _paged_attention_kernel[grid](
-            out, q, key, value, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+            out, q, key, value, k_cache, v_cache, k_scale, v_scale, block_tables,
+            query_start_loc, seq_lens,
             part_acc, part_max, part_sum,
             scale * LOG2E, num_seqs, num_q_heads, k_cache.shape[1], q_len_lo, q_len_hi,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -393,7 +415,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
             GROUP=group, FOLD=fold, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             BLOCK_M=tile_m, BLOCK_Q=block_q, TILE_N=tile_n,
             NUM_SEGMENTS=num_segments, HAS_CHUNK_KV=has_chunk_kv, DOT_PRECISION=precision,
-            num_warps=num_warps or (4 if tile_m <= 64 else 8),
+            FP8=fp8, num_warps=num_warps or (4 if tile_m <= 64 else 8),
             num_stages=num_stages or (2 if decode else 3),
         )
     if num_segments > 1:

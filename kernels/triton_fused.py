@@ -17,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.reference import split_qkv
+from kernels.triton_kv import scale_args, to_cache
 
 
 @triton.jit
@@ -100,11 +101,11 @@ def _norm_rope_heads(base_ptr, stride_h, num_heads, weight_ptr, cos, sin, eps,
 @triton.jit
 def _qk_norm_rope_kernel(
     positions_ptr, q_ptr, k_ptr, v_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
-    k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_cb, stride_cslot, stride_ch, block_size, num_q_heads, num_kv_heads, eps,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    NORM: tl.constexpr, WRITE_KV: tl.constexpr,
+    NORM: tl.constexpr, WRITE_KV: tl.constexpr, FP8: tl.constexpr,
 ):
     """Program (t, 0) rotates token t's query heads; (t, 1) its key heads, then stores K and V
     into the paged cache at slot_mapping[t] (WRITE_KV; slot -1 = padding, not stored)."""
@@ -134,16 +135,22 @@ def _qk_norm_rope_kernel(
                 v1 = tl.load(v_src, mask=mask)
                 v2 = tl.load(v_src + HALF, mask=mask)
                 cache_dtype = k_cache_ptr.dtype.element_ty
-                tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
-                tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
-                tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=mask)
-                tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=mask)
+                ks, vs = 1.0, 1.0
+                if FP8:
+                    ks, vs = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+                tl.store(k_cache_ptr + dst, to_cache(k1, ks, FP8).to(cache_dtype), mask=mask)
+                tl.store(k_cache_ptr + dst + HALF, to_cache(k2, ks, FP8).to(cache_dtype),
+                         mask=mask)
+                tl.store(v_cache_ptr + dst, to_cache(v1, vs, FP8).to(cache_dtype), mask=mask)
+                tl.store(v_cache_ptr + dst + HALF, to_cache(v2, vs, FP8).to(cache_dtype),
+                         mask=mask)
 
 
 def _launch_qk_norm_rope(positions: Tensor, q: Tensor, k: Tensor, v: Tensor,
                          q_weight: Tensor | None, k_weight: Tensor | None, eps: float,
                          cos_sin_cache: Tensor, k_cache: Tensor | None, v_cache: Tensor | None,
-                         slot_mapping: Tensor | None) -> None:
+                         slot_mapping: Tensor | None, k_scale: Tensor | None = None,
+                         v_scale: Tensor | None = None) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
@@ -151,24 +158,27 @@ def _launch_qk_norm_rope(positions: Tensor, q: Tensor, k: Tensor, v: Tensor,
     half = head_dim // 2
     cos_sin = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     cache = k_cache if write_kv else q  # never touched without WRITE_KV
+    k_scale, v_scale, fp8 = scale_args(cache, k_scale, v_scale)
     if write_kv and (k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1):
         raise ValueError("k_cache and v_cache must share strides with a contiguous last dim; "
                          "allocate them with torch.empty(num_blocks, block_size, Hkv, D)")
     _qk_norm_rope_kernel[(num_tokens, 2)](
         positions, q, k, v, q_weight if norm else q, k_weight if norm else k, cos_sin,
-        cache, v_cache if write_kv else q, slot_mapping if write_kv else positions,
+        cache, v_cache if write_kv else q, k_scale, v_scale,
+        slot_mapping if write_kv else positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
         cache.shape[1] if write_kv else 1, num_q_heads, k.shape[1], eps,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-        NORM=norm, WRITE_KV=write_kv, num_warps=4,
+        NORM=norm, WRITE_KV=write_kv, FP8=fp8, num_warps=4,
     )
 
 
 def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_weight: Tensor,
                           k_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
-                          k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+                          k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                          k_scale: Tensor | None = None, v_scale: Tensor | None = None
                           ) -> tuple[Tensor, Tensor, Tensor]:
     """Triton twin of `reference.qk_norm_rope_write_kv`: one launch, q and k in place in qkv."""
     q, k, v = split_qkv(qkv, num_q_heads, num_kv_heads)
@@ -176,7 +186,7 @@ def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_we
         raise ValueError(f"q/k norm weights must have the activations' dtype {q.dtype}; got "
                          f"{q_weight.dtype}, {k_weight.dtype}")
     _launch_qk_norm_rope(positions, q, k, v, q_weight.contiguous(), k_weight.contiguous(), eps,
-                         cos_sin_cache, k_cache, v_cache, slot_mapping)
+                         cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q, k, v
 
 

@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("cpu", "cuda")
 _BACKENDS = ("auto", "triton", "flash_attn", "torch")
+# vLLM's kv_cache_dtype: "auto" is the model's dtype; "fp8" / "fp8_e4m3" store K and V as
+# float8_e4m3fn divided by a per-tensor scale (1.0), half of bf16's bytes per block; the
+# Triton and torch kernels read it, flash-attn does not.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, attention_backend: str) -> None:
+    """ValueError for an unknown kv_cache_dtype, or FP8 with the backend that cannot read it."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}; "
+                         f"got {kv_cache_dtype!r}")
+    if kv_cache_dtype != "auto" and attention_backend == "flash_attn":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not read by attention_backend "
+                         "'flash_attn'; choose attention_backend 'auto', 'triton' or 'torch', "
+                         "or kv_cache_dtype 'auto'")
 
 
 @dataclass(slots=True)
@@ -44,6 +60,9 @@ class WorkerConfig:
     # per-batch off switch): the verify CUDA graphs' shapes
     num_speculative_tokens: int = 0
     speculative_max_num_seqs: int = 0
+    # vLLM's hf_overrides: config.json keys set over the target checkpoint's (hf_config.py)
+    hf_overrides: dict[str, Any] | None = None
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -78,5 +97,6 @@ class WorkerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend)
         if self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB; got {self.kv_offloading_size}")

@@ -145,9 +145,7 @@ class DraftRunner:
         """Build this rank's shard of the draft at `path` and load its weights."""
         mc = load_model_config(path, tp.world_size)
         check_draft_fits(target, mc, tp.world_size)
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the draft's "
-                             f"max_position_embeddings={mc.max_position_embeddings}; lower it")
+        mc.check_max_model_len(max_model_len)
         with torch.device(device):
             model = Qwen3ForCausalLM(mc, tp, dtype, backend, max_position=max_model_len)
         load_model(model, path)

@@ -10,7 +10,6 @@ needs are read. Missing or unexpected tensors raise `ValueError` naming them.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 from safetensors import safe_open
 from torch import nn
 
+from workers.checkpoint import checkpoint_files
 from workers.layers.weights import WeightSource, default_weight_loader
 
 # Tensors some exporters add that carry nothing a Qwen3 forward needs.
@@ -25,26 +25,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # One expert's projection in the hub layout -> the stacked parameter of its layer.
 _EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_PARAM = {"gate_proj": "w13_weight", "up_proj": "w13_weight", "down_proj": "w2_weight"}
-
-
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the index's shards, or the single model file."""
-    path = Path(model_dir)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not weight_map:
-            raise ValueError(f"{index} has no weight_map")
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"{index} names shard files that do not exist: {missing}")
-        return files
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {str(path)!r}; "
-                     "the worker loads safetensors checkpoints only")
 
 
 def load_model(model: nn.Module, model_dir: str | Path) -> None:

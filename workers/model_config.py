@@ -2,9 +2,10 @@
 
 Dense Qwen3 (`Qwen3ForCausalLM`) and mixture-of-experts Qwen3 (`Qwen3MoeForCausalLM`: the
 router and experts' sizes, and `decoder_sparse_step` / `mlp_only_layers`, which pick the
-layers whose MLP is sparse, as transformers does). Reads transformers-5 configs
-(`rope_parameters`) and legacy ones (`rope_theta`, `rope_scaling`, `torch_dtype`). The engine uses it too (max length, EOS ids, vocab size),
-so it imports nothing heavier than the standard library. `check_weights_fit` says, before
+layers whose MLP is sparse, as transformers does). The file is read as transformers reads it
+(aliases, legacy spellings and class defaults: workers/hf_config.py); this module checks what
+the worker implements. The engine uses it too (max length, EOS ids, vocab size), so it
+imports nothing heavier than the standard library. `check_weights_fit` says, before
 any allocation, whether a rank's weights fit its device.
 """
 
@@ -15,9 +16,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workers.hf_config import is_moe, read_hf_config
+from workers.quantization import check_checkpoint_quantization
+
 _ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MODEL_TYPES = ("qwen3", "qwen3_moe")
 _CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+_ROPE_TYPES = ("default", "yarn")
+
+
+@dataclass(slots=True, frozen=True)
+class YarnScaling:
+    """YaRN's rope parameters (transformers' names and defaults); the rotary table is
+    `kernels.compute_cos_sin_cache(..., yarn=asdict(this))`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,6 +67,30 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    yarn: YarnScaling | None = None  # None: plain RoPE
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest sequence the positions allow: factor x original context with YaRN (as
+        vLLM derives it), else max_position_embeddings."""
+        if self.yarn is None:
+            return self.max_position_embeddings
+        return int(self.yarn.factor * self.yarn.original_max_position_embeddings)
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """ValueError naming the limit and where it comes from when `max_model_len` is past it."""
+        if max_model_len <= self.max_context_len:
+            return
+        if self.yarn is None:
+            raise ValueError(f"max_model_len {max_model_len} exceeds {self.model}'s "
+                             f"max_position_embeddings {self.max_position_embeddings}; lower "
+                             "max_model_len, or extend the context with YaRN (hf_overrides: "
+                             "{rope_scaling: {rope_type: yarn, factor, "
+                             "original_max_position_embeddings}})")
+        raise ValueError(f"max_model_len {max_model_len} exceeds what {self.model}'s YaRN allows: "
+                         f"factor {self.yarn.factor} x original_max_position_embeddings "
+                         f"{self.yarn.original_max_position_embeddings} = {self.max_context_len}; "
+                         "lower max_model_len or raise the factor")
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the experts block (else the dense Qwen3 MLP)."""
@@ -93,50 +137,48 @@ class ModelConfig:
                              f"(or be a multiple of it) for {self.model}")
 
 
-def load_model_config(model: str | Path, tensor_parallel_size: int = 1) -> ModelConfig:
-    """Read `model`/config.json; ValueError for a missing file, another architecture, a bad tp size."""
+def load_model_config(model: str | Path, tensor_parallel_size: int = 1,
+                      hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """Read `model`/config.json as transformers does (workers/hf_config.py), with vLLM's
+    `hf_overrides` over it; ValueError for a missing file, another architecture, a setting
+    this worker does not implement, a bad tp size."""
     path = Path(model)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"no config.json in {str(path)!r}; pass a Hugging Face checkpoint "
-                         "directory (or 'qwen3-tiny')")
-    try:
-        raw: dict[str, Any] = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file} is not valid JSON: {e}") from e
+    raw = read_hf_config(path, hf_overrides)
     archs = raw.get("architectures") or []
     if not any(a in _ARCHITECTURES for a in archs) and raw.get("model_type") not in _MODEL_TYPES:
         raise ValueError(f"{path} is a {archs or raw.get('model_type')!r} checkpoint; "
                          f"only {list(_ARCHITECTURES)} (model_type {list(_MODEL_TYPES)}) "
                          "is supported")
-    if raw.get("attention_bias"):
+    if raw["attention_bias"]:
         raise ValueError(f"{path} sets attention_bias=true; Qwen3 has no attention bias and "
                          "this worker does not implement one")
-    if raw.get("use_sliding_window"):
+    if raw["use_sliding_window"]:
         raise ValueError(f"{path} sets use_sliding_window=true; sliding-window attention is "
                          "not supported")
-    if raw.get("hidden_act", "silu") != "silu":
+    if raw["hidden_act"] != "silu":
         raise ValueError(f"{path} uses hidden_act={raw['hidden_act']!r}; only 'silu' is supported")
-    nq = int(raw["num_attention_heads"])
-    dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")
+    check_checkpoint_quantization(raw, path)
+    dtype = str(raw.get("dtype") or "bfloat16")
     if dtype not in _CHECKPOINT_DTYPES:
         raise ValueError(f"{path} has dtype {dtype!r}; expected one of {_CHECKPOINT_DTYPES}")
+    rope = raw["rope_parameters"]
     cfg = ModelConfig(
         model=str(path),
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
         intermediate_size=int(raw["intermediate_size"]),
         num_hidden_layers=int(raw["num_hidden_layers"]),
-        num_attention_heads=nq,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or nq),
-        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // nq),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw, path),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        num_attention_heads=int(raw["num_attention_heads"]),
+        num_key_value_heads=int(raw["num_key_value_heads"]),
+        head_dim=int(raw["head_dim"]),
+        max_position_embeddings=int(raw["max_position_embeddings"]),
+        rms_norm_eps=float(raw["rms_norm_eps"]),
+        rope_theta=float(rope["rope_theta"]),
+        tie_word_embeddings=bool(raw["tie_word_embeddings"]),
         dtype=dtype,
-        bos_token_id=raw.get("bos_token_id"),
+        bos_token_id=raw["bos_token_id"],
         eos_token_ids=_eos_token_ids(raw, path),
+        yarn=_yarn(rope, path),
         **_moe_fields(raw, path),
     )
     cfg.verify_tensor_parallel_size(tensor_parallel_size)
@@ -145,18 +187,19 @@ def load_model_config(model: str | Path, tensor_parallel_size: int = 1) -> Model
 
 def _moe_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     """The mixture-of-experts keys of a qwen3_moe config; {} for a dense one."""
-    is_moe = raw.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (
-        raw.get("architectures") or [])
-    if not is_moe or not int(raw.get("num_experts") or 0):
+    if not is_moe(raw):
         return {}
     fields = {
         "num_experts": int(raw["num_experts"]),
-        "num_experts_per_tok": int(raw.get("num_experts_per_tok", 8)),
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
         "moe_intermediate_size": int(raw["moe_intermediate_size"]),
-        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
-        "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)),
-        "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        "norm_topk_prob": bool(raw["norm_topk_prob"]),
+        "decoder_sparse_step": int(raw["decoder_sparse_step"]),
+        "mlp_only_layers": tuple(int(i) for i in raw["mlp_only_layers"]),
     }
+    if fields["num_experts"] < 1:
+        raise ValueError(f"{path}: a qwen3_moe config needs num_experts (num_local_experts) "
+                         f">= 1; got {fields['num_experts']}")
     if not 1 <= fields["num_experts_per_tok"] <= fields["num_experts"]:
         raise ValueError(f"{path}: num_experts_per_tok={fields['num_experts_per_tok']} must be in "
                          f"[1, num_experts={fields['num_experts']}]")
@@ -166,15 +209,31 @@ def _moe_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     return fields
 
 
-def _rope_theta(raw: dict[str, Any], path: Path) -> float:
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{path} uses rope_type {rope_type!r}; only 'default' RoPE is supported")
-    theta = params.get("rope_theta", raw.get("rope_theta"))
-    if theta is None:
-        raise ValueError(f"{path}/config.json has neither rope_parameters.rope_theta nor rope_theta")
-    return float(theta)
+def _yarn(rope: dict[str, Any], path: Path) -> YarnScaling | None:
+    """The YaRN parameters of standardized rope parameters; None for plain RoPE."""
+    rope_type = rope["rope_type"]
+    if rope_type == "default":
+        return None
+    if rope_type != "yarn":
+        raise ValueError(f"{path} uses rope_type {rope_type!r} (rope_parameters / rope_scaling); "
+                         f"supported: {list(_ROPE_TYPES)}")
+    original = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor")
+    if factor is None:
+        raise ValueError(f"{path}: rope_type 'yarn' needs rope_parameters.factor (Qwen3's "
+                         "documented setting: factor 4.0, original_max_position_embeddings "
+                         "32768)")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+        raise ValueError(f"{path}: YaRN's factor must be a number >= 1; got {factor!r}")
+    if original < 1:
+        raise ValueError(f"{path}: YaRN's original_max_position_embeddings must be >= 1; "
+                         f"got {original}")
+    optional = ("attention_factor", "mscale", "mscale_all_dim")
+    return YarnScaling(
+        factor=float(factor), original_max_position_embeddings=original,
+        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+        truncate=bool(rope.get("truncate", True)),
+        **{k: float(rope[k]) for k in optional if rope.get(k) is not None})
 
 
 def _eos_token_ids(raw: dict[str, Any], path: Path) -> tuple[int, ...]:

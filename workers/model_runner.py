@@ -153,7 +153,7 @@ class ModelRunner:
             raise ValueError(f"seq {int(plan.seq_ids[i])} needs {int(need[i])} blocks for "
                              f"{int(seq_lens[i])} tokens; its block table has "
                              f"{int(table.num_blocks[rows[i]])}")
-        slots = table.block_table[token_rows, positions // bs] * bs + positions % bs
+        slots = table.slots(token_rows, positions)
         input_ids = plan.input_ids
         pending = pending_src = None
         lowest = int(input_ids.min(initial=0))

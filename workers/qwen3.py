@@ -69,7 +69,8 @@ class Qwen3Attention(nn.Module):
         q, k, v = kernels.qk_norm_rope_write_kv(
             qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
             self.q_norm.eps, positions, self.rotary_emb.cos_sin_cache, k_cache, v_cache,
-            attn_metadata.slot_mapping, backend=self.ops)
+            attn_metadata.slot_mapping, backend=self.ops, k_scale=self.attn.k_scale,
+            v_scale=self.attn.v_scale)
         o = self.attn(q, k, v, attn_metadata)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
@@ -123,7 +124,7 @@ class Qwen3Model(nn.Module):
         ops = ops_backend(backend)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         # One cos/sin table shared by every layer.
-        rotary_emb = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
+        rotary_emb = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.yarn)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(cfg, tp, rotary_emb, dtype, backend, i, expert_parallel)
             for i in range(cfg.num_hidden_layers))
@@ -157,7 +158,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Qwen3Model(cfg, tp, dtype, backend,
-                                max_position or cfg.max_position_embeddings, expert_parallel)
+                                max_position or cfg.max_context_len, expert_parallel)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -289,6 +289,12 @@ class SeqTable:
                              "(never sent as NewSeq, or already dropped)")
         return state.row
 
+    def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The KV slot of each token (its row's table entry at position // block_size, times
+        block_size, plus the offset), int64: the table is int32, a slot id need not be."""
+        bs = self.block_size
+        return self.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+
     def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
         """Rows of a step's sequences; ValueError naming the first one without state."""
         rows = self.seq_rows.lookup(seq_ids)

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+import kernels
 from scheduler.plan import NewSeq, StepPlan, StepResult
 from scheduler.sampling_params import SamplingParams
 from workers.cache_engine import CacheEngine
@@ -74,6 +75,7 @@ class Worker:
         self._bound_cache: CacheEngine | None = None  # what the attention layers point at
         self.device = torch.device("cpu")
         self.dtype = torch.float32
+        self.kv_dtype = torch.float32  # the KV cache's: dtype, or float8_e4m3fn (kv_cache_dtype)
         # Steps launched and not yet collected, oldest first.
         self._launched: deque[_Launched] = deque()
         self._outputs: StepOutputs | None = None  # made by load_model
@@ -98,14 +100,13 @@ class Worker:
         cfg = self.config
         if cfg.device == "cuda" and self.device.type != "cuda":
             raise RuntimeError("call init_distributed() before load_model()")
-        mc = load_model_config(cfg.model, cfg.tensor_parallel_size)
-        if cfg.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={mc.max_position_embeddings}; lower it")
+        mc = load_model_config(cfg.model, cfg.tensor_parallel_size, cfg.hf_overrides)
+        mc.check_max_model_len(cfg.max_model_len)
         if cfg.dtype == "auto":
             self.dtype = torch.float32 if cfg.device == "cpu" else _DTYPES[mc.dtype]
         else:
             self.dtype = _DTYPES[cfg.dtype]
+        self.kv_dtype = self.dtype if cfg.kv_cache_dtype == "auto" else kernels.FP8_KV_DTYPE
         if self.device.type == "cuda":
             # What this engine will take is measured against the memory free before it loads:
             # `gpu_memory_utilization` is this engine's share of the device (vLLM's meaning),
@@ -135,7 +136,7 @@ class Worker:
 
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block on this rank: the target's layers and the draft's."""
-        mc, itemsize = _loaded(self.model_config), _itemsize(self.dtype)
+        mc, itemsize = _loaded(self.model_config), _itemsize(self.kv_dtype)
         draft = (0 if self.drafter is None
                  else self.drafter.kv_block_bytes(self.tp.world_size, itemsize))
         return mc.kv_block_bytes(self.config.block_size, self.tp.world_size, itemsize) + draft
@@ -198,7 +199,7 @@ class Worker:
         # A scratch cache just big enough for the dummy batch; freed before the real one.
         scratch = CacheEngine(self._num_cache_layers(), mc.num_kv_heads_per_rank(self.tp.world_size),
                               mc.head_dim, cfg.block_size, int(blocks_per_seq.sum()), 0,
-                              self.dtype, self.device)
+                              self.kv_dtype, self.device)
         self._bind_cache(scratch)
         baseline = torch.cuda.memory_allocated()
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=5)
@@ -226,7 +227,7 @@ class Worker:
         cfg, mc = self.config, _loaded(self.model_config)
         self.cache_engine = CacheEngine(
             self._num_cache_layers(), mc.num_kv_heads_per_rank(self.tp.world_size), mc.head_dim,
-            cfg.block_size, num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
+            cfg.block_size, num_gpu_blocks, num_cpu_blocks, self.kv_dtype, self.device,
             num_offload_blocks)
         self._bind_cache(self.cache_engine)
         # The torch reference attention reads lengths on the host, so it cannot be captured.

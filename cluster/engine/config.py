@@ -9,6 +9,8 @@ from typing import Any
 from cluster.engine.reasoning import REASONING_PARSERS
 from cluster.engine.tool_parsers import TOOL_CALL_PARSERS
 from scheduler.speculative import SpeculativeConfig
+from workers.config import check_kv_cache_dtype
+from workers.quantization import check_quantization_arg
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -21,7 +23,7 @@ class EngineConfig:
     """Everything an engine needs; validated up front so a bad value fails before any work.
 
     Fields and defaults follow vLLM's `LLM(...)` arguments. `max_model_len=None` takes the
-    checkpoint's `max_position_embeddings`; `max_num_batched_tokens=None` takes
+    checkpoint's `max_position_embeddings` (with YaRN: factor x its original context); `max_num_batched_tokens=None` takes
     max(max_model_len, 8192) so a whole prompt fits one step unless chunked.
     """
 
@@ -87,6 +89,23 @@ class EngineConfig:
     # Qwen3 of the target's tokenizer proposes greedily, inside the same workers, sharded like
     # the target, its KV in the same blocks (scheduler/speculative.py, workers/draft_runner.py).
     speculative_config: dict[str, Any] | None = None
+    # vLLM's weight quantization method; None: the checkpoint's weights as they are (a
+    # checkpoint's own quantization_config is checked at load). No method is supported yet
+    # (workers/quantization.py): any value is refused, naming what is.
+    quantization: str | None = None
+    # vLLM's hf_overrides: config.json keys set over the checkpoint's, in any spelling
+    # transformers reads (workers/hf_config.py); e.g. Qwen3's YaRN to 131,072 tokens:
+    # {rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}.
+    # A key the loader does not read is refused, naming the valid ones.
+    hf_overrides: dict[str, Any] | None = None
+    # vLLM's kv_cache_dtype (workers/config.py KV_CACHE_DTYPES): "auto", the model's dtype;
+    # "fp8" / "fp8_e4m3": K and V stored as float8_e4m3fn over a per-tensor scale of 1.0,
+    # twice the blocks of bf16 for the same memory. Read by the Triton and torch kernels (not
+    # flash-attn).
+    kv_cache_dtype: str = "auto"
+    # vLLM's calculate_kv_scales (FP8 KV scales from the first prefill): not implemented yet,
+    # so true is refused rather than ignored.
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -100,6 +119,14 @@ class EngineConfig:
         _choice(self, "reasoning_parser", (None, *REASONING_PARSERS))
         _choice(self, "tool_call_parser", (None, *TOOL_CALL_PARSERS))
         _choice(self, "generation_config", ("auto", "vllm"))
+        check_quantization_arg(self.quantization)
+        check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend)
+        if self.calculate_kv_scales is not False:
+            raise ValueError("calculate_kv_scales is not supported yet (FP8 KV scales are 1.0 per "
+                             f"tensor); leave it false; got {self.calculate_kv_scales!r}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError("hf_overrides must be a mapping of config.json keys to values; "
+                             f"got {self.hf_overrides!r}")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("disable_any_whitespace must be true or false; "
                              f"got {self.disable_any_whitespace!r}")

@@ -40,10 +40,10 @@ from scheduler import (
     StepResult,
 )
 from scheduler.speculative import SpeculativeConfig
+from workers.checkpoint import checkpoint_files
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
 from workers.draft_runner import check_draft_fits
-from workers.loader import checkpoint_files
 from workers.model_config import load_generation_defaults, load_model_config
 from workers.tiny_model import resolve_model
 
@@ -102,14 +102,12 @@ class LLMEngine:
         self.config = config
         self.model_name = config.model
         self.model_path = resolve_model(config.model)
-        self.model_config = load_model_config(self.model_path, config.tensor_parallel_size)
+        self.model_config = load_model_config(self.model_path, config.tensor_parallel_size,
+                                              config.hf_overrides)
         config.check_host_memory(sum(f.stat().st_size for f in checkpoint_files(self.model_path)),
                                  os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        limit = self.model_config.max_position_embeddings
-        self.max_model_len = config.max_model_len or limit
-        if self.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {limit}; lower max_model_len")
+        self.max_model_len = config.max_model_len or self.model_config.max_context_len
+        self.model_config.check_max_model_len(self.max_model_len)
         batched = config.max_num_batched_tokens or max(self.max_model_len, _MIN_BATCHED_TOKENS)
         self.default_sampling = default_sampling(self.model_path, config.generation_config)
         spec = (SpeculativeConfig.from_dict(config.speculative_config)
@@ -142,7 +140,8 @@ class LLMEngine:
             attention_backend=config.attention_backend, seed=config.seed,
             enable_expert_parallel=config.enable_expert_parallel, speculative_model=draft_path,
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
-            speculative_max_num_seqs=0 if spec is None else spec.disable_by_batch_size)
+            speculative_max_num_seqs=0 if spec is None else spec.disable_by_batch_size,
+            hf_overrides=config.hf_overrides, kv_cache_dtype=config.kv_cache_dtype)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device == "cuda")
         if spec is not None and self.async_scheduling:

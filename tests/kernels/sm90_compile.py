@@ -3,8 +3,9 @@
 Run with TRITON_INTERPRET unset (the interpreter never builds IR). It shows the kernels pass
 Triton's front end, layout passes, LLVM and ptxas for the configurations ops.py launches: all
 kernels in bf16, attention decode/prefill tiles (folded and unfolded) also in fp16/fp32, GQA
-1/2/8, split-K on and off, chunk K/V on and off, and the `== 1` integer specialisations Triton
-applies to runtime arguments.
+1/2/8, split-K on and off, chunk K/V on and off, the `== 1` integer specialisations Triton
+applies to runtime arguments, and the FP8 KV cache (e4m3 caches with bf16 activations: the KV
+write, the prologue, decode with split-K, folded and unfolded prefill tiles).
 """
 
 from __future__ import annotations
@@ -58,39 +59,48 @@ def jobs() -> list[tuple]:
         for i, (block_m, group, fold, segments, chunk_kv, warps, stages, extra) in \
                 enumerate(variants):
             part = "fp32" if segments > 1 else dt
-            ptrs = dict(out_ptr=dt, q_ptr=dt, key_ptr=dt, value_ptr=dt, k_cache_ptr=dt,
-                        v_cache_ptr=dt, block_tables_ptr="i32", query_start_loc_ptr="i32",
-                        seq_lens_ptr="i32", part_acc_ptr=part, part_max_ptr=part,
-                        part_sum_ptr=part)
-            add_job(out, triton_attention._paged_attention_kernel, ptrs,
-                    dict(GROUP=group, FOLD=fold, HEAD_DIM=128, HEAD_DIM_PAD=128,
-                         BLOCK_M=block_m, BLOCK_Q=block_m // fold, TILE_N=64,
-                         NUM_SEGMENTS=segments, HAS_CHUNK_KV=chunk_kv,
-                         DOT_PRECISION=precision, **extra),
-                    floats=("scale_log2",), aligned=i > 0, num_warps=warps,
-                    num_stages=stages)
+            # FP8 caches (bf16 activations): the decode, folded and unfolded prefill tiles
+            for fp8 in (False, True) if dt == "bf16" and i < 3 else (False,):
+                cache = "fp8e4nv" if fp8 else dt
+                ptrs = dict(out_ptr=dt, q_ptr=dt, key_ptr=dt, value_ptr=dt, k_cache_ptr=cache,
+                            v_cache_ptr=cache, k_scale_ptr="fp32", v_scale_ptr="fp32",
+                            block_tables_ptr="i32", query_start_loc_ptr="i32",
+                            seq_lens_ptr="i32", part_acc_ptr=part, part_max_ptr=part,
+                            part_sum_ptr=part)
+                add_job(out, triton_attention._paged_attention_kernel, ptrs,
+                        dict(GROUP=group, FOLD=fold, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                             BLOCK_M=block_m, BLOCK_Q=block_m // fold, TILE_N=64,
+                             NUM_SEGMENTS=segments, HAS_CHUNK_KV=chunk_kv and not fp8,
+                             DOT_PRECISION=precision, FP8=fp8, **extra),
+                        floats=("scale_log2",), aligned=i > 0, num_warps=warps,
+                        num_stages=stages)
         if dt != "bf16":
             continue
         add_job(out, triton_attention._merge_segments_kernel,
                 dict(out_ptr=dt, part_acc_ptr="fp32", part_max_ptr="fp32",
                      part_sum_ptr="fp32"),
                 dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SEGMENTS=16), num_warps=4)
-        add_job(out, triton_kv._write_kv_kernel,
-                dict(key_ptr=dt, value_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt,
-                     slot_mapping_ptr="i64"),
-                dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HD=1024), num_warps=4)
+        for fp8 in (False, True):
+            cache = "fp8e4nv" if fp8 else dt
+            add_job(out, triton_kv._write_kv_kernel,
+                    dict(key_ptr=dt, value_ptr=dt, k_cache_ptr=cache, v_cache_ptr=cache,
+                         k_scale_ptr="fp32", v_scale_ptr="fp32", slot_mapping_ptr="i64"),
+                    dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HD=1024, FP8=fp8), num_warps=4)
         for residual in (False, True):
             add_job(out, triton_fused._rms_norm_kernel,
                     dict(out_ptr=dt, x_ptr=dt, residual_ptr=dt, residual_out_ptr=dt,
                          weight_ptr=dt),
                     dict(HAS_RESIDUAL=residual, BLOCK=1024), floats=("eps",), num_warps=4)
-        for norm, write in ((True, True), (False, False)):  # the prologue; plain rotary
+        # the prologue (into a bf16 and an FP8 cache); plain rotary
+        for norm, write, fp8 in ((True, True, False), (True, True, True), (False, False, False)):
+            cache = "fp8e4nv" if fp8 else dt
             add_job(out, triton_fused._qk_norm_rope_kernel,
                     dict(positions_ptr="i64", q_ptr=dt, k_ptr=dt, v_ptr=dt,
                          q_weight_ptr=dt, k_weight_ptr=dt, cos_sin_ptr="fp32",
-                         k_cache_ptr=dt, v_cache_ptr=dt, slot_mapping_ptr="i64"),
+                         k_cache_ptr=cache, v_cache_ptr=cache, k_scale_ptr="fp32",
+                         v_scale_ptr="fp32", slot_mapping_ptr="i64"),
                     dict(HALF=64, BLOCK_HALF=64, BLOCK_HQ=16, BLOCK_HK=8, NORM=norm,
-                         WRITE_KV=write), floats=("eps",), num_warps=4)
+                         WRITE_KV=write, FP8=fp8), floats=("eps",), num_warps=4)
         add_job(out, triton_fused._silu_and_mul_kernel, dict(out_ptr=dt, x_ptr=dt),
                 dict(BLOCK=1024), num_warps=4)
     return out

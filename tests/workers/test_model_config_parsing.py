@@ -57,8 +57,9 @@ def test_wrong_architecture_is_a_value_error(tmp_path: Path) -> None:
 
 
 def test_unsupported_rope_type_is_a_value_error(tmp_path: Path) -> None:
-    raw = dict(qwen3_config_dict(BASE), rope_parameters={"rope_type": "yarn", "rope_theta": 1.0})
-    with pytest.raises(ValueError, match="yarn"):
+    raw = dict(qwen3_config_dict(BASE), rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                         "rope_theta": 1.0})
+    with pytest.raises(ValueError, match=r"rope_type 'dynamic'.*supported: \['default', 'yarn'\]"):
         load_model_config(_write(tmp_path, raw))
 
 

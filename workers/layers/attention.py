@@ -38,6 +38,8 @@ class Attention(nn.Module):
 
     This step's K/V must already be in the cache (`kernels.qk_norm_rope_write_kv` stores them);
     `k`/`v` are the same rows, from which the kernel reads each chunk's own keys contiguously.
+    `k_scale` / `v_scale` (float32 `[1]`, 1.0) are the per-tensor scales an FP8 cache
+    (kv_cache_dtype fp8) stores its values divided by; a full-precision cache ignores them.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -51,6 +53,8 @@ class Attention(nn.Module):
         # Bound to views of the stacked cache by CacheEngine; empty until then.
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
     def kv_cache(self) -> tuple[Tensor, Tensor]:
         """This layer's (k_cache, v_cache) `[num_blocks, block_size, Hkv, D]`."""
@@ -64,4 +68,5 @@ class Attention(nn.Module):
         return kernels.paged_attention(q, k_cache, v_cache, md.block_tables,
                                        md.query_start_loc, md.seq_lens, self.scale,
                                        md.max_query_len, md.max_seq_len, backend=self.backend,
-                                       key=k, value=v)
+                                       key=k, value=v, k_scale=self.k_scale,
+                                       v_scale=self.v_scale)

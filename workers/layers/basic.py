@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 from torch import Tensor, nn
 
 import kernels
 from workers.layers.weights import default_weight_loader
+from workers.model_config import YarnScaling
 
 
 class RMSNorm(nn.Module):
@@ -25,16 +28,18 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """NeoX-style RoPE's float32 cos/sin table over every position the model may see.
+    """NeoX-style RoPE's float32 cos/sin table over every position the model may see; with
+    `yarn`, YaRN's frequencies and attention factor (`kernels.compute_cos_sin_cache`).
 
     The rotation itself runs inside `kernels.qk_norm_rope_write_kv` (Qwen3's attention prologue).
     """
 
-    def __init__(self, head_dim: int, max_position: int, base: float) -> None:
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 yarn: YarnScaling | None = None) -> None:
         super().__init__()
-        self.register_buffer("cos_sin_cache",
-                             kernels.compute_cos_sin_cache(head_dim, max_position, base),
-                             persistent=False)
+        table = kernels.compute_cos_sin_cache(head_dim, max_position, base,
+                                              None if yarn is None else asdict(yarn))
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
 
 class SiluAndMul(nn.Module):
