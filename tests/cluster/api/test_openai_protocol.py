@@ -15,7 +15,7 @@ from fake_engine import MODEL, FakeEngine, fetch, sse_events
 from starlette.requests import Request
 
 from cluster.api.openai_api import LocalEngineClient, OpenAIServing, create_app
-from scheduler import CompletionOutput, RequestOutput, SamplingParams
+from scheduler import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 
 def test_models_lists_the_served_model(engine: FakeEngine, tokenizer: Any) -> None:
@@ -239,8 +239,13 @@ def test_pack_output_round_trip_drops_only_the_prompt() -> None:
         finished=False, num_cached_tokens=16)
     packed = pack_output(out)
     assert packed == (False, 16, ((0, [5, 6], "ab", None, None, None),
-                                  (1, [7], "c", "stop", 151645, [{7: -0.25, 9: -1.5}])), None)
+                                  (1, [7], "c", "stop", 151645, [{7: -0.25, 9: -1.5}])), None,
+                      None)
     assert unpack_output("cmpl-1", [11, 12, 13], packed) == out
+    # The first output of a request with prompt_logprobs carries them across.
+    out.prompt_logprobs = [None, {12: Logprob(-1.5, 3, "b"), 7: Logprob(-0.5, 1, "c")},
+                           {13: Logprob(-0.25, 1, "d")}]
+    assert unpack_output("cmpl-1", [11, 12, 13], pack_output(out)) == out
     # A stream's first output names the replica that serves it (the X-Replica-Id header).
     first = unpack_output("cmpl-1", [11, 12, 13], pack_output(out, "replica-a"))
     assert first.replica_id == "replica-a" and first.outputs == out.outputs
