@@ -127,6 +127,31 @@ def test_recompute_preemption_and_n_samples_keep_them_exact(hf: Any) -> None:
     assert [len(c.token_ids) for c in pair.outputs] == [4, 4]
 
 
+def test_logits_are_made_a_bounded_slice_of_rows_at_a_time(hf: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 64-token chunk with slices of 7 rows: the lm head never sees more than 7 prompt rows
+    at once (the sampled row's call is one row), and the slices join up exactly."""
+    import workers.prompt_logprobs as prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "PROMPT_LOGPROB_ROWS", 7)
+    ids = _ids(64, 6)
+    with LLM("qwen3-tiny", max_num_seqs=8, max_num_batched_tokens=64) as llm:
+        model = llm.engine.executor.worker.model
+        seen: list[int] = []
+        compute = model.compute_logits
+
+        def recording(hidden: torch.Tensor) -> torch.Tensor | None:
+            seen.append(hidden.shape[0])
+            return compute(hidden)
+
+        monkeypatch.setattr(model, "compute_logits", recording)
+        out = llm.generate([{"prompt_token_ids": ids}],
+                           SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                           use_tqdm=False)[0]
+    assert seen == [7] * 9 + [1]  # 63 prompt rows, then the sampled one
+    check(hf, ids, out.prompt_logprobs, 2)
+
+
 def test_bad_prompt_logprobs_is_a_value_error_naming_the_field() -> None:
     for bad in (-1, 21, 2.5, True):
         with pytest.raises(ValueError, match=r"prompt_logprobs must be an integer in \[0, 20\]"):
