@@ -79,6 +79,25 @@ def test_completion_echo_prepends_prompt(engine: FakeEngine, tokenizer: Any) -> 
     assert resp.json()["choices"][0]["text"] == "Hi" + tokenizer.decode(engine.script[:1])
 
 
+def test_echo_with_logprobs_asks_the_engine_for_prompt_logprobs(engine: FakeEngine,
+                                                                tokenizer: Any) -> None:
+    """echo + logprobs k: prompt_logprobs k (vLLM's own field wins); echo with max_tokens 0
+    generates one token and answers with the prompt alone."""
+    for extra, want in (({"echo": True, "logprobs": 2}, 2), ({"logprobs": 2}, None),
+                        ({"echo": True}, None),
+                        ({"echo": True, "logprobs": 1, "prompt_logprobs": 4}, 4)):
+        resp = fetch(engine, tokenizer, "POST", "/v1/completions",
+                     {"prompt": "Hi there", "max_tokens": 1, **extra})
+        assert resp.status_code == 200, resp.text
+        assert engine.calls[-1][1].prompt_logprobs == want
+    resp = fetch(engine, tokenizer, "POST", "/v1/completions",
+                 {"prompt": "Hi there", "max_tokens": 0, "echo": True})
+    body = resp.json()
+    assert engine.calls[-1][1].max_tokens == 1
+    assert body["choices"][0]["text"] == "Hi there"
+    assert body["usage"]["completion_tokens"] == 0
+
+
 def test_completion_logprobs_rank_top_tokens_and_offsets(engine: FakeEngine,
                                                          tokenizer: Any) -> None:
     resp = fetch(engine, tokenizer, "POST", "/v1/completions",
