@@ -104,12 +104,15 @@ class TokenLogprobs:
 
 def token_logprobs(logits: Tensor, targets: Tensor, k: int) -> TokenLogprobs:
     """The raw distribution's view of `targets` (int64 [M]) under `logits` `[M, V]`: each
-    one's log-softmax value and rank, and the top k ids and values (prompt logprobs)."""
-    logprobs = logits.to(torch.float32).log_softmax(dim=-1)
-    chosen = logprobs.gather(1, targets.unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=1) + 1
-    top_lp, top_ids = logprobs.topk(k, dim=-1)
-    return TokenLogprobs(chosen.squeeze(1), ranks, top_ids, top_lp)
+    one's log-softmax value and rank, and the top k ids and values (prompt logprobs).
+    log_softmax is logits - logsumexp: it is never materialized, only the values read."""
+    logits = logits.to(torch.float32)
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    chosen = logits.gather(1, targets.unsqueeze(1))
+    # (an int32 count: ~3x faster on a CPU than the default int64 one)
+    ranks = (logits > chosen).sum(dim=1, dtype=torch.int32).to(torch.int64) + 1
+    top, top_ids = logits.topk(k, dim=-1)
+    return TokenLogprobs((chosen - lse).squeeze(1), ranks, top_ids, top - lse)
 
 
 def apply_penalties(logits: Tensor, output_counts: Tensor, prompt_mask: Tensor,
