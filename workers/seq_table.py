@@ -6,6 +6,8 @@ settings, all as column arrays: a step's inputs are numpy gathers by row, never 
 over the batch. A sequence with penalties or a logit bias also holds a penalty slot: device
 tensors of its output-token counts and prompt-token mask, updated on the device from each
 step's input tokens (which may be pending tokens the host never sees), and of its logit bias.
+A sequence computing prompt logprobs holds its prompt on the host (`SeqState.prompt_ids`;
+workers/prompt_logprobs.py reads each chunk's targets from it).
 
 Invariants:
 - `rows_of(seq_ids)` gives a row for exactly the sequences with state; a row is in use by one
