@@ -1,7 +1,7 @@
 """Prompt log-probabilities (SamplingParams.prompt_logprobs) against the oracle, Hugging Face
 transformers' log-softmax of the same checkpoint in fp32: text and token-id prompts, chunked
 prefill, a prompt whose prefix is in the prefix cache, recompute preemption, async
-scheduling, n > 1, and tp = 2 on Ray.
+scheduling, n > 1, speculative verify rows in the same steps, and tp = 2 on Ray.
 
 Tolerance: 2e-3 on every value (observed differences ~3e-6: fp32 summation order); a rank is
 checked against the oracle's ranks of every value within 1e-4 of the token's (near-ties
@@ -125,6 +125,23 @@ def test_recompute_preemption_and_n_samples_keep_them_exact(hf: Any) -> None:
         check(hf, p, out.prompt_logprobs, 2)
     check(hf, prompts[0], pair.prompt_logprobs, 1)
     assert [len(c.token_ids) for c in pair.outputs] == [4, 4]
+
+
+def test_prefill_chunks_beside_speculative_verify_rows(hf: Any) -> None:
+    """n-gram speculation: a repetitive prompt's verify rows share steps with the chunks of a
+    long prompt that computes prompt logprobs."""
+    rng = random.Random(8)
+    motif = [rng.randrange(100, 150000) for _ in range(5)]
+    long = _ids(90, 9)
+    with LLM("qwen3-tiny", max_num_seqs=8, max_num_batched_tokens=32,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                 "prompt_lookup_max": 3}) as llm:
+        outs = llm.generate([{"prompt_token_ids": motif * 4}, {"prompt_token_ids": long}],
+                            [SamplingParams(temperature=0, max_tokens=24),
+                             SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)],
+                            use_tqdm=False)
+        assert llm.engine.metrics()["spec_decode_num_drafts"] > 0
+    check(hf, long, outs[1].prompt_logprobs, 2)
 
 
 def test_logits_are_made_a_bounded_slice_of_rows_at_a_time(hf: Any,
