@@ -7,19 +7,22 @@ Pure Python on top of kvcache/ (no torch). Workers import only `scheduler.plan` 
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import (
     CompletionOutput,
+    Logprob,
     QueueLoad,
     RequestOutput,
     SchedulerStats,
     StepOutcome,
 )
-from scheduler.plan import NewSeq, StepPlan, StepResult
+from scheduler.plan import NewSeq, PromptLogprobs, StepPlan, StepResult
 from scheduler.request import Request, RequestStatus, Seq, SequenceStatus
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler
 
 __all__ = [
     "CompletionOutput",
+    "Logprob",
     "NewSeq",
+    "PromptLogprobs",
     "QueueLoad",
     "Request",
     "RequestOutput",

@@ -35,6 +35,21 @@ class StepOutcome:
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's entry in a prompt logprobs dict (vLLM's `Logprob`): its log-probability,
+    its rank in the distribution (1: the most likely) and its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# RequestOutput.prompt_logprobs: one entry per prompt token; None for the first (nothing
+# predicts it), then {the prompt token: Logprob, each of the top k: Logprob}.
+PromptLogprobList = list[dict[int, Logprob] | None]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """The news of one of a request's n sequences since its previous output (a delta).
 
@@ -59,6 +74,8 @@ class RequestOutput:
     finished: bool  # all n sequences finished
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     replica_id: str | None = None  # the serving replica, on a stream's first output (Serve)
+    # SamplingParams.prompt_logprobs: the whole prompt's, on the request's first output only
+    prompt_logprobs: PromptLogprobList | None = None
 
 
 @dataclass(slots=True)

@@ -19,7 +19,8 @@ A worker executes a plan in this order:
   4. run the forward pass over the batch (`seq_ids` order), writing KV at the slots given
      by each sequence's block table and positions `start_pos[i] .. start_pos[i]+query_lens[i]-1`;
   5. sample one token for every sequence with `do_sample[i]`, in batch order (rank 0 returns
-     them in a StepResult); a row with `num_draft_tokens[i] = d > 0` (speculative decoding: a
+     them in a StepResult), and, for a sequence whose NewSeq carried `prompt_token_ids`,
+     the log-probabilities of the prompt tokens its chunk predicts (`PromptLogprobs`); a row with `num_draft_tokens[i] = d > 0` (speculative decoding: a
      verify row, its last d input ids are proposed tokens) samples at its last d + 1
      positions and keeps the longest prefix agreeing with the proposal plus the next token
      (workers/rejection_sampler.py). Proposals given as `DRAFT_TOKEN` are the workers' draft
@@ -74,6 +75,10 @@ class NewSeq:
     computed_token_ids: list[int]
     block_table: list[int]  # the whole table, GPU block ids
     sampling_params: SamplingParams
+    # The whole prompt, sent only when the sequence computes prompt logprobs (its sampling
+    # params ask for them and it is the request's sample 0): the chunk ending at position j
+    # predicts prompt token j + 1, which may be in the next chunk.
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -137,6 +142,33 @@ class StepPlan:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Prompt log-probabilities one step computed (rank 0's, in a StepResult).
+
+    Entry r covers `counts[r]` consecutive prompt tokens of request `request_ids[r]`, starting
+    at prompt index `starts[r]` (>= 1: the first prompt token has no prediction); the per-token
+    arrays hold the entries' tokens back to back: the token's log-probability under the raw
+    model distribution (log-softmax of the logits), its rank in that distribution (1: the most
+    likely), and the top K token ids and log-probabilities (K the largest prompt_logprobs
+    asked in the step; an entry that asked for fewer reads its first few).
+    """
+
+    request_ids: list[str]
+    starts: np.ndarray  # int64 [R]
+    counts: np.ndarray  # int64 [R]
+    logprobs: np.ndarray  # float32 [M]
+    ranks: np.ndarray  # int64 [M]
+    top_token_ids: np.ndarray  # int64 [M, K]
+    top_logprobs: np.ndarray  # float32 [M, K]
+
+    def owned(self) -> PromptLogprobs:
+        """These arrays, copied (see StepResult.owned)."""
+        return PromptLogprobs(list(self.request_ids), *(np.array(a, copy=True) for a in (
+            self.starts, self.counts, self.logprobs, self.ranks, self.top_token_ids,
+            self.top_logprobs)))
+
+
+@dataclass(slots=True)
 class StepResult:
     """Rank 0's answer to a StepPlan: one sampled token per sequence with do_sample, in batch order.
 
@@ -157,6 +189,7 @@ class StepResult:
     # yields (its accepted proposals + 1). The per-token arrays above then hold d + 1 entries
     # per sampled row (d its proposals), the first num_tokens[i] of which are its tokens.
     num_tokens: np.ndarray | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # sequences computing prompt logprobs
 
     def owned(self) -> StepResult:
         """This result with arrays that own their memory. A result read from a Ray Compiled
@@ -167,4 +200,5 @@ class StepResult:
 
         return StepResult(self.step_id, own(self.seq_ids), own(self.token_ids),
                           own(self.logprobs), own(self.top_token_ids), own(self.top_logprobs),
-                          self.forward_seconds, own(self.num_tokens))
+                          self.forward_seconds, own(self.num_tokens),
+                          None if self.prompt_logprobs is None else self.prompt_logprobs.owned())

@@ -12,6 +12,9 @@ from typing import Any
 
 # Greedy sampling is temperature below this; vLLM uses the same cut-off.
 _GREEDY_EPS = 1e-5
+# The most alternatives per token `logprobs` and `prompt_logprobs` may ask for (the workers'
+# output buffers hold this many).
+MAX_LOGPROBS = 20
 
 
 # The fields of StructuredOutputsParams that say what the output must match; exactly one is set.
@@ -102,6 +105,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: per prompt token (after the first) its log-probability under
+    # the model's raw distribution and the top k alternatives (RequestOutput.prompt_logprobs).
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -139,8 +145,11 @@ class SamplingParams:
                "a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "a list of integers >= 0")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-               "logprobs", self.logprobs, "an integer in [0, 20] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                     and 0 <= value <= MAX_LOGPROBS),
+                   name, value, f"an integer in [0, {MAX_LOGPROBS}] or None")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
                "[-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",

@@ -23,6 +23,11 @@ partially filled last block is copied on write for each child (`copies`, childre
 the parent keeps its block). A one-token prompt has nothing to share: its n sequences start
 independent.
 
+Prompt logprobs (SamplingParams.prompt_logprobs): such a request never reads the prefix cache
+(nor the offload tier), as in vLLM: a cached position has no logits, and recomputing it is
+what the request asks for anyway. Its sample 0 gets the prompt in its NewSeq and the workers
+return the log-probabilities of the prompt tokens each chunk predicts (StepResult).
+
 Protocol with the workers (scheduler/plan.py): plans execute in the order `schedule()`
 returns them and are passed to `apply_result()` in that order; with async scheduling one plan
 may be scheduled ahead of the result of the one before (scheduler/ahead.py owns what that
@@ -335,7 +340,10 @@ class Scheduler:
             computed = seq.num_computed
             prefix: list[int] = []
             loaded: list[int] = []  # continues prefix: blocks loaded from the offload tier
-            if computed == 0 and not kv.has_seq(seq.seq_id):
+            # A request with prompt logprobs reads no cached prefix: cached positions have no
+            # logits, so its whole prompt is computed (its blocks still enter the cache).
+            if (computed == 0 and not kv.has_seq(seq.seq_id)
+                    and req.sampling_params.prompt_logprobs is None):
                 prefix = kv.lookup_prefix(seq.token_ids, req.extra_key, req.block_hashes)
                 loaded = kv.lookup_offloaded(seq.token_ids, len(prefix), req.extra_key,
                                              req.block_hashes)

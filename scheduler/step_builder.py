@@ -57,9 +57,12 @@ class StepBuilder:
             if alloc.new_block_ids:
                 self.appended[sid] = alloc.new_block_ids
         elif not seq.on_worker:
-            self.new_seqs.append(NewSeq(sid, req.request_id, seq.index, seq.prompt_len,
-                                        seq.token_ids[:start], list(kv.block_table(sid)),
-                                        req.sampling_params))
+            sp = req.sampling_params
+            self.new_seqs.append(NewSeq(
+                sid, req.request_id, seq.index, seq.prompt_len, seq.token_ids[:start],
+                list(kv.block_table(sid)), sp,
+                req.prompt_token_ids if sp.prompt_logprobs is not None and seq.index == 0
+                else None))
             seq.on_worker = True
         else:
             self.replaced[sid] = list(kv.block_table(sid))

@@ -12,6 +12,9 @@ tokens: its last token and the k proposals) replay a CUDA graph of the forward, 
 for greedy/temperature-only batches, the sampling too (`workers/cuda_graph.py`); the graph's
 static inputs are laid out as the staged ones are (padded per token row), so handing them
 over is three copies.
+
+Prompt logprobs are computed from the same forward's hidden states, a bounded slice of rows
+at a time (workers/prompt_logprobs.py); a step with any never replays a graph.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftBatch, DraftRunner, draft_entries
 from workers.layers.attention import AttentionMetadata
 from workers.pending import PendingTokens
+from workers.prompt_logprobs import PromptRows, compute_prompt_logprobs, select_prompt_rows
 from workers.qwen3 import Qwen3ForCausalLM
-from workers.sampler import PenaltyInputs, Sampler, SamplerOutput, SamplingMetadata
+from workers.sampler import PenaltyInputs, Sampler, SamplerOutput, SamplingMetadata, TokenLogprobs
 from workers.seq_table import LOGPROBS, MIN_P, RANDOM, TOP_K, TOP_P, SeqTable
 from workers.staging import InputStager
 
@@ -69,6 +73,10 @@ class StepBatch:
     # a verify graph step whose every row's proposals are the draft's: the graph's captured
     # `propose` makes them (workers/cuda_graph.py), no host-made entries
     draft_in_graph: bool = False
+    # sequences whose chunks predict prompt tokens (workers/prompt_logprobs.py), and what
+    # forward() computed for them (rank 0)
+    prompt: PromptRows | None = None
+    prompt_out: TokenLogprobs | None = None
 
     @property
     def num_sampled(self) -> int:
@@ -173,7 +181,13 @@ class ModelRunner:
         table.num_tokens[rows] = seq_lens
         features = int(np.bitwise_or.reduce(table.features[sample_rows])) if num_sampled else 0
 
-        graphs = self._graphs_for(plan, decode, qlens, num_sampled)
+        prompt = None
+        if table.num_prompt_logprob_seqs:
+            prompt = select_prompt_rows(table, plan.seq_ids, rows, start, qlens,
+                                        np.arange(num_seqs) if cu is None else cu[:-1])
+        # (a prompt chunk is never a graph step: graphs are for steps where every row samples)
+        graphs = None if prompt is not None else self._graphs_for(plan, decode, qlens,
+                                                                   num_sampled)
         graph = 0 if graphs is None else graphs.padded_size(num_seqs)
         pad = graph - num_seqs if graph else 0
         q = graphs.query_len if graph else 1
@@ -215,6 +229,7 @@ class ModelRunner:
                _padded(s_counter, tpad, 0), _padded(rows, pad, 0), logits_idx, pending, pending_src,
                diff_rows if diff_rows.size else None, diff_cols if diff_rows.size else None,
                *pen[:4], *((None, None) if spec is None else (a.reshape(-1) for a in spec)),
+               *((None, None) if prompt is None else (prompt.hidden_rows, prompt.targets)),
                *((None,) * 6 if entries is None else entries.i64)]
         i32 = [_padded(seq_lens, pad, q), cu, table.top_k[sample_rows] if features & TOP_K
                else None, diff_ids if diff_ids.size else None,
@@ -224,7 +239,9 @@ class ModelRunner:
         (v64, v32, vf), regions = self.stager.stage(i64, i32, f32)
         (d_ids, d_pos, d_slots, d_key, d_counter, d_rows, d_logits_idx, d_pending,
          d_pending_src, d_diff_rows, d_diff_cols, d_pen_rows, d_pen_slots, d_pen_tokens,
-         d_tok_slot, d_gather, d_proposal, *v_draft) = v64
+         d_tok_slot, d_gather, d_proposal, d_prompt_rows, d_prompt_targets, *v_draft) = v64
+        if prompt is not None:
+            prompt.d_hidden_rows, prompt.d_targets = d_prompt_rows, d_prompt_targets
         d_seq_lens, d_cu, d_top_k, d_diff_ids, d_draft_lens = v32
         d_temp, d_top_p, d_min_p, d_is_prompt, d_rep, d_freq, d_pres = vf
         if d_diff_ids is not None and not table.device_is_host:
@@ -269,7 +286,7 @@ class ModelRunner:
             verify=None if spec is None else (d_gather.view(spec[0].shape),
                                                d_proposal.view(spec[1].shape)),
             draft=None if entries is None else DraftBatch(entries, *v_draft, d_draft_lens),
-            draft_in_graph=draft_in_graph)
+            draft_in_graph=draft_in_graph, prompt=prompt)
 
     @staticmethod
     def _draft_entries(drafts: np.ndarray, last_idx: np.ndarray, sample_rows: np.ndarray,
@@ -332,7 +349,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> tuple[Tensor | None, Tensor | None]:
         """(logits `[S, vocab]` of the sampled rows, or None when none samples or on ranks > 0;
-        tokens sampled inside a CUDA graph, or None when the sampler must still run)."""
+        tokens sampled inside a CUDA graph, or None when the sampler must still run). The
+        step's prompt logprobs, if any, go to `batch.prompt_out` (rank 0)."""
         if batch.penalty_tokens is not None:
             rows, slots, is_prompt = batch.penalty_tokens
             self.table.penalties.record(slots, batch.input_ids[rows], is_prompt)
@@ -343,6 +361,8 @@ class ModelRunner:
                 return None, None
             return logits[:n], tokens[:n] if batch.simple else None
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        if batch.prompt is not None:
+            batch.prompt_out = compute_prompt_logprobs(self.model, hidden, batch.prompt)
         if batch.sampling is None:
             return None, None
         if batch.logits_indices is not None:  # (None: every row samples, one token each)

@@ -9,6 +9,8 @@ one per-row logit cut (`mask_threshold`), found by ordering only the largest `ma
 values when every random row has a top_k, and applied in one pass.
 Logprobs are `log_softmax` of the logits after the bitmask, penalties and temperature
 (temperature 1 for greedy rows), before the top-k/top-p/min-p masks.
+Prompt logprobs (`token_logprobs`, called per prefill chunk by workers/prompt_logprobs.py) are
+the raw `log_softmax` of the logits, as vLLM reports them.
 
 Randomness is counter-based: row r's draw is one uniform number, a hash of the row's stream
 key and its counter (`rng_key`, `rng_counter`: the sample's key and how many tokens it has
@@ -88,6 +90,29 @@ class SamplerOutput:
     logprobs: Tensor | None  # float32 [S]
     top_token_ids: Tensor | None  # int64 [S, K]
     top_logprobs: Tensor | None  # float32 [S, K]
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities of given tokens (prompt logprobs), device tensors."""
+
+    logprobs: Tensor  # float32 [M] the token's
+    ranks: Tensor  # int64 [M] its rank (1: the most likely)
+    top_token_ids: Tensor  # int64 [M, K]
+    top_logprobs: Tensor  # float32 [M, K]
+
+
+def token_logprobs(logits: Tensor, targets: Tensor, k: int) -> TokenLogprobs:
+    """The raw distribution's view of `targets` (int64 [M]) under `logits` `[M, V]`: each
+    one's log-softmax value and rank, and the top k ids and values (prompt logprobs).
+    log_softmax is logits - logsumexp: it is never materialized, only the values read."""
+    logits = logits.to(torch.float32)
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    chosen = logits.gather(1, targets.unsqueeze(1))
+    # (an int32 count: ~3x faster on a CPU than the default int64 one)
+    ranks = (logits > chosen).sum(dim=1, dtype=torch.int32).to(torch.int64) + 1
+    top, top_ids = logits.topk(k, dim=-1)
+    return TokenLogprobs((chosen - lse).squeeze(1), ranks, top_ids, top - lse)
 
 
 def apply_penalties(logits: Tensor, output_counts: Tensor, prompt_mask: Tensor,

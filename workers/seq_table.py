@@ -6,6 +6,8 @@ settings, all as column arrays: a step's inputs are numpy gathers by row, never 
 over the batch. A sequence with penalties or a logit bias also holds a penalty slot: device
 tensors of its output-token counts and prompt-token mask, updated on the device from each
 step's input tokens (which may be pending tokens the host never sees), and of its logit bias.
+A sequence computing prompt logprobs holds its prompt on the host (`SeqState.prompt_ids`;
+workers/prompt_logprobs.py reads each chunk's targets from it).
 
 Invariants:
 - `rows_of(seq_ids)` gives a row for exactly the sequences with state; a row is in use by one
@@ -46,6 +48,8 @@ class SeqState:
     row: int
     request_id: str
     penalty_slot: int  # -1: no penalties
+    # the prompt, for a sequence computing prompt logprobs (NewSeq.prompt_token_ids)
+    prompt_ids: np.ndarray | None = None
 
 
 class SeqRows:
@@ -157,6 +161,7 @@ class SeqTable:
         self.seq_rows = SeqRows()
         self.num_gpu_blocks = 0  # set once the cache exists
         self.penalties = PenaltyState(vocab_size, device)
+        self.num_prompt_logprob_seqs = 0  # sequences held with a prompt (prompt logprobs)
         self._alloc_rows(max_num_seqs)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._diff: list[tuple[int, int, list[int]]] = []  # (row, first column, block ids)
@@ -166,6 +171,7 @@ class SeqTable:
         "num_blocks": (np.int64, 0), "prompt_len": (np.int64, 0), "num_tokens": (np.int64, 0),
         "temperature": (np.float32, 0.0), "top_k": (np.int32, 0), "top_p": (np.float32, 1.0),
         "min_p": (np.float32, 0.0), "rng_key": (np.int64, 0), "num_logprobs": (np.int32, -1),
+        "num_prompt_logprobs": (np.int32, -1),
         "penalty_slot": (np.int64, -1), "repetition_penalty": (np.float32, 1.0),
         "frequency_penalty": (np.float32, 0.0), "presence_penalty": (np.float32, 0.0),
         "features": (np.int64, 0),
@@ -210,6 +216,9 @@ class SeqTable:
             if state.penalty_slot >= 0:
                 self.penalties.release(state.penalty_slot)
                 self.penalty_slot[row] = -1
+            if state.prompt_ids is not None:
+                self.num_prompt_logprob_seqs -= 1
+                self.num_prompt_logprobs[row] = -1
             self.free_rows.append(row)
 
     def apply(self, plan: StepPlan) -> None:
@@ -237,7 +246,17 @@ class SeqTable:
         if p.uses_penalties:
             slot = self.penalties.acquire(computed[:new.prompt_len], computed[new.prompt_len:],
                                           p.logit_bias)
-        self.seqs[new.seq_id] = SeqState(row, new.request_id, slot)
+        prompt_ids = None
+        if new.prompt_token_ids is not None:
+            if p.prompt_logprobs is None or len(new.prompt_token_ids) != new.prompt_len:
+                raise ValueError(f"NewSeq for seq {new.seq_id} carries a prompt of "
+                                 f"{len(new.prompt_token_ids)} tokens (prompt_len "
+                                 f"{new.prompt_len}, prompt_logprobs {p.prompt_logprobs}); a "
+                                 "prompt comes only with prompt_logprobs, whole")
+            prompt_ids = np.asarray(new.prompt_token_ids, dtype=np.int64)
+            self.num_prompt_logprob_seqs += 1
+        self.seqs[new.seq_id] = SeqState(row, new.request_id, slot, prompt_ids)
+        self.num_prompt_logprobs[row] = -1 if prompt_ids is None else p.prompt_logprobs
         self.seq_rows.set(new.seq_id, row)
         self.prompt_len[row] = new.prompt_len
         self.num_tokens[row] = len(computed)

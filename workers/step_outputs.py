@@ -3,6 +3,8 @@
 `put` enqueues non-blocking copies of a step's sampler outputs into a ring of pinned host
 buffers and records an event behind them; `take` waits for that event (the one host wait of
 a step) and returns the StepResult built from the buffers. On CPU the copies simply run.
+A step's prompt logprobs (`put_prompt`) vary in size with its prefill chunks: they are copied
+into host tensors made for the step (pinned on CUDA), behind the same event.
 
 Invariant: a slot is reused `depth` puts later, so at most `depth - 1` steps may be put and
 not yet taken (the worker enforces it); the arrays `take` returns are copies (the slot is
@@ -16,10 +18,10 @@ import time
 import numpy as np
 import torch
 
-from scheduler.plan import StepResult
-from workers.sampler import SamplerOutput
-
-MAX_LOGPROBS = 20  # SamplingParams allows 0..20 top logprobs
+from scheduler.plan import PromptLogprobs, StepResult
+from scheduler.sampling_params import MAX_LOGPROBS
+from workers.prompt_logprobs import PromptRows
+from workers.sampler import SamplerOutput, TokenLogprobs
 
 
 class _Slot:
@@ -36,7 +38,10 @@ class _Slot:
         self.done = torch.cuda.Event(enable_timing=True) if pin else None
         self.rows = 0
         self.num_top = -1  # -1: no logprobs in this step
-        self.seconds = 0.0
+        self.t0 = 0.0  # when the step began (CPU)
+        self.seconds = 0.0  # (CPU) from t0 to the last put
+        self.prompt: tuple[PromptRows, list[torch.Tensor]] | None = None
+        self.pin = pin
 
 
 class StepOutputs:
@@ -53,8 +58,9 @@ class StepOutputs:
         index = self._next
         self._next = (index + 1) % self.depth
         slot = self._slots[index]
-        slot.rows, slot.num_top, slot.seconds = 0, -1, time.perf_counter()
+        slot.rows, slot.num_top, slot.seconds, slot.t0 = 0, -1, 0.0, time.perf_counter()
         slot.num_verified = -1
+        slot.prompt = None
         if slot.start is not None:
             slot.start.record()
         return index
@@ -77,15 +83,23 @@ class StepOutputs:
             slot.logprobs[:rows].copy_(out.logprobs, non_blocking=True)
             slot.top_ids[:rows, :k].copy_(out.top_token_ids, non_blocking=True)
             slot.top_logprobs[:rows, :k].copy_(out.top_logprobs, non_blocking=True)
-        if slot.done is not None:
-            slot.done.record()
-        else:
-            slot.seconds = time.perf_counter() - slot.seconds
+        _stamp(slot)
+
+    def put_prompt(self, index: int, rows: PromptRows, out: TokenLogprobs) -> None:
+        """Enqueue the copies of a step's prompt logprobs into its slot."""
+        slot = self._slots[index]
+        host = []
+        for t in (out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs):
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=slot.pin)
+            h.copy_(t, non_blocking=True)
+            host.append(h)
+        slot.prompt = (rows, host)
+        _stamp(slot)
 
     def _grown(self, slot: _Slot, rows: int) -> _Slot:
         grown = _Slot(rows, self.device)
         grown.start, grown.done, grown.seconds = slot.start, slot.done, slot.seconds
-        grown.num_verified = slot.num_verified
+        grown.num_verified, grown.t0, grown.prompt = slot.num_verified, slot.t0, slot.prompt
         return grown
 
     def ready(self, index: int) -> bool:
@@ -109,5 +123,19 @@ class StepOutputs:
             result.top_logprobs = slot.top_logprobs.numpy()[:n, :k].copy()
         if slot.num_verified >= 0:
             result.num_tokens = slot.num_tokens.numpy()[:slot.num_verified].copy()
+        if slot.prompt is not None:
+            rows, (lps, ranks, top_ids, top_lps) = slot.prompt
+            result.prompt_logprobs = PromptLogprobs(
+                rows.request_ids, rows.starts, rows.counts, lps.numpy(), ranks.numpy(),
+                top_ids.numpy(), top_lps.numpy())
+            slot.prompt = None
         result.forward_seconds = seconds
         return result
+
+
+def _stamp(slot: _Slot) -> None:
+    """Mark the end of the copies a step has put so far: its event on CUDA, its time on CPU."""
+    if slot.done is not None:
+        slot.done.record()
+    else:
+        slot.seconds = time.perf_counter() - slot.t0

@@ -202,7 +202,9 @@ class Worker:
                               self.kv_dtype, self.device)
         self._bind_cache(scratch)
         baseline = torch.cuda.memory_allocated()
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=5)
+        # (prompt logprobs too: their slices of logits are part of the peak)
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=5,
+                                prompt_logprobs=5)
         starts = np.concatenate([[0], np.cumsum(blocks_per_seq)[:-1]])
         plan = StepPlan(
             step_id=-1, seq_ids=np.arange(num_seqs, dtype=np.int64), query_lens=lens,
@@ -210,7 +212,7 @@ class Worker:
             input_ids=np.zeros(num_tokens, dtype=np.int64), do_sample=np.ones(num_seqs, bool),
             new_seqs=[NewSeq(i, "profile", 0, int(lens[i]), [],
                              list(range(int(starts[i]), int(starts[i] + blocks_per_seq[i]))),
-                             params) for i in range(num_seqs)])
+                             params, [0] * int(lens[i])) for i in range(num_seqs)])
         self.execute(plan)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
@@ -350,6 +352,10 @@ class Worker:
                             None if table.device_is_host else table.device_block_table, self.tp)
         logits, tokens = runner.forward(batch)
         step.logits = logits
+        if batch.prompt_out is not None:  # (rank 0's prompt logprobs)
+            assert batch.prompt is not None
+            self._outputs.put_prompt(step.slot, batch.prompt, batch.prompt_out)
+            step.has_output = True
         if logits is not None:  # (None: ranks > 0, or nothing samples)
             if tokens is not None:  # sampled inside the CUDA graph
                 self._sampled(step, SamplerOutput(tokens, None, None, None))

@@ -31,7 +31,7 @@ from typing import Any
 
 logger = logging.getLogger("ray.serve")
 
-# A stream's last item when its request goes on elsewhere (a packed output is a 4-tuple).
+# A stream's last item when its request goes on elsewhere (a packed output is a 5-tuple).
 HANDOFF: tuple = ("handoff",)
 # Hand over after this part of graceful_shutdown_timeout_s. The rest is the margin before the
 # controller's kill, counted from when it began the stop: for Serve's call to reach a replica

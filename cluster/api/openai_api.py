@@ -310,7 +310,7 @@ class OpenAIServing:
             prompts = await self._off_loop(len(body), self.prompts.completion_prompts,
                                            req.prompt, info.max_model_len)
             params = [req.to_sampling_params(
-                self.prompts.max_tokens(req.max_tokens, len(p), info.max_model_len),
+                self.prompts.max_tokens(req.generated_max_tokens, len(p), info.max_model_len),
                 info.sampling_defaults) for p in prompts]
             stream = self._start(prompts, params, rid, req.cache_salt, _routing_key(request, req))
             first = await first_delta(stream)

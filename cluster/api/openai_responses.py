@@ -152,35 +152,64 @@ class CompletionBuilder(ResponseBuilder):
         super().__init__(model, token_text, rid, req.n, len(prompts),
                          sum(len(p) for p in prompts), req.include_usage)
         self.req = req
-        self.echo_pending = [bool(e) for e in echo for _ in range(req.n)]
+        self.prompts = prompts
+        self.first_pending = [True] * (req.n * len(prompts))  # no delta of the choice yet
         self.echo = [e for e in echo for _ in range(req.n)]
+        # each prompt's prompt logprobs, from its first output (SamplingParams.prompt_logprobs)
+        self.prompt_logprobs: list[list[dict[int, Any] | None] | None] = [None] * len(prompts)
+        # echo with logprobs: the prompt's tokens come first in the logprobs, offsets from 0
+        self.echo_logprobs = req.echo and req.logprobs is not None
         for ch, e in zip(self.choices, self.echo):
-            ch.offset = len(e)
+            ch.offset = 0 if self.echo_logprobs else len(e)
 
     def top_logprobs_k(self) -> int:
         return self.req.logprobs or 0
 
     def delta_chunk(self, prompt_idx: int, out: Any, render: bool = True) -> str:
         parts = []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_idx] = out.prompt_logprobs
+        echo_only = self.req.echo_only
         for idx, c in self.absorb(prompt_idx, out):
             ch = self.choices[idx]
-            text = c.text
-            if self.echo_pending[idx]:
+            text = "" if echo_only else c.text
+            token_ids = [] if echo_only else c.token_ids
+            token_lps = [] if echo_only else c.logprobs or []
+            part: dict[str, Any] = {"index": idx}
+            if echo_only:
+                ch.num_tokens = 0  # the one generated token is not part of the answer
+            if self.first_pending[idx]:  # the prompt's part comes first
+                self.first_pending[idx] = False
                 text = self.echo[idx] + text
-                self.echo_pending[idx] = False
+                prompt = self.prompts[prompt_idx]
+                prompt_lps = self.prompt_logprobs[prompt_idx]
+                if self.echo_logprobs:
+                    token_ids = prompt + token_ids
+                    token_lps = _plain(prompt_lps, len(prompt)) + token_lps
+                if self.req.prompt_logprobs is not None:
+                    part["prompt_logprobs"] = _vllm_prompt_logprobs(prompt_lps)
             ch.text += text
-            lp = self._logprobs(ch, c) if self.req.logprobs is not None else None
-            parts.append({"index": idx, "text": text, "logprobs": lp,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            lp = self._logprobs(ch, token_ids, token_lps) if self.req.logprobs is not None else None
+            part.update({"text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                         "stop_reason": c.stop_reason})
+            parts.append(part)
         return self.chunk(parts) if render else ""
 
-    def _logprobs(self, ch: _Choice, c: Any) -> dict[str, Any]:
+    def _logprobs(self, ch: _Choice, token_ids: list[int],
+                  logprobs: list[dict[int, float] | None]) -> dict[str, Any]:
+        """OpenAI's legacy logprobs of these tokens; an entry None (a prompt's first token)
+        has null token_logprobs and top_logprobs."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, lps in zip(c.token_ids, c.logprobs or []):
+        for tid, lps in zip(token_ids, logprobs):
             tok = self.token_text(tid)
             tokens.append(tok)
-            token_lps.append(max(lps.get(tid, _MIN_LOGPROB), _MIN_LOGPROB))
-            tops.append({self.token_text(t): max(v, _MIN_LOGPROB) for t, v in self._ranked(lps)})
+            if lps is None:
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                token_lps.append(max(lps.get(tid, _MIN_LOGPROB), _MIN_LOGPROB))
+                tops.append({self.token_text(t): max(v, _MIN_LOGPROB)
+                             for t, v in self._ranked(lps)})
             offsets.append(ch.offset)
             ch.offset += len(tok)
         ch.lp_tokens += tokens
@@ -197,10 +226,36 @@ class CompletionBuilder(ResponseBuilder):
             if self.req.logprobs is not None:
                 lp = {"tokens": ch.lp_tokens, "token_logprobs": ch.lp_token_logprobs,
                       "top_logprobs": ch.lp_top, "text_offset": ch.lp_offsets}
-            choices.append({"index": idx, "text": ch.text, "logprobs": lp,
-                            "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+            choice = {"index": idx, "text": ch.text, "logprobs": lp,
+                      "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+            if self.req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(
+                    self.prompt_logprobs[idx // self.n])
+            choices.append(choice)
         return {"id": self.rid, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage()}
+
+
+def _plain(prompt_logprobs: list[dict[int, Any] | None] | None,
+           length: int) -> list[dict[int, float] | None]:
+    """Prompt logprobs ({id: Logprob}) as the completion's ({id: value}); all None when the
+    engine sent none (a request whose first output finished it without a token)."""
+    if prompt_logprobs is None:
+        return [None] * length
+    return [None if e is None else {t: lp.logprob for t, lp in e.items()}
+            for e in prompt_logprobs]
+
+
+def _vllm_prompt_logprobs(prompt_logprobs: list[dict[int, Any] | None] | None
+                          ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` of a completion choice: per prompt token, null first, then
+    {token id: {logprob, rank, decoded_token}}."""
+    if prompt_logprobs is None:
+        return None
+    return [None if e is None else {
+        str(t): {"logprob": max(lp.logprob, _MIN_LOGPROB), "rank": lp.rank,
+                 "decoded_token": lp.decoded_token} for t, lp in e.items()}
+        for e in prompt_logprobs]
 
 
 class _Parsed:

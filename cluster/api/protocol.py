@@ -4,7 +4,7 @@ Request models are strict: a JSON value of the wrong type (`"max_tokens": "ten"`
 `"stream": 1`) is a 400, never coerced. Top-level fields this server does not know are a 400
 naming the field, except the few that cannot change the output (`HARMLESS_FIELDS`: `user`,
 `metadata`, ...), which are ignored; known fields whose meaning we cannot honour (`suffix`,
-prompt logprobs, ...) are a 400 too, so a client never silently gets something else than it
+`best_of` other than n, ...) are a 400 too, so a client never silently gets something else than it
 asked for. Constraints (`response_format`, vLLM's `guided_*` and `structured_outputs`, a
 required or named `tool_choice`) become `SamplingParams.structured_outputs`.
 Responses are built as plain dicts in `openai_responses.py`: one `json.dumps` per SSE chunk is
@@ -168,7 +168,14 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. `prompt` is a string, a token id list, or a batch of either."""
+    """POST /v1/completions. `prompt` is a string, a token id list, or a batch of either.
+
+    `echo` with `logprobs: k` returns the prompt's tokens, with their log-probabilities and top
+    k (SamplingParams.prompt_logprobs = k), before the completion's, as lm-evaluation-harness
+    reads them; `echo` with `max_tokens: 0` returns the prompt alone (one token is generated
+    and dropped, as vLLM does). vLLM's `prompt_logprobs: k` asks for them without echo (each
+    choice's `prompt_logprobs`, vLLM's shape).
+    """
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -176,6 +183,24 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the response is the prompt alone."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def generated_max_tokens(self) -> int | None:
+        """max_tokens for the engine (an echo-only request generates one token, dropped)."""
+        return 1 if self.echo_only else self.max_tokens
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: vLLM's field, else `logprobs` when echoing."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def to_sampling_params(self, max_tokens: int | None,
                            defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -185,11 +210,9 @@ class CompletionRequest(_SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError(f"best_of ({self.best_of}) must equal n ({self.n}) or be omitted",
                                param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise RequestError("echo together with logprobs needs prompt logprobs, which this "
-                               "server does not compute; drop one of them", param="echo")
         return _make_params(**self._sampling_kwargs(defaults or {}), max_tokens=max_tokens,
-                            logprobs=self.logprobs, structured_outputs=self._constraint())
+                            logprobs=self.logprobs, prompt_logprobs=self.wanted_prompt_logprobs,
+                            structured_outputs=self._constraint())
 
 
 class FunctionCall(_Request):

@@ -11,6 +11,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from scheduler import RequestOutput as OutputDelta
 from scheduler import SamplingParams
+from scheduler.outputs import PromptLogprobList
 
 
 @dataclass(slots=True)
@@ -35,6 +36,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: None first, then {token id: Logprob} per prompt token
+    prompt_logprobs: PromptLogprobList | None = None
 
     def merge(self, delta: OutputDelta) -> None:
         """Fold one step's delta in (the engine streams deltas; this keeps the totals)."""
@@ -46,6 +49,8 @@ class RequestOutput:
                 out.logprobs = (out.logprobs or []) + list(d.logprobs)
             if d.finish_reason is not None:
                 out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.finished = delta.finished
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 

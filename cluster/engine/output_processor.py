@@ -15,6 +15,11 @@ strings (whose text cannot end it) gets its deltas' text only when finish_text()
 engine can schedule and launch the next step first. Invariant: deferred tokens are
 detokenized in the order they were sampled, before any later text of the same sequence (a
 sequence finishing inline runs finish_text first).
+
+Prompt logprobs: a request's StepResults bring its prompt tokens' values chunk by chunk
+(PromptLogprobs); they fill one list as long as the prompt (None first), which goes out whole
+on the request's first output, in vLLM's shape ({token id: Logprob}). A position already
+filled is kept (a recomputed chunk repeats it); after that first output they are ignored.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import Any
 from cluster.engine.detokenizer import DetokenizerFactory, IncrementalDetokenizer, StopStringBuffer
 from scheduler import (
     CompletionOutput,
+    Logprob,
+    PromptLogprobs,
     Request,
     RequestOutput,
     SamplingParams,
@@ -33,6 +40,7 @@ from scheduler import (
     StepOutcome,
     StepResult,
 )
+from scheduler.outputs import PromptLogprobList
 
 _STOPPED = SequenceStatus.FINISHED_STOPPED
 _ABORTED = SequenceStatus.FINISHED_ABORTED
@@ -67,7 +75,7 @@ class _SeqText:
 class _RequestState:
     """What a request needs beyond token ids: text (with a tokenizer) and/or logprobs."""
 
-    __slots__ = ("params", "prompt_token_ids", "seqs", "deferrable")
+    __slots__ = ("params", "prompt_token_ids", "seqs", "deferrable", "prompt_logprobs")
 
     def __init__(self, params: SamplingParams, prompt_token_ids: list[int], text: bool) -> None:
         self.params = params
@@ -75,7 +83,16 @@ class _RequestState:
         self.seqs: dict[int, _SeqText | None] = {}  # by sequence index, made at its first token
         # text that cannot end it (no stop strings) and nothing else: with deferred text a
         # running token's delta is the token, its text filled in by finish_text
-        self.deferrable = text and not params.stop and params.logprobs is None
+        self.deferrable = (text and not params.stop and params.logprobs is None
+                           and params.prompt_logprobs is None)
+        # the prompt's logprobs until the first output takes them (None: not asked, or sent)
+        self.prompt_logprobs: PromptLogprobList | None = (
+            None if params.prompt_logprobs is None else [None] * len(prompt_token_ids))
+
+    def take_prompt_logprobs(self) -> PromptLogprobList | None:
+        """The prompt logprobs, the first time (for the request's first output)."""
+        lps, self.prompt_logprobs = self.prompt_logprobs, None
+        return lps
 
 
 class OutputProcessor:
@@ -100,6 +117,7 @@ class OutputProcessor:
         # sequence `index`, which says whether a stop token stopped it or it finished) and
         # its request's state
         self._text_todo: list[tuple[CompletionOutput, _RequestState]] = []
+        self._decoded: dict[int, str] = {}  # token id -> its text alone (prompt logprobs)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -120,9 +138,11 @@ class OutputProcessor:
         and the next deltas continue its text with nothing repeated or lost."""
         self.validate(params)
         text = self.tokenizer is not None
-        if text or params.logprobs is not None:
+        if text or params.logprobs is not None or params.prompt_logprobs is not None:
             state = self._states[request_id] = _RequestState(params, list(prompt_token_ids),
                                                              text)
+            if output_token_ids:  # its first output (with the prompt logprobs) went out
+                state.take_prompt_logprobs()
             text_state = self._seq_text(state, 0) if output_token_ids else None
             if text_state is not None:
                 assert output_token_ids is not None
@@ -154,6 +174,8 @@ class OutputProcessor:
         states_get = self._states.get
         todo = self._text_todo.append
         result = outcome.result
+        if result is not None and result.prompt_logprobs is not None:
+            self._absorb_prompt(result.prompt_logprobs)
         cut: set[int] = set()  # sequences a stop string finished in this step
         # speculative decoding: a sequence's tokens after this one in the step (its
         # token_ids already hold them all)
@@ -184,7 +206,7 @@ class OutputProcessor:
                 out.outputs = [comp]
                 out.finished = False
                 out.num_cached_tokens = req.num_cached_tokens
-                out.replica_id = None
+                out.replica_id = out.prompt_logprobs = None
                 emit(out)
                 continue
             if state is None:  # no text, no logprobs: the delta is the token
@@ -199,17 +221,18 @@ class OutputProcessor:
                                           defer_text, later)
                 if status is None and comp.finish_reason is not None:
                     cut.add(seq.seq_id)
+            prompt_lps = state.take_prompt_logprobs() if state is not None else None
             if req.n == 1:
                 finished = comp.finish_reason is not None
                 emit(RequestOutput(req.request_id, req.prompt_token_ids, [comp],
-                                             finished, req.num_cached_tokens))
+                                   finished, req.num_cached_tokens, None, prompt_lps))
                 if finished and state is not None:
                     del self._states[req.request_id]
                 continue
             hit = touched.get(req.request_id)
             if hit is None:
                 out = RequestOutput(req.request_id, req.prompt_token_ids, [comp], False,
-                                    req.num_cached_tokens)
+                                    req.num_cached_tokens, None, prompt_lps)
                 touched[req.request_id] = (req, out)
                 emit(out)
             else:
@@ -282,7 +305,9 @@ class OutputProcessor:
         state = self._states.get(req.request_id)
         text = ""
         want_lp = req.sampling_params.logprobs is not None
+        prompt_lps = None
         if state is not None:
+            prompt_lps = state.take_prompt_logprobs()
             text_state = self._seq_text(state, seq.index)
             if text_state is not None:
                 if self._text_todo:
@@ -293,7 +318,41 @@ class OutputProcessor:
         comp = CompletionOutput(seq.index, [], text, seq.status.finish_reason, None,
                                 [] if want_lp else None)
         return RequestOutput(req.request_id, req.prompt_token_ids, [comp], req.is_finished,
-                             req.num_cached_tokens)
+                             req.num_cached_tokens, None, prompt_lps)
+
+    def _absorb_prompt(self, pl: PromptLogprobs) -> None:
+        """Fill the requests' prompt logprobs from one step's (see the module docstring)."""
+        states_get = self._states.get
+        lps, ranks = pl.logprobs.tolist(), pl.ranks.tolist()
+        top_ids, top_lps = pl.top_token_ids.tolist(), pl.top_logprobs.tolist()
+        decode = self._decode_token
+        m = 0
+        for rid, start, count in zip(pl.request_ids, pl.starts.tolist(), pl.counts.tolist()):
+            state = states_get(rid)
+            out = None if state is None else state.prompt_logprobs
+            if out is not None:
+                k = state.params.prompt_logprobs
+                prompt = state.prompt_token_ids
+                for i in range(m, m + count):
+                    pos = start + i - m
+                    if out[pos] is not None:
+                        continue  # a recomputed chunk
+                    token = prompt[pos]
+                    entry = {token: Logprob(lps[i], ranks[i], decode(token))}
+                    for r, (tid, value) in enumerate(zip(top_ids[i][:k], top_lps[i][:k])):
+                        if tid not in entry:
+                            entry[tid] = Logprob(value, r + 1, decode(tid))
+                    out[pos] = entry
+            m += count
+
+    def _decode_token(self, token: int) -> str | None:
+        """A token's own text (None without a tokenizer), cached."""
+        if self.tokenizer is None:
+            return None
+        text = self._decoded.get(token)
+        if text is None:
+            text = self._decoded[token] = self.tokenizer.decode([token])
+        return text
 
     def finish_text(self) -> None:
         """Fill in the text process(defer_text=True) left out, in token order."""

@@ -15,7 +15,7 @@ from fake_engine import MODEL, FakeEngine, fetch, sse_events
 from starlette.requests import Request
 
 from cluster.api.openai_api import LocalEngineClient, OpenAIServing, create_app
-from scheduler import CompletionOutput, RequestOutput, SamplingParams
+from scheduler import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 
 def test_models_lists_the_served_model(engine: FakeEngine, tokenizer: Any) -> None:
@@ -77,6 +77,25 @@ def test_completion_echo_prepends_prompt(engine: FakeEngine, tokenizer: Any) -> 
     resp = fetch(engine, tokenizer, "POST", "/v1/completions",
                  {"prompt": "Hi", "max_tokens": 1, "echo": True})
     assert resp.json()["choices"][0]["text"] == "Hi" + tokenizer.decode(engine.script[:1])
+
+
+def test_echo_with_logprobs_asks_the_engine_for_prompt_logprobs(engine: FakeEngine,
+                                                                tokenizer: Any) -> None:
+    """echo + logprobs k: prompt_logprobs k (vLLM's own field wins); echo with max_tokens 0
+    generates one token and answers with the prompt alone."""
+    for extra, want in (({"echo": True, "logprobs": 2}, 2), ({"logprobs": 2}, None),
+                        ({"echo": True}, None),
+                        ({"echo": True, "logprobs": 1, "prompt_logprobs": 4}, 4)):
+        resp = fetch(engine, tokenizer, "POST", "/v1/completions",
+                     {"prompt": "Hi there", "max_tokens": 1, **extra})
+        assert resp.status_code == 200, resp.text
+        assert engine.calls[-1][1].prompt_logprobs == want
+    resp = fetch(engine, tokenizer, "POST", "/v1/completions",
+                 {"prompt": "Hi there", "max_tokens": 0, "echo": True})
+    body = resp.json()
+    assert engine.calls[-1][1].max_tokens == 1
+    assert body["choices"][0]["text"] == "Hi there"
+    assert body["usage"]["completion_tokens"] == 0
 
 
 def test_completion_logprobs_rank_top_tokens_and_offsets(engine: FakeEngine,
@@ -239,8 +258,13 @@ def test_pack_output_round_trip_drops_only_the_prompt() -> None:
         finished=False, num_cached_tokens=16)
     packed = pack_output(out)
     assert packed == (False, 16, ((0, [5, 6], "ab", None, None, None),
-                                  (1, [7], "c", "stop", 151645, [{7: -0.25, 9: -1.5}])), None)
+                                  (1, [7], "c", "stop", 151645, [{7: -0.25, 9: -1.5}])), None,
+                      None)
     assert unpack_output("cmpl-1", [11, 12, 13], packed) == out
+    # The first output of a request with prompt_logprobs carries them across.
+    out.prompt_logprobs = [None, {12: Logprob(-1.5, 3, "b"), 7: Logprob(-0.5, 1, "c")},
+                           {13: Logprob(-0.25, 1, "d")}]
+    assert unpack_output("cmpl-1", [11, 12, 13], pack_output(out)) == out
     # A stream's first output names the replica that serves it (the X-Replica-Id header).
     first = unpack_output("cmpl-1", [11, 12, 13], pack_output(out, "replica-a"))
     assert first.replica_id == "replica-a" and first.outputs == out.outputs

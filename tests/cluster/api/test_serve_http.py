@@ -170,6 +170,26 @@ def test_sampling_options_and_logprobs(client: openai.OpenAI) -> None:
                                                                      lp.token_logprobs))
 
 
+def test_echo_logprobs_cross_the_replica_hop_at_tp2(client: openai.OpenAI, offline: Any) -> None:
+    """lm-evaluation-harness's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1)
+    through Serve to a tp-2 replica: the prompt's values equal the offline tp-1 engine's."""
+    from scheduler import SamplingParams
+
+    rng = random.Random(38)
+    prompts = [[rng.randrange(100, 150000) for _ in range(n)] for n in (40, 75)]
+    comp = client.completions.create(model="qwen3-tiny", prompt=prompts, max_tokens=1,
+                                     temperature=0.0, echo=True, logprobs=1)
+    local = offline.generate([{"prompt_token_ids": p} for p in prompts],
+                             SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
+                             use_tqdm=False)
+    for p, choice, ref in zip(prompts, comp.choices, local):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(p) + 1 and lp.token_logprobs[0] is None
+        want = [e[t].logprob for t, e in zip(p[1:], ref.prompt_logprobs[1:])]
+        assert lp.token_logprobs[1:len(p)] == pytest.approx(want, abs=2e-3)
+        assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+
+
 def test_stop_string_ends_with_finish_reason_stop(client: openai.OpenAI) -> None:
     full = client.completions.create(model="qwen3-tiny", prompt="x y", max_tokens=12,
                                      temperature=0.0, extra_body={"ignore_eos": True})
