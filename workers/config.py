@@ -44,6 +44,9 @@ class WorkerConfig:
     # per-batch off switch): the verify CUDA graphs' shapes
     num_speculative_tokens: int = 0
     speculative_max_num_seqs: int = 0
+    # LoRA: adapters held in device slots (0: no LoRA wrappers) and their largest rank
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -74,7 +77,8 @@ class WorkerConfig:
                              f"got {self.num_gpu_blocks_override}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB; got {self.swap_space}")
-        for name in ("num_speculative_tokens", "speculative_max_num_seqs"):
+        for name in ("num_speculative_tokens", "speculative_max_num_seqs", "max_loras",
+                     "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")

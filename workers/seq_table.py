@@ -168,7 +168,7 @@ class SeqTable:
         "min_p": (np.float32, 0.0), "rng_key": (np.int64, 0), "num_logprobs": (np.int32, -1),
         "penalty_slot": (np.int64, -1), "repetition_penalty": (np.float32, 1.0),
         "frequency_penalty": (np.float32, 0.0), "presence_penalty": (np.float32, 0.0),
-        "features": (np.int64, 0),
+        "features": (np.int64, 0), "lora_slot": (np.int64, -1),
     }
 
     def _alloc_rows(self, n: int) -> None:
@@ -210,6 +210,7 @@ class SeqTable:
             if state.penalty_slot >= 0:
                 self.penalties.release(state.penalty_slot)
                 self.penalty_slot[row] = -1
+            self.lora_slot[row] = -1
             self.free_rows.append(row)
 
     def apply(self, plan: StepPlan) -> None:
@@ -249,6 +250,7 @@ class SeqTable:
                              else stream_key(self.seed, _UNSEEDED_STREAM + new.seq_id))
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.penalty_slot[row] = slot
+        self.lora_slot[row] = new.lora_slot
         self.repetition_penalty[row] = p.repetition_penalty
         self.frequency_penalty[row] = p.frequency_penalty
         self.presence_penalty[row] = p.presence_penalty
