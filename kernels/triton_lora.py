@@ -11,23 +11,29 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+# Input features per shrink program (a multiple of its BLOCK_K).
+_K_PER_SPLIT = 256
+
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slot_ptr, y_ptr, in_features, rank,
-                   stride_xt, stride_as, stride_ar, stride_yt,
+def _shrink_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, num_tokens, in_features, rank, k_per_split,
+                   stride_xt, stride_as, stride_ar,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (t, p): token t's partial product over input columns [p k, (p + 1) k)
     t = tl.program_id(0)
+    p = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
     r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     if slot >= 0:
-        for k0 in range(0, in_features, BLOCK_K):
+        k_end = tl.minimum(in_features, (p + 1) * k_per_split)
+        for k0 in range(p * k_per_split, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + t * stride_xt + k, mask=k < in_features, other=0.0)
+            x = tl.load(x_ptr + t * stride_xt + k, mask=k < k_end, other=0.0)
             a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
-                        mask=(r[:, None] < rank) & (k[None, :] < in_features), other=0.0)
+                        mask=(r[:, None] < rank) & (k[None, :] < k_end), other=0.0)
             acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    tl.store(y_ptr + t * stride_yt + r, acc.to(y_ptr.dtype.element_ty), mask=r < rank)
+    tl.store(part_ptr + (p * num_tokens + t) * BLOCK_R + r, acc)
 
 
 @triton.jit
@@ -50,16 +56,20 @@ def _expand_kernel(y_ptr, b_ptr, slot_ptr, out_ptr, out_features, rank,
 
 
 def lora_shrink(x: Tensor, lora_a: Tensor, token_slots: Tensor) -> Tensor:
+    """Split over the input features (one program per token reads too little to fill the
+    GPU at decode sizes); the partial sums are added by one deterministic reduction."""
     num_tokens, in_features = x.shape
     rank = lora_a.shape[1]
     a = lora_a if lora_a.stride(2) == 1 else lora_a.contiguous()
     x = x if x.stride(1) == 1 else x.contiguous()
-    y = torch.empty(num_tokens, rank, dtype=x.dtype, device=x.device)
+    block_r, block_k = triton.next_power_of_2(rank), 64
+    splits = triton.cdiv(in_features, _K_PER_SPLIT)
+    part = torch.empty(splits, num_tokens, block_r, dtype=torch.float32, device=x.device)
     if num_tokens:
-        _shrink_kernel[(num_tokens,)](
-            x, a, token_slots, y, in_features, rank, x.stride(0), a.stride(0), a.stride(1),
-            y.stride(0), BLOCK_R=triton.next_power_of_2(rank), BLOCK_K=64)
-    return y
+        _shrink_kernel[(num_tokens, splits)](
+            x, a, token_slots, part, num_tokens, in_features, rank, _K_PER_SPLIT, x.stride(0),
+            a.stride(0), a.stride(1), BLOCK_R=block_r, BLOCK_K=block_k)
+    return part.sum(0)[:, :rank].to(x.dtype)
 
 
 def lora_expand(y: Tensor, lora_b: Tensor, token_slots: Tensor, out: Tensor) -> None:

@@ -36,7 +36,8 @@ def _per_token(x, a, b, token_slots):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_shrink_then_expand_adds_each_tokens_own_adapter(backend: str) -> None:
-    x, a, b, token_slots = _case(num_tokens=11, slots=3, rank=8, n_in=96, n_out=72, seed=0)
+    # 600 input features: three shrink programs per token (the split over features)
+    x, a, b, token_slots = _case(num_tokens=11, slots=3, rank=8, n_in=600, n_out=72, seed=0)
     assert (token_slots == -1).any() and (token_slots >= 0).any()
     base = torch.randn(11, 72, device=DEVICE)
     out = base.clone()
