@@ -96,9 +96,36 @@ def test_one_adapter_matches_merged_transformers_and_chat_takes_it(
         _assert_all_blocks_free(llm)
 
 
-def test_a_batch_mixing_two_adapters_and_base_rows(requests: dict, oracle: dict) -> None:
-    with LLM("qwen3-tiny", enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_batch_mixing_two_adapters_and_base_rows(requests: dict, oracle: dict,
+                                                   async_scheduling: bool) -> None:
+    with LLM("qwen3-tiny", enable_lora=True, max_loras=2, max_lora_rank=8,
+             async_scheduling=async_scheduling) as llm:
         _run_mixed(llm, requests, oracle, ["a", None, "b"])
+        _assert_all_blocks_free(llm)
+
+
+def test_decode_steps_through_the_graph_path_read_each_steps_slots(
+        requests: dict, oracle: dict) -> None:
+    """EagerGraph replays the captured decode function on CPU: the slots reach it through the
+    persistent buffer, padded rows as the base model."""
+    from workers.cuda_graph import EagerGraph
+
+    with LLM("qwen3-tiny", device="cpu", executor="inprocess", enable_lora=True, max_loras=2,
+             max_lora_rank=8, max_num_seqs=16) as llm:
+        runner = llm.engine.executor.worker.model_runner
+        llm.engine.executor.worker.capture_graphs(EagerGraph)
+        kinds = []
+        prepare = runner.prepare
+
+        def logged(plan):
+            batch = prepare(plan)
+            kinds.append((batch.graph_size, plan.num_seqs))
+            return batch
+
+        runner.prepare = logged
+        _run_mixed(llm, requests, oracle, ["a", None, "b"])
+        assert any(size > seqs for size, seqs in kinds)  # padded graph steps ran
         _assert_all_blocks_free(llm)
 
 
@@ -180,6 +207,18 @@ def test_ngram_speculative_decoding_with_adapters_is_exact(requests: dict, oracl
         _run_mixed(llm, requests, oracle, ["a", None, "b"])
         m = llm.engine.metrics()
         assert m["spec_decode_num_drafts"] > 0 and m["spec_decode_num_accepted_tokens"] > 0
+        _assert_all_blocks_free(llm)
+
+
+def test_draft_model_speculative_decoding_with_adapters_is_exact(
+        requests: dict, oracle: dict) -> None:
+    """The draft (no adapter) proposes; the target verifies under each row's adapter."""
+    spec = {"model": "qwen3-tiny-draft", "num_speculative_tokens": 3,
+            "disable_by_batch_size": 16}
+    with LLM("qwen3-tiny", enable_lora=True, max_loras=2, max_lora_rank=8,
+             speculative_config=spec) as llm:
+        _run_mixed(llm, requests, oracle, ["a", None, "b"])
+        assert llm.engine.metrics()["spec_decode_num_drafts"] > 0
         _assert_all_blocks_free(llm)
 
 
