@@ -261,6 +261,10 @@ def _check_lora(x: Tensor, weights: Tensor, token_slots: Tensor, x_width: int, w
             or token_slots.shape[0] < x.shape[0]:
         raise ValueError(f"{what}: token_slots must be int64 [>= T={x.shape[0]}]; got "
                          f"{token_slots.dtype} {tuple(token_slots.shape)}")
+    if any(n * weights.element_size() % 16 for n in weights.shape[1:]):
+        raise ValueError(f"{what}: the stacked weights' rows must be multiples of 16 bytes "
+                         f"(grouped GEMMs); got {tuple(weights.shape)} {weights.dtype}: pad the "
+                         "rank with zero rows/columns")
 
 
 def lora_shrink(x: Tensor, lora_a: Tensor, token_slots: Tensor,
@@ -269,7 +273,8 @@ def lora_shrink(x: Tensor, lora_a: Tensor, token_slots: Tensor,
 
     `x` `[T, in]`; `lora_a` `[S, R, in]` stacked by slot, its last slot zeros; `token_slots`
     int64 `[>= T]` (a persistent buffer: only the first T are read), -1 = the base model
-    (a zero row). kernels/lora_reference.py states the layout.
+    (a zero row). R and `in` times the item size must be multiples of 16 bytes (pad R with
+    zeros). kernels/lora_reference.py states the layout.
     """
     _check_lora(x, lora_a, token_slots, lora_a.shape[-1], "lora_shrink")
     if _resolve(backend, x) == "torch":

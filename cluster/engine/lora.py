@@ -201,8 +201,3 @@ class LoRAHostCache:
         while len(self.loaded) > self.max_cpu_loras:
             self.loaded.popitem(last=False)
         return weights
-
-    @property
-    def nbytes(self) -> int:
-        """Host memory of the loaded adapters."""
-        return sum(a.nbytes + b.nbytes for w in self.loaded.values() for a, b in w.tensors.values())

@@ -12,13 +12,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _case(num_tokens: int, slots: int, rank: int, n_in: int, n_out: int, seed: int):
+    """Adapters of rank `rank` in a stack of width `rank` rounded up to 8 (as the LoRA
+    wrappers pad it), the padding zeros."""
     g = torch.Generator().manual_seed(seed)
+    width = -(-rank // 8) * 8
     x = torch.randn(num_tokens, n_in, generator=g)
-    a = torch.randn(slots + 1, rank, n_in, generator=g)
-    b = torch.randn(slots + 1, n_out, rank, generator=g)
-    a[-1].zero_()
-    b[-1].zero_()  # the reserved zero slot: what -1 (the base model) indexes
-    token_slots = torch.randint(-1, slots, (num_tokens,), generator=g)
+    a = torch.zeros(slots + 1, width, n_in)
+    b = torch.zeros(slots + 1, n_out, width)
+    # the last slot stays zero: what -1 (the base model) indexes
+    a[:-1, :rank] = torch.randn(slots, rank, n_in, generator=g)
+    b[:-1, :, :rank] = torch.randn(slots, n_out, rank, generator=g)
+    token_slots = torch.randint(0, slots, (num_tokens,), generator=g)
+    token_slots[::3] = -1  # base rows between them
     return [t.to(DEVICE) for t in (x, a, b, token_slots)]
 
 
@@ -51,12 +56,12 @@ def test_shrink_then_expand_adds_each_tokens_own_adapter(backend: str) -> None:
 
 @pytest.mark.parametrize("rank", [1, 5, 16])
 def test_triton_matches_the_torch_twin_on_odd_ranks_and_widths(rank: int) -> None:
-    x, a, b, token_slots = _case(num_tokens=7, slots=2, rank=rank, n_in=130, n_out=67, seed=rank)
+    x, a, b, token_slots = _case(num_tokens=7, slots=2, rank=rank, n_in=132, n_out=68, seed=rank)
     y_ref = kernels.lora_shrink(x, a, token_slots, backend="torch")
     y_tri = kernels.lora_shrink(x, a, token_slots, backend="triton")
     torch.testing.assert_close(y_tri, y_ref, rtol=1e-5, atol=1e-5)
-    out_ref = torch.zeros(7, 67, device=DEVICE)
-    out_tri = torch.zeros(7, 67, device=DEVICE)
+    out_ref = torch.zeros(7, 68, device=DEVICE)
+    out_tri = torch.zeros(7, 68, device=DEVICE)
     kernels.lora_expand(y_ref, b, token_slots, out_ref, backend="torch")
     kernels.lora_expand(y_ref, b, token_slots, out_tri, backend="triton")
     torch.testing.assert_close(out_tri, out_ref, rtol=1e-5, atol=1e-5)
@@ -76,6 +81,8 @@ def test_bad_shapes_are_value_errors_naming_the_argument() -> None:
         kernels.lora_shrink(x, a, token_slots.to(torch.int32))
     with pytest.raises(ValueError, match=r"x must be \[T, 32\]"):
         kernels.lora_shrink(x[:, :16], a, token_slots)
+    with pytest.raises(ValueError, match="multiples of 16 bytes"):
+        kernels.lora_shrink(x, a[:, :3], token_slots)
     with pytest.raises(ValueError, match=r"out must be \[T=4, 16\]"):
-        kernels.lora_expand(torch.zeros(4, 4, device=DEVICE), b, token_slots,
+        kernels.lora_expand(torch.zeros(4, 8, device=DEVICE), b, token_slots,
                             torch.zeros(4, 15, device=DEVICE))

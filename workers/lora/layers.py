@@ -4,9 +4,9 @@ own) and adds, for every token, its adapter's `x @ A^T @ B^T` (B pre-scaled,
 scheduler/plan.py's LoRAWeights) through the batched kernels (kernels.lora_shrink /
 lora_expand), each token reading the slot `LoRABatch.token_slots` gives it.
 
-Slot tensors, per wrapper: `lora_a [max_loras + 1, n * R, in]`, `lora_b [max_loras + 1, out, n * R]`
-with R = max_lora_rank and n the packed slices (3 for qkv, 2 for gate_up, else 1); the last slot
-stays zero (slot -1: the base model). A packed layer is one LoRA of rank n * R whose B is
+Slot tensors, per wrapper: `lora_a [max_loras + 1, W, in]`, `lora_b [max_loras + 1, out, W]`
+with W = n * R rounded up to a multiple of 8 (R = max_lora_rank, n the packed slices: 3 for
+qkv, 2 for gate_up, else 1); the last slot stays zero (slot -1: the base model). A packed layer is one LoRA of rank n * R whose B is
 block-diagonal: slice j's A fills rows [j R, j R + r) of A and its B those columns of the
 slice's own output rows, so one shrink and one expand serve q, k and v together, and a
 slice the adapter leaves out is zero.
@@ -55,16 +55,14 @@ class BaseLinearWithLoRA(nn.Module):
         self.slices = slices
         self.max_rank = max_rank
         self.batch = batch
-        width = len(slices) * max_rank
+        # (a multiple of 8: the grouped GEMMs need rows of 16-byte multiples; the rest is zeros)
+        width = -(-len(slices) * max_rank // 8) * 8
         w = base.weight
         out, n_in = w.shape
         self.register_buffer("lora_a", torch.zeros(max_loras + 1, width, n_in, dtype=w.dtype,
                                                    device=w.device), persistent=False)
-        # stored [out, slots, width] and viewed [slots, out, width]: the torch twin's
-        # all-slots matrix is then a view (kernels/lora_reference.py)
-        self.register_buffer("lora_b", torch.zeros(out, max_loras + 1, width, dtype=w.dtype,
-                                                   device=w.device).permute(1, 0, 2),
-                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras + 1, out, width, dtype=w.dtype,
+                                                   device=w.device), persistent=False)
 
     def add_lora(self, x: Tensor, out: Tensor) -> Tensor:
         """`out` plus each token's adapter product (in place; nothing when the batch has none)."""
