@@ -29,7 +29,7 @@ from workers.cuda_graph import capture_step_graphs
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftRunner
 from workers.loader import load_model
-from workers.lora import LoRAModel
+from workers.lora import LoRAModel, check_lora_plan
 from workers.model_config import ModelConfig, check_weights_fit, load_model_config
 from workers.model_runner import ModelRunner, StepBatch
 from workers.qwen3 import Qwen3ForCausalLM, ops_backend
@@ -324,7 +324,7 @@ class Worker:
         # before anything of this step overwrites them); copy-on-write waits for them.
         cache.transfer(plan.offload, plan.swap_out, plan.swap_in, plan.load)
         cache.copy(plan.copies)
-        self._check_lora(plan)
+        check_lora_plan(plan, self.config.max_loras)
         if plan.lora_loads:
             self.lora.load(plan.lora_loads)
         if plan.is_empty:
@@ -360,16 +360,6 @@ class Worker:
                 self._sampled(step, runner.sample(batch, logits))
         if drafter is not None:  # (after sampling: the tokens' copy need not wait for it)
             runner.follow(batch, drafter)
-
-    def _check_lora(self, plan: StepPlan) -> None:
-        """ValueError for a plan that names LoRA slots this worker does not have."""
-        slots = self.config.max_loras
-        bad = next((n for n in plan.new_seqs if not -1 <= n.lora_slot < slots), None)
-        if bad is not None or (plan.lora_loads and not slots):
-            what = (f"seq {bad.seq_id} runs in LoRA slot {bad.lora_slot}" if bad is not None
-                    else "it loads LoRA adapters")
-            raise ValueError(f"plan {plan.step_id}: {what}, but this worker has {slots} LoRA "
-                             "slots (WorkerConfig.max_loras)")
 
     def provide_bitmask(self, step_id: int, bitmask: np.ndarray) -> None:
         """The grammar bitmask of a launched step's constrained rows (int32 [C, ceil(V/32)],

@@ -6,7 +6,7 @@ from workers.lora.layers import (
     LoRABatch,
     RowParallelLinearWithLoRA,
 )
-from workers.lora.model import LoRAModel
+from workers.lora.model import LoRAModel, check_lora_plan
 
 __all__ = ["BaseLinearWithLoRA", "ColumnParallelLinearWithLoRA", "LoRABatch", "LoRAModel",
-           "RowParallelLinearWithLoRA"]
+           "RowParallelLinearWithLoRA", "check_lora_plan"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from scheduler.plan import LoRALoad
+from scheduler.plan import LoRALoad, StepPlan
 from workers.lora.layers import (
     BaseLinearWithLoRA,
     ColumnParallelLinearWithLoRA,
@@ -22,6 +22,16 @@ from workers.lora.layers import (
 
 _QKV = [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]
 _GATE_UP = [("gate_proj", 0), ("up_proj", 1)]
+
+
+def check_lora_plan(plan: StepPlan, max_loras: int) -> None:
+    """ValueError for a plan that names LoRA slots a worker with `max_loras` slots lacks."""
+    bad = next((n for n in plan.new_seqs if not -1 <= n.lora_slot < max_loras), None)
+    if bad is not None or (plan.lora_loads and not max_loras):
+        what = (f"seq {bad.seq_id} runs in LoRA slot {bad.lora_slot}" if bad is not None
+                else "it loads LoRA adapters")
+        raise ValueError(f"plan {plan.step_id}: {what}, but this worker has {max_loras} LoRA "
+                         "slots (WorkerConfig.max_loras)")
 
 
 class LoRAModel:
