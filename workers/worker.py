@@ -159,8 +159,17 @@ class Worker:
             return cfg.num_gpu_blocks_override, num_cpu, num_offload
         if self.device.type == "cpu":
             wanted = cfg.max_num_seqs * math.ceil(cfg.max_model_len / cfg.block_size)
-            budget = CPU_KV_CACHE_BYTES - (0 if self.lora is None else self.lora.nbytes)
-            return max(1, min(wanted, budget // block_bytes)), num_cpu, num_offload
+            lora_bytes = 0 if self.lora is None else self.lora.nbytes
+            num = min(wanted, (CPU_KV_CACHE_BYTES - lora_bytes) // block_bytes)
+            needed = math.ceil(cfg.max_model_len / cfg.block_size)
+            if lora_bytes and num < needed:
+                raise ValueError(
+                    f"the LoRA slots (max_loras={cfg.max_loras}, max_lora_rank="
+                    f"{cfg.max_lora_rank}) take {lora_bytes / _GIB:.2f} GiB of the "
+                    f"{CPU_KV_CACHE_BYTES / _GIB:.0f} GiB CPU KV budget, leaving {max(num, 0)} KV "
+                    f"blocks (one max_model_len={cfg.max_model_len} sequence needs {needed}); "
+                    "lower max_loras or max_lora_rank, or set num_gpu_blocks_override")
+            return max(1, num), num_cpu, num_offload
         return self._profile_num_gpu_blocks(block_bytes), num_cpu, num_offload
 
     def _profile_num_gpu_blocks(self, block_bytes: int) -> int:

@@ -64,7 +64,7 @@ class LoRAModel:
     @property
     def nbytes(self) -> int:
         """Device memory of the slot tensors (counted before the KV cache is sized)."""
-        return sum(w.lora_a.nbytes + w.lora_b.nbytes for _, w in self.layers)
+        return sum(w.nbytes for _, w in self.layers)
 
     @property
     def max_tokens(self) -> int:

@@ -249,7 +249,8 @@ def merged_greedy_b(adapters: dict, requests: dict) -> list[int]:
     return merged_greedy(resolve_model("qwen3-tiny"), adapters["b"], _prompts()[:1], MAX_NEW)[0]
 
 
-def test_lora_slots_are_counted_before_the_kv_cache_is_sized(tiny_model_path: str) -> None:
+def test_lora_slots_are_counted_before_the_kv_cache_is_sized(
+        tiny_model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from workers.config import WorkerConfig
     from workers.worker import CPU_KV_CACHE_BYTES, Worker
 
@@ -265,3 +266,8 @@ def test_lora_slots_are_counted_before_the_kv_cache_is_sized(tiny_model_path: st
     assert plain == CPU_KV_CACHE_BYTES // block_bytes
     assert lora_bytes > 0 and with_lora == (CPU_KV_CACHE_BYTES - lora_bytes) // block_bytes
     assert np.isclose(plain - with_lora, lora_bytes / block_bytes, atol=1)
+    # slots that leave less than one max_model_len sequence of KV are refused at start
+    monkeypatch.setattr("workers.worker.CPU_KV_CACHE_BYTES", lora_bytes + 100 * block_bytes)
+    with pytest.raises(ValueError, match=r"leaving 100 KV blocks \(one max_model_len=4096 "
+                                         r"sequence needs 256\); lower max_loras"):
+        blocks(4)
