@@ -17,8 +17,8 @@ steps replay them), bf16.
 
 Engine mode: --batch prompts of --prompt-len random tokens (seeded), greedy, --max-tokens
 each, all prefilled in one step, then decoded together: the decode step time is the median
-wall time of the steps after the prefill. Rows, same prompts, same run, each engine built
-once: `base` (enable_lora off); LoRA on (max_loras 16, max_lora_rank --rank) with 0 adapters
+wall time of the steps after the prefill, then the median over --rounds rounds that run every
+case in turn. Rows, same prompts, same run, both engines built once: `base` (enable_lora off); LoRA on (max_loras 16, max_lora_rank --rank) with 0 adapters
 in the batch, then 1, 4 and 16 distinct adapters, requests dealt round-robin. Adapters are
 written in PEFT's format with random A and B (seeded), rank --rank on all seven modules.
 Default model: a random Qwen3-0.6B (bench/throughput.py's `qwen3-0.6b-random`).
@@ -133,18 +133,22 @@ def bench_engine(args: argparse.Namespace) -> list[dict]:
     blocks = args.batch * -(-(args.prompt_len + args.max_tokens) // 16) + 16
     common = dict(device=args.device, max_num_seqs=max(args.batch, 32), max_model_len=512,
                   enable_prefix_caching=False, num_gpu_blocks_override=blocks)
-    rows = []
-    with LLM(path, **common) as llm:
-        _decode_step(llm, prompts[:2], [], 4)  # (warm-up)
-        rows.append({"case": "base", **_decode_step(llm, prompts, [], args.max_tokens)})
-    with tempfile.TemporaryDirectory() as tmp, \
+    cases: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp, LLM(path, **common) as base, \
             LLM(path, enable_lora=True, max_loras=16, max_lora_rank=args.rank, **common) as llm:
         adapters = [LoRARequest(f"a{i}", i + 1, write_adapter(Path(tmp) / f"a{i}", path,
                                                                args.rank, i)) for i in range(16)]
+        _decode_step(base, prompts[:2], [], 4)  # (warm-up)
         _decode_step(llm, prompts[:2], adapters[:1], 4)
-        for n in (0, 1, 4, 16):
-            rows.append({"case": f"{n} adapters",
-                         **_decode_step(llm, prompts, adapters[:n], args.max_tokens)})
+        for _ in range(args.rounds):  # interleaved: the VM's speed drifts
+            cases.setdefault("base", []).append(
+                _decode_step(base, prompts, [], args.max_tokens))
+            for n in (0, 1, 4, 16):
+                cases.setdefault(f"{n} adapters", []).append(
+                    _decode_step(llm, prompts, adapters[:n], args.max_tokens))
+    rows = [{"case": case, "runs": len(runs),
+             **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+            for case, runs in cases.items()]
     for row in rows:
         row["vs_base"] = row["decode_step_s"] / rows[0]["decode_step_s"]
     return rows
@@ -163,6 +167,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if args.engine:
         rows = bench_engine(args)
