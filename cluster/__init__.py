@@ -22,6 +22,7 @@ _EXPORTS = {
     "AsyncLLMEngine": "cluster.engine.async_llm_engine",
     "EngineDeadError": "cluster.engine.errors",
     "SamplingParams": "scheduler.sampling_params",
+    "LoRARequest": "scheduler.lora",
     "StructuredOutputsParams": "scheduler.sampling_params",
 }
 

@@ -5,6 +5,8 @@ from kernels.ops import (
     Backend,
     compute_cos_sin_cache,
     fused_moe,
+    lora_expand,
+    lora_shrink,
     moe_route,
     paged_attention,
     qk_norm_rope_write_kv,
@@ -14,6 +16,7 @@ from kernels.ops import (
     write_kv,
 )
 
-__all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fused_moe", "moe_route",
+__all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fused_moe", "lora_expand",
+           "lora_shrink", "moe_route",
            "paged_attention", "qk_norm_rope_write_kv",
            "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv"]

@@ -18,14 +18,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kernels import moe_reference, reference
+from kernels import lora_reference, moe_reference, reference
 from kernels.reference import FP8_KV_DTYPE
 from kernels.rotary_tables import compute_cos_sin_cache
 
 Backend = Literal["auto", "triton", "flash_attn", "torch"]
 _BACKENDS = ("auto", "triton", "flash_attn", "torch")
 
-__all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fused_moe", "moe_route", "paged_attention", "qk_norm_rope_write_kv",
+__all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fused_moe", "lora_expand",
+           "lora_shrink", "moe_route", "paged_attention", "qk_norm_rope_write_kv",
            "rms_norm", "rotary_embedding", "sample_tokens", "silu_and_mul", "write_kv"]
 
 
@@ -274,3 +275,51 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
         return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
     from kernels.triton_moe import fused_moe as triton_fused_moe
     return triton_fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+def _check_lora(x: Tensor, weights: Tensor, token_slots: Tensor, x_width: int, what: str) -> None:
+    if x.dim() != 2 or weights.dim() != 3 or x.shape[1] != x_width:
+        raise ValueError(f"{what}: x must be [T, {x_width}] and the stacked weights [S, ., .]; "
+                         f"got {tuple(x.shape)} and {tuple(weights.shape)}")
+    if token_slots.dtype != torch.int64 or token_slots.dim() != 1 \
+            or token_slots.shape[0] < x.shape[0]:
+        raise ValueError(f"{what}: token_slots must be int64 [>= T={x.shape[0]}]; got "
+                         f"{token_slots.dtype} {tuple(token_slots.shape)}")
+    if any(n * weights.element_size() % 16 for n in weights.shape[1:]):
+        raise ValueError(f"{what}: the stacked weights' rows must be multiples of 16 bytes "
+                         f"(grouped GEMMs); got {tuple(weights.shape)} {weights.dtype}: pad the "
+                         "rank with zero rows/columns")
+
+
+def lora_shrink(x: Tensor, lora_a: Tensor, token_slots: Tensor,
+                backend: Backend = "auto") -> Tensor:
+    """Batched LoRA shrink: `[T, R]`, row t = `x[t] @ lora_a[token_slots[t]]^T`.
+
+    `x` `[T, in]`; `lora_a` `[S, R, in]` stacked by slot, its last slot zeros; `token_slots`
+    int64 `[>= T]` (a persistent buffer: only the first T are read), -1 = the base model
+    (a zero row). R and `in` times the item size must be multiples of 16 bytes (pad R with
+    zeros). kernels/lora_reference.py states the layout.
+    """
+    _check_lora(x, lora_a, token_slots, lora_a.shape[-1], "lora_shrink")
+    if _resolve(backend, x) == "torch":
+        return lora_reference.lora_shrink(x, lora_a, token_slots)
+    from kernels.triton_lora import lora_shrink as triton_lora_shrink
+    return triton_lora_shrink(x, lora_a, token_slots)
+
+
+def lora_expand(y: Tensor, lora_b: Tensor, token_slots: Tensor, out: Tensor,
+                backend: Backend = "auto") -> None:
+    """Batched LoRA expand, in place: `out[t] += y[t] @ lora_b[token_slots[t]]^T`.
+
+    `y` `[T, R]` (lora_shrink's), `lora_b` `[S, out, R]` stacked by slot (last slot zeros),
+    `out` `[T, out]`; -1 slots add nothing.
+    """
+    _check_lora(y, lora_b, token_slots, lora_b.shape[-1], "lora_expand")
+    if out.shape != (y.shape[0], lora_b.shape[1]):
+        raise ValueError(f"lora_expand: out must be [T={y.shape[0]}, {lora_b.shape[1]}]; got "
+                         f"{tuple(out.shape)}")
+    if _resolve(backend, y) == "torch":
+        lora_reference.lora_expand(y, lora_b, token_slots, out)
+        return
+    from kernels.triton_lora import lora_expand as triton_lora_expand
+    triton_lora_expand(y, lora_b, token_slots, out)

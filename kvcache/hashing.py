@@ -5,8 +5,8 @@ A full block's hash is xxh3-128 over (parent block hash, the block's token ids, 
     h[0] = xxh3_128(ROOT_HASH || tokens[0:bs]       || extra_key)
     h[i] = xxh3_128(h[i-1]    || tokens[i*bs:(i+1)*bs] || extra_key)
 
-so h[i] names the whole prefix tokens[0:(i+1)*bs] (plus the extra key, e.g. a cache salt),
-not just block i. The encoding is unambiguous: the parent is always 16 bytes, the tokens
+so h[i] names the whole prefix tokens[0:(i+1)*bs] (plus the extra key: a cache salt and the
+LoRA adapter the KV was computed under, `extra_key`), not just block i. The encoding is unambiguous: the parent is always 16 bytes, the tokens
 always block_size little-endian int32s, and the extra key is the remainder.
 
 Collisions: hashes are 128-bit and are treated as impossible (birthday bound ~2^64 blocks);
@@ -75,6 +75,19 @@ def chain_hashes(chunks: Sequence[bytes], parent: BlockHash, extra: bytes) -> li
     if extra:
         return [h := _xxh3_128(h + c + extra) for c in chunks]
     return [h := _xxh3_128(h + c) for c in chunks]
+
+
+def extra_key(cache_salt: str | None, lora_name: str | None = None) -> bytes | None:
+    """The extra key of a request's blocks: its cache salt (UTF-8) and its LoRA adapter's
+    name, so one prompt under two adapters (or an adapter and the base model) never shares
+    blocks. Without an adapter it is the salt alone (None: nothing). With one it starts with
+    0xFF, a byte UTF-8 never contains, then the name's length and the name: no salt can
+    collide with an adapter's key."""
+    salt = cache_salt.encode() if cache_salt else b""
+    if lora_name is None:
+        return salt or None
+    name = lora_name.encode()
+    return b"\xff" + struct.pack("<I", len(name)) + name + salt
 
 
 def hash_block_tokens(

@@ -22,6 +22,7 @@ class SchedulerConfig:
     max_model_len: int = 4096  # prompt + output tokens of one sequence
     enable_chunked_prefill: bool = True
     preemption_mode: str | None = None  # "swap" | "recompute" | None (= swap when CPU blocks exist)
+    max_loras: int = 0  # LoRA adapters resident at once (device slots); 0: no LoRA requests
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -37,6 +38,9 @@ class SchedulerConfig:
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len}); enable chunked prefill or "
                 "raise max_num_batched_tokens")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) \
+                or self.max_loras < 0:
+            raise ValueError(f"max_loras must be an integer >= 0; got {self.max_loras!r}")
         if self.preemption_mode is not None and self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be 'swap', 'recompute' or None; got {self.preemption_mode!r}")

@@ -15,7 +15,8 @@ A worker executes a plan in this order:
      tier -> GPU: prefix blocks found in the tier, read by this step; a load may read a
      tier block that an offload of this same step wrote), then `copies` (GPU src -> GPU
      dst, copy-on-write), every layer, K and V, each rank its own shard of the KV heads;
-  3. create state for `new_seqs`, append `appended_blocks`, replace `replaced_tables`;
+  3. load `lora_loads` into their device slots (scheduler/lora.py decides them), then
+     create state for `new_seqs`, append `appended_blocks`, replace `replaced_tables`;
   4. run the forward pass over the batch (`seq_ids` order), writing KV at the slots given
      by each sequence's block table and positions `start_pos[i] .. start_pos[i]+query_lens[i]-1`;
   5. sample one token for every sequence with `do_sample[i]`, in batch order (rank 0 returns
@@ -58,6 +59,30 @@ def empty_pairs() -> np.ndarray:
 
 
 @dataclass(slots=True)
+class LoRAWeights:
+    """One adapter's tensors, full (unsharded), float32, as PEFT names the modules.
+
+    `tensors["layers.{i}.{module}"] = (A [r, in_features], B [out_features, r])` for each
+    adapted module (q/k/v/o/gate/up/down_proj) of decoder layer i, B already multiplied by
+    the adapter's scaling (lora_alpha / r, or / sqrt(r) with use_rslora). Each rank shards
+    them as it shards the base layer (workers/lora/layers.py).
+    """
+
+    rank: int
+    tensors: dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(slots=True)
+class LoRALoad:
+    """Put adapter `lora_id` into device slot `slot` before this step's forward pass.
+    `weights` are attached by the engine from its host cache (cluster/engine/lora.py)."""
+
+    slot: int
+    lora_id: int
+    weights: LoRAWeights | None = None
+
+
+@dataclass(slots=True)
 class NewSeq:
     """A sequence the workers hold no state for: first schedule, or resume after preemption.
 
@@ -79,6 +104,7 @@ class NewSeq:
     # params ask for them and it is the request's sample 0): the chunk ending at position j
     # predicts prompt token j + 1, which may be in the next chunk.
     prompt_token_ids: list[int] | None = None
+    lora_slot: int = -1  # the device slot of its adapter (-1: the base model)
 
 
 @dataclass(slots=True)
@@ -115,6 +141,8 @@ class StepPlan:
     # has any). A verify row samples; its rejected proposals' slots are the scheduler's to
     # give back once the result is in.
     num_draft_tokens: np.ndarray | None = None
+    # LoRA: adapters to load into device slots before the new sequences arrive (step 3)
+    lora_loads: list[LoRALoad] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -138,7 +166,7 @@ class StepPlan:
         """Nothing at all for the workers: no batch, no drops, no swaps or copies."""
         return (self.num_seqs == 0 and not self.dropped_seq_ids and not len(self.swap_out)
                 and not len(self.swap_in) and not len(self.copies) and not len(self.offload)
-                and not len(self.load))
+                and not len(self.load) and not self.lora_loads)
 
 
 @dataclass(slots=True)

@@ -7,7 +7,8 @@ maps the id of every live sequence to it and its request; `drops` is the list of
 whose worker state the next plan drops (the StepBuilder of that plan appends to it too).
 A running request's live sequences number at most `max_num_seqs` in all (the scheduler's
 admission checks keep it so). The decode lane is told (`evict`) whenever a request leaves the
-running queue or one of its sequences finishes.
+running queue or one of its sequences finishes. A running request with a LoRA adapter pins it in
+its device slot (scheduler/lora.py): pinned on entering `running`, released on leaving it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import deque
 
 from kvcache import KVCacheManager
 from scheduler.decode_lane import DecodeLane
+from scheduler.lora import LoRASlots
 from scheduler.outputs import QueueLoad
 from scheduler.request import Request, Seq, SequenceStatus
 
@@ -25,9 +27,10 @@ _SWAPPED = SequenceStatus.SWAPPED
 
 
 class RequestQueues:
-    def __init__(self, kv: KVCacheManager, lane: DecodeLane) -> None:
+    def __init__(self, kv: KVCacheManager, lane: DecodeLane, lora: LoRASlots) -> None:
         self.kv = kv
         self.lane = lane
+        self.lora = lora
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, tuple[Request, Seq]] = {}
         self.waiting: deque[Request] = deque()
@@ -52,6 +55,7 @@ class RequestQueues:
         req = self.waiting.popleft()
         req.move(_RUNNING)
         self.running.append(req)
+        self._pin(req)
         return req
 
     def resume_swapped(self) -> Request:
@@ -59,6 +63,7 @@ class RequestQueues:
         req = self.swapped.popleft()
         req.move(_RUNNING)
         self.running.append(req)
+        self._pin(req)
         return req
 
     def swapped_to_waiting(self) -> Request:
@@ -73,6 +78,7 @@ class RequestQueues:
         """A running request is preempted: out of the running queue, the workers drop its
         sequences, and it goes to the front of swapped (SWAPPED) or waiting (PREEMPTED)."""
         self.running.remove(req)
+        self._unpin(req)
         self.lane.evict(req)
         for seq in req.live_seqs():
             if seq.on_worker:
@@ -104,6 +110,7 @@ class RequestQueues:
             return False
         if before is _RUNNING:
             self.running.remove(req)
+            self._unpin(req)
         else:  # preempted with its last token in flight (async scheduling)
             (self.swapped if before is _SWAPPED else self.waiting).remove(req)
         self.forget(req)
@@ -118,6 +125,7 @@ class RequestQueues:
         status = req.status
         if status is _RUNNING:
             self.running.remove(req)
+            self._unpin(req)
         elif status is _SWAPPED:
             self.swapped.remove(req)
         else:
@@ -127,6 +135,17 @@ class RequestQueues:
         req.move(SequenceStatus.FINISHED_ABORTED)
         self.forget(req)
         return req
+
+    def _pin(self, req: Request) -> None:
+        """The request runs: its adapter (placed before admission) stays in its slot."""
+        if req.lora_id:
+            req.lora_slot = self.lora.slot_of[req.lora_id]
+            self.lora.pin(req.lora_id)
+
+    def _unpin(self, req: Request) -> None:
+        if req.lora_id:
+            self.lora.unpin(req.lora_id)
+            req.lora_slot = -1
 
     def forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
@@ -141,6 +160,8 @@ class RequestQueues:
         back += [r for r in self.waiting if r.status is _PREEMPTED]
         fresh = [r for r in self.waiting if r.status is not _PREEMPTED]
         for req in back:
+            if req.status is _RUNNING:
+                self._unpin(req)
             self.lane.evict(req)
             for seq in req.live_seqs():
                 seq.num_computed = 0

@@ -120,7 +120,8 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "n", "arrival_time",
                  "extra_key", "seqs", "status", "forked", "num_cached_tokens", "scheduled_step",
-                 "admitted", "stop_token_ids", "max_output", "block_hashes", "in_lane")
+                 "admitted", "stop_token_ids", "max_output", "block_hashes", "in_lane",
+                 "lora_id", "lora_slot")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float,
@@ -150,6 +151,10 @@ class Request:
         limit = max_model_len - len(prompt_token_ids)
         self.max_output = limit if sp.max_tokens is None else min(sp.max_tokens, limit)
         self.in_lane = False  # a member of the Scheduler's DecodeLane
+        # LoRA (scheduler/lora.py): its adapter's lora_int_id (0: the base model) and, while it
+        # runs, that adapter's device slot (-1: none)
+        self.lora_id = 0
+        self.lora_slot = -1
 
     @property
     def is_finished(self) -> bool:

@@ -48,10 +48,12 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kvcache import KVCacheManager, KVCacheStats, prompt_block_hashes
+from kvcache.hashing import extra_key
 from scheduler import ahead
 from scheduler.ahead import PlansInFlight
 from scheduler.config import SchedulerConfig
 from scheduler.decode_lane import DecodeLane
+from scheduler.lora import LoRARequest, LoRASlots
 from scheduler.outputs import SchedulerStats, StepOutcome
 from scheduler.plan import StepPlan, StepResult
 from scheduler.preemption import Preemptor
@@ -80,7 +82,8 @@ class Scheduler:
         self.block_size = kv.block_size
         self.spec = Speculator(speculative) if speculative is not None else None
         self.lane = DecodeLane(kv.block_size, *(self.spec.lane_args() if self.spec else ()))
-        self.queues = RequestQueues(kv, self.lane)
+        self.lora = LoRASlots(config.max_loras)
+        self.queues = RequestQueues(kv, self.lane, self.lora)
         self.inflight = PlansInFlight()
         mode = config.preemption_mode or ("swap" if kv.num_cpu_blocks > 0 else "recompute")
         self.preemptor = Preemptor(mode, kv, self.queues)
@@ -102,8 +105,12 @@ class Scheduler:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, arrival_time: float | None = None,
-                    cache_salt: str | None = None, output_token_ids: Sequence[int] = ()) -> None:
+                    cache_salt: str | None = None, output_token_ids: Sequence[int] = (),
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request; raise ValueError if it is malformed or could never be scheduled.
+
+        `lora_request`: the adapter it runs under (None: the base model); its name joins the
+        cache salt in the prefix cache's extra key (kvcache.hashing.extra_key).
 
         `output_token_ids`: a request resumed from another replica (which died or drained)
         arrives with the tokens it already generated there. They are recomputed with the
@@ -115,6 +122,10 @@ class Scheduler:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
         if request_id in self.queues.requests:
             raise ValueError(f"request_id {request_id!r} is already in use; pick a unique id")
+        if lora_request is not None and not self.config.max_loras:
+            raise ValueError(f"request {request_id!r} names LoRA adapter "
+                             f"{lora_request.lora_name!r}, but LoRA is off (max_loras=0); "
+                             "start the engine with enable_lora=True")
         prompt = list(map(int, prompt_token_ids))
         check_prompt(request_id, prompt, sp, self.config, self.kv.num_gpu_blocks,
                      self.block_size, self.vocab_size)
@@ -124,8 +135,9 @@ class Scheduler:
                      SequenceStatus.WAITING)
         req = Request(request_id, prompt, sp,
                       time.monotonic() if arrival_time is None else arrival_time,
-                      cache_salt.encode() if cache_salt else None, parent,
+                      extra_key(cache_salt, lora_request and lora_request.lora_name), parent,
                       self.eos_token_ids, self.config.max_model_len)
+        req.lora_id = 0 if lora_request is None else lora_request.lora_int_id
         if outputs:
             check_resumable(req, outputs, self.vocab_size)
             req.forked = True  # its one sequence computes all it has, then samples
@@ -165,6 +177,7 @@ class Scheduler:
         self.kv.reset()
         self.lane.reset()
         self.queues.requeue_all()
+        self.lora.reset()
         self.inflight.clear()
 
     def has_unfinished(self) -> bool:
@@ -213,7 +226,7 @@ class Scheduler:
             self.spec.resend_tables(step, self.kv)
         queues.drops = []  # (the plan carries the list it had)
         self.inflight.launch(step.step_id)
-        return step.to_plan(*self.kv.take_transfers())
+        return step.to_plan(*self.kv.take_transfers(), self.lora.take_loads())
 
     def _schedule_resumed_and_new(self, step: StepBuilder) -> None:
         """Stages 3 and 4: swapped requests back in, then waiting ones admitted."""
@@ -222,7 +235,8 @@ class Scheduler:
         # 3. Swapped requests come back before any new one is admitted.
         while queues.swapped and step.budget and step.seq_slots:
             req = queues.swapped[0]
-            if num_seqs + queues.reserved_seqs(req) > cfg.max_num_seqs:
+            if num_seqs + queues.reserved_seqs(req) > cfg.max_num_seqs \
+                    or not self._place_adapter(req):
                 break
             ids = [s.seq_id for s in req.live_seqs() if kv.has_seq(s.seq_id)]
             if not kv.can_swap_in(ids):
@@ -238,7 +252,8 @@ class Scheduler:
         # 4. Waiting requests, FCFS.
         while not queues.swapped and queues.waiting and step.budget and step.seq_slots:
             req = queues.waiting[0]
-            if num_seqs + queues.reserved_seqs(req) > cfg.max_num_seqs:
+            if num_seqs + queues.reserved_seqs(req) > cfg.max_num_seqs \
+                    or not self._place_adapter(req):
                 break
             # The watermark keeps headroom for running requests to grow; alone, use it all.
             admit = bool(queues.running)
@@ -254,6 +269,16 @@ class Scheduler:
                 if step.budget == 0 or step.seq_slots == 0:
                     break
                 self._schedule_seq(req, seq, step, admit=admit)
+
+    def _place_adapter(self, req: Request) -> bool:
+        """Make the request's adapter resident before it (re)starts running (scheduler/lora.py);
+        False when every slot is pinned by running requests of other adapters: it waits."""
+        if not req.lora_id:
+            return True
+        if not self.lora.can_place(req.lora_id):
+            return False
+        req.lora_slot = self.lora.place(req.lora_id)
+        return True
 
     def _schedule_decodes(self, step: StepBuilder) -> list[Request]:
         """Stage 1: a token for every running sequence that decodes (and the n > 1 forks due):

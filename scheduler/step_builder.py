@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvcache import Allocation, KVCacheManager
-from scheduler.plan import PENDING_TOKEN, NewSeq, StepPlan, empty_pairs
+from scheduler.plan import PENDING_TOKEN, LoRALoad, NewSeq, StepPlan, empty_pairs
 from scheduler.request import Request, Seq
 
 
@@ -61,8 +61,9 @@ class StepBuilder:
             self.new_seqs.append(NewSeq(
                 sid, req.request_id, seq.index, seq.prompt_len, seq.token_ids[:start],
                 list(kv.block_table(sid)), sp,
-                req.prompt_token_ids if sp.prompt_logprobs is not None and seq.index == 0
-                else None))
+                prompt_token_ids=(req.prompt_token_ids if sp.prompt_logprobs is not None
+                                  and seq.index == 0 else None),
+                lora_slot=req.lora_slot))
             seq.on_worker = True
         else:
             self.replaced[sid] = list(kv.block_table(sid))
@@ -94,8 +95,10 @@ class StepBuilder:
             if self.pre_drafts is not None:
                 self.pre_drafts.append(0)
 
-    def to_plan(self, offload: list[tuple[int, int]], load: list[tuple[int, int]]) -> StepPlan:
-        """The plan, with the offload tier's copies of the step (KVCacheManager.take_transfers)."""
+    def to_plan(self, offload: list[tuple[int, int]], load: list[tuple[int, int]],
+                lora_loads: list[LoRALoad]) -> StepPlan:
+        """The plan, with the offload tier's copies of the step (KVCacheManager.take_transfers)
+        and the adapters to load into device slots (LoRASlots.take_loads)."""
         nd = len(self.dec_ids)
         seq_ids = np.array(self.dec_ids + self.pre_ids, dtype=np.int64)
         start_pos = np.array(self.dec_pos + self.pre_pos, dtype=np.int32)
@@ -132,6 +135,7 @@ class StepBuilder:
             offload=_pairs(offload),
             load=_pairs(load),
             num_draft_tokens=num_draft,
+            lora_loads=lora_loads,
         )
 
 

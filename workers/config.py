@@ -63,6 +63,9 @@ class WorkerConfig:
     # vLLM's hf_overrides: config.json keys set over the target checkpoint's (hf_config.py)
     hf_overrides: dict[str, Any] | None = None
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    # LoRA: adapters held in device slots (0: no LoRA wrappers) and their largest rank
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -93,7 +96,8 @@ class WorkerConfig:
                              f"got {self.num_gpu_blocks_override}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB; got {self.swap_space}")
-        for name in ("num_speculative_tokens", "speculative_max_num_seqs"):
+        for name in ("num_speculative_tokens", "speculative_max_num_seqs", "max_loras",
+                     "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")

@@ -15,6 +15,11 @@ over is three copies.
 
 Prompt logprobs are computed from the same forward's hidden states, a bounded slice of rows
 at a time (workers/prompt_logprobs.py); a step with any never replays a graph.
+
+LoRA (workers/lora/): each token's adapter slot is its sequence's (`SeqTable.lora_slot`), staged
+with the step's other inputs and copied into the wrappers' persistent slot buffer before the
+forward pass, graph or eager; an eager step none of whose sequences has an adapter skips the
+LoRA products.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from workers.cuda_graph import CUDAGraphRunner
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftBatch, DraftRunner, draft_entries
 from workers.layers.attention import AttentionMetadata
+from workers.lora import LoRAModel
 from workers.pending import PendingTokens
 from workers.prompt_logprobs import PromptRows, compute_prompt_logprobs, select_prompt_rows
 from workers.qwen3 import Qwen3ForCausalLM
@@ -77,6 +83,9 @@ class StepBatch:
     # forward() computed for them (rank 0)
     prompt: PromptRows | None = None
     prompt_out: TokenLogprobs | None = None
+    # LoRA: int64 [T (+ graph padding)] each token's adapter slot (-1: base); None: LoRA off
+    lora_slots: Tensor | None = None
+    lora_active: bool = False  # some sequence of the step has an adapter
 
     @property
     def num_sampled(self) -> int:
@@ -88,8 +97,10 @@ class ModelRunner:
     """Runs the model for a plan over the persistent batch; no scheduling decisions."""
 
     def __init__(self, model: Qwen3ForCausalLM, device: torch.device, block_size: int,
-                 max_model_len: int, max_num_seqs: int, vocab_size: int, seed: int) -> None:
+                 max_model_len: int, max_num_seqs: int, vocab_size: int, seed: int,
+                 lora: LoRAModel | None = None) -> None:
         self.model = model
+        self.lora = lora
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -230,7 +241,8 @@ class ModelRunner:
                diff_rows if diff_rows.size else None, diff_cols if diff_rows.size else None,
                *pen[:4], *((None, None) if spec is None else (a.reshape(-1) for a in spec)),
                *((None, None) if prompt is None else (prompt.hidden_rows, prompt.targets)),
-               *((None,) * 6 if entries is None else entries.i64)]
+               *((None,) * 6 if entries is None else entries.i64),
+               None if self.lora is None else self._lora_slots(token_rows, tpad)]
         i32 = [_padded(seq_lens, pad, q), cu, table.top_k[sample_rows] if features & TOP_K
                else None, diff_ids if diff_ids.size else None,
                None if entries is None else entries.seq_lens]
@@ -239,7 +251,8 @@ class ModelRunner:
         (v64, v32, vf), regions = self.stager.stage(i64, i32, f32)
         (d_ids, d_pos, d_slots, d_key, d_counter, d_rows, d_logits_idx, d_pending,
          d_pending_src, d_diff_rows, d_diff_cols, d_pen_rows, d_pen_slots, d_pen_tokens,
-         d_tok_slot, d_gather, d_proposal, d_prompt_rows, d_prompt_targets, *v_draft) = v64
+         d_tok_slot, d_gather, d_proposal, d_prompt_rows, d_prompt_targets, *v_draft,
+         d_lora) = v64
         if prompt is not None:
             prompt.d_hidden_rows, prompt.d_targets = d_prompt_rows, d_prompt_targets
         d_seq_lens, d_cu, d_top_k, d_diff_ids, d_draft_lens = v32
@@ -286,7 +299,16 @@ class ModelRunner:
             verify=None if spec is None else (d_gather.view(spec[0].shape),
                                                d_proposal.view(spec[1].shape)),
             draft=None if entries is None else DraftBatch(entries, *v_draft, d_draft_lens),
-            draft_in_graph=draft_in_graph, prompt=prompt)
+            draft_in_graph=draft_in_graph, prompt=prompt, lora_slots=d_lora,
+            lora_active=d_lora is not None and bool((table.lora_slot[rows] >= 0).any()))
+
+    def _lora_slots(self, token_rows: np.ndarray, pad: int) -> np.ndarray:
+        """Each token's adapter slot, padded with -1 (base) to the graph's token rows."""
+        slots = _padded(self.table.lora_slot[token_rows], pad, -1)
+        if slots.shape[0] > self.lora.max_tokens:
+            raise ValueError(f"a step of {slots.shape[0]} tokens exceeds the {self.lora.max_tokens}"
+                             " the LoRA slot buffer holds (max_num_batched_tokens)")
+        return slots
 
     @staticmethod
     def _draft_entries(drafts: np.ndarray, last_idx: np.ndarray, sample_rows: np.ndarray,
@@ -354,6 +376,10 @@ class ModelRunner:
         if batch.penalty_tokens is not None:
             rows, slots, is_prompt = batch.penalty_tokens
             self.table.penalties.record(slots, batch.input_ids[rows], is_prompt)
+        if batch.lora_slots is not None:
+            lora = self.lora.batch
+            lora.token_slots[:batch.lora_slots.shape[0]].copy_(batch.lora_slots)
+            lora.active = batch.lora_active
         if batch.graphs is not None:
             logits, tokens = batch.graphs.replay(batch, self.table.device_block_table)
             n = batch.num_sampled

@@ -174,7 +174,7 @@ class SeqTable:
         "num_prompt_logprobs": (np.int32, -1),
         "penalty_slot": (np.int64, -1), "repetition_penalty": (np.float32, 1.0),
         "frequency_penalty": (np.float32, 0.0), "presence_penalty": (np.float32, 0.0),
-        "features": (np.int64, 0),
+        "features": (np.int64, 0), "lora_slot": (np.int64, -1),
     }
 
     def _alloc_rows(self, n: int) -> None:
@@ -219,6 +219,7 @@ class SeqTable:
             if state.prompt_ids is not None:
                 self.num_prompt_logprob_seqs -= 1
                 self.num_prompt_logprobs[row] = -1
+            self.lora_slot[row] = -1
             self.free_rows.append(row)
 
     def apply(self, plan: StepPlan) -> None:
@@ -268,6 +269,7 @@ class SeqTable:
                              else stream_key(self.seed, _UNSEEDED_STREAM + new.seq_id))
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.penalty_slot[row] = slot
+        self.lora_slot[row] = new.lora_slot
         self.repetition_penalty[row] = p.repetition_penalty
         self.frequency_penalty[row] = p.frequency_penalty
         self.presence_penalty[row] = p.presence_penalty

@@ -30,9 +30,10 @@ from workers.cuda_graph import capture_step_graphs
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftRunner
 from workers.loader import load_model
+from workers.lora import LoRAModel, check_lora_plan
 from workers.model_config import ModelConfig, check_weights_fit, load_model_config
 from workers.model_runner import ModelRunner, StepBatch
-from workers.qwen3 import Qwen3ForCausalLM
+from workers.qwen3 import Qwen3ForCausalLM, ops_backend
 from workers.rejection_sampler import num_accepted
 from workers.sampler import SamplerOutput
 from workers.step_outputs import StepOutputs
@@ -71,6 +72,7 @@ class Worker:
         self.model: Qwen3ForCausalLM | None = None
         self.model_runner: ModelRunner | None = None
         self.drafter: DraftRunner | None = None  # speculative decoding's draft model
+        self.lora: LoRAModel | None = None  # LoRA wrappers and slots (WorkerConfig.max_loras)
         self.cache_engine: CacheEngine | None = None
         self._bound_cache: CacheEngine | None = None  # what the attention layers point at
         self.device = torch.device("cpu")
@@ -129,9 +131,13 @@ class Worker:
             self.drafter = DraftRunner.load(
                 cfg.speculative_model, mc, self.tp, self.dtype, cfg.attention_backend,
                 cfg.max_model_len, cfg.block_size, self.device)
-        self.model_runner = ModelRunner(model, self.device, cfg.block_size, cfg.max_model_len,
-                                        cfg.max_num_seqs, mc.vocab_size, cfg.seed)
         rows = cfg.max_num_seqs * (1 + cfg.num_speculative_tokens)  # (verify: k + 1 each)
+        if cfg.max_loras:  # (before the KV cache is sized: its slots count as used memory)
+            self.lora = LoRAModel(model, cfg.max_loras, cfg.max_lora_rank,
+                                  max(cfg.max_num_batched_tokens, rows),
+                                  ops_backend(cfg.attention_backend))
+        self.model_runner = ModelRunner(model, self.device, cfg.block_size, cfg.max_model_len,
+                                        cfg.max_num_seqs, mc.vocab_size, cfg.seed, self.lora)
         self._outputs = StepOutputs(self.device, rows, MAX_LAUNCHED + 1)
 
     def kv_block_bytes(self) -> int:
@@ -147,7 +153,8 @@ class Worker:
         GPU blocks: `num_gpu_blocks_override` when set; on CUDA otherwise a profiling run at
         the largest batch measures peak activation memory and `gpu_memory_utilization` of the
         device minus what is in use and that peak becomes KV blocks; on CPU enough blocks
-        for max_num_seqs full-length sequences, capped at `CPU_KV_CACHE_BYTES` (1 GiB).
+        for max_num_seqs full-length sequences, capped at `CPU_KV_CACHE_BYTES` (1 GiB) less
+        the LoRA slots (on CUDA the profiling run finds them in use).
         CPU swap blocks: `swap_space` GiB. Offload-tier blocks: this rank's share of
         `kv_offloading_size` GiB (split evenly over the ranks).
         """
@@ -159,7 +166,17 @@ class Worker:
             return cfg.num_gpu_blocks_override, num_cpu, num_offload
         if self.device.type == "cpu":
             wanted = cfg.max_num_seqs * math.ceil(cfg.max_model_len / cfg.block_size)
-            return max(1, min(wanted, CPU_KV_CACHE_BYTES // block_bytes)), num_cpu, num_offload
+            lora_bytes = 0 if self.lora is None else self.lora.nbytes
+            num = min(wanted, (CPU_KV_CACHE_BYTES - lora_bytes) // block_bytes)
+            needed = math.ceil(cfg.max_model_len / cfg.block_size)
+            if lora_bytes and num < needed:
+                raise ValueError(
+                    f"the LoRA slots (max_loras={cfg.max_loras}, max_lora_rank="
+                    f"{cfg.max_lora_rank}) take {lora_bytes / _GIB:.2f} GiB of the "
+                    f"{CPU_KV_CACHE_BYTES / _GIB:.0f} GiB CPU KV budget, leaving {max(num, 0)} KV "
+                    f"blocks (one max_model_len={cfg.max_model_len} sequence needs {needed}); "
+                    "lower max_loras or max_lora_rank, or set num_gpu_blocks_override")
+            return max(1, num), num_cpu, num_offload
         return self._profile_num_gpu_blocks(block_bytes), num_cpu, num_offload
 
     def _profile_num_gpu_blocks(self, block_bytes: int) -> int:
@@ -243,6 +260,8 @@ class Worker:
         """Capture the decode and verify graphs, with the draft's (workers/cuda_graph.py);
         `graph_factory` EagerGraph runs the graph path on CPU."""
         cfg, runner = self.config, _loaded(self.model_runner)
+        if self.lora is not None:  # the graphs always hold the LoRA products
+            self.lora.batch.active = True
         runner.graph_runner, runner.verify_graph_runners = capture_step_graphs(
             _loaded(self.model), self.drafter, self.tp, cfg.max_num_seqs,
             runner.table.max_blocks_per_seq, cfg.max_model_len, self.device,
@@ -328,6 +347,9 @@ class Worker:
         # before anything of this step overwrites them); copy-on-write waits for them.
         cache.transfer(plan.offload, plan.swap_out, plan.swap_in, plan.load)
         cache.copy(plan.copies)
+        check_lora_plan(plan, self.config.max_loras)
+        if plan.lora_loads:
+            self.lora.load(plan.lora_loads)
         if plan.is_empty:
             cache.wait_transfers()
             runner.table.apply(plan)

@@ -77,7 +77,7 @@ from ray.serve.request_router import (
 from cluster.api import kv_holdings
 from cluster.api.kv_holdings import DEFAULT_RECENT_TTL_S
 from cluster.api.sessions import SessionHolds
-from kvcache.hashing import BlockHash, prompt_block_hashes
+from kvcache.hashing import BlockHash, extra_key, prompt_block_hashes
 from scheduler.outputs import QueueLoad
 
 logger = logging.getLogger("ray.serve")
@@ -310,8 +310,8 @@ class PrefixAwareRouter(RequestRouter):
             if len(self._hashes) >= MAX_ROUTING_KEYS:  # requests cancelled while routing
                 self._hashes.clear()
             salt = pr.args[3] if len(pr.args) > 3 else pr.kwargs.get("cache_salt")
-            hashes = prompt_block_hashes(pr.args[0], self.block_size,
-                                         salt.encode() if salt else None)
+            # (the engine's extra key: a request without a LoRA adapter hashes with its salt)
+            hashes = prompt_block_hashes(pr.args[0], self.block_size, extra_key(salt))
             self._hashes[rid] = hashes
         return hashes
 

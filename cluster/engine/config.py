@@ -106,6 +106,14 @@ class EngineConfig:
     # vLLM's calculate_kv_scales (FP8 KV scales from the first prefill): not implemented yet,
     # so true is refused rather than ignored.
     calculate_kv_scales: bool = False
+    # LoRA (vLLM's names): requests may name a PEFT adapter (LoRARequest); max_loras adapters
+    # sit in device slots at once (a step mixes at most that many), of rank <= max_lora_rank;
+    # max_cpu_loras (None: max_loras) loaded adapters are kept in host memory
+    # (cluster/engine/lora.py, scheduler/lora.py, workers/lora/).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -136,6 +144,16 @@ class EngineConfig:
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError("enable_expert_parallel must be true or false; "
                              f"got {self.enable_expert_parallel!r}")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false; got {self.enable_lora!r}")
+        _int_at_least(self, "max_loras", 1)
+        _int_at_least(self, "max_lora_rank", 1)
+        if self.max_cpu_loras is not None:
+            _int_at_least(self, "max_cpu_loras", 1)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                                 f"({self.max_loras}) (as in vLLM: the host cache holds at "
+                                 "least as many adapters as the device slots)")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",

@@ -1,4 +1,7 @@
-"""The offline API, shaped like vLLM's so code can switch: `LLM(model).generate(prompts, params)`."""
+"""The offline API, shaped like vLLM's so code can switch: `LLM(model).generate(prompts, params)`,
+with LoRA adapters as vLLM takes them: `LLM(model, enable_lora=True, max_loras=N,
+max_lora_rank=R, max_cpu_loras=M)` and `generate(..., lora_request=LoRARequest(name, id, path))`
+(one for every prompt, or a list with one per prompt, None for the base model)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from cluster.engine.llm_engine import LLMEngine
 from scheduler import RequestOutput as OutputDelta
 from scheduler import SamplingParams
 from scheduler.outputs import PromptLogprobList
+from scheduler.lora import LoRARequest
 
 
 @dataclass(slots=True)
@@ -90,12 +94,14 @@ class LLM:
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order.
 
         A prompt is a string or {"prompt_token_ids": [...]} (optionally with "prompt").
-        All prompts are validated before any is queued, so one bad prompt fails the call
-        without leaving the others running.
+        All prompts, and the adapters they name, are validated before any is queued, so one
+        bad prompt or adapter fails the call without leaving the others running.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -106,14 +112,21 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; "
                              "pass one, or one per prompt")
+        loras = (lora_request if isinstance(lora_request, list)
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; pass "
+                             "one, or one per prompt (None: the base model)")
         requests = [self._tokenize(p) for p in prompts]
         for (_, ids), sp in zip(requests, params):
             self.engine.validate(ids, sp)
+        for lora in dict.fromkeys(r for r in loras if r is not None):
+            self.engine.add_lora(lora)
         results: dict[str, RequestOutput] = {}
         order = []
-        for (text, ids), sp in zip(requests, params):
+        for (text, ids), sp, lora in zip(requests, params, loras):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, sp)
+            self.engine.add_request(rid, ids, sp, lora_request=lora)
             results[rid] = RequestOutput(rid, text, ids,
                                          [CompletionOutput(i) for i in range(sp.n)])
             order.append(rid)
@@ -123,7 +136,9 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.engine.tokenizer
@@ -134,7 +149,7 @@ class LLM:
                                            **(chat_template_kwargs or {}))
             prompts.append({"prompt": text,
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -26,6 +26,7 @@ from typing import Any
 from cluster.engine.config import EngineConfig
 from cluster.engine.executor import Executor, InProcessExecutor, WorkerDiedError
 from cluster.engine.fast_detokenizer import detokenizer_factory
+from cluster.engine.lora import LoRAHostCache
 from cluster.engine.metrics import LatencyMetrics, RequestTimes
 from cluster.engine.output_processor import OutputProcessor
 from cluster.engine.ray_executor import RayExecutor
@@ -39,6 +40,7 @@ from scheduler import (
     StepPlan,
     StepResult,
 )
+from scheduler.lora import LoRARequest
 from scheduler.speculative import SpeculativeConfig
 from workers.checkpoint import checkpoint_files
 from workers.config import WorkerConfig
@@ -141,7 +143,13 @@ class LLMEngine:
             enable_expert_parallel=config.enable_expert_parallel, speculative_model=draft_path,
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
             speculative_max_num_seqs=0 if spec is None else spec.disable_by_batch_size,
-            hf_overrides=config.hf_overrides, kv_cache_dtype=config.kv_cache_dtype)
+            hf_overrides=config.hf_overrides, kv_cache_dtype=config.kv_cache_dtype,
+            max_loras=config.max_loras if config.enable_lora else 0,
+            max_lora_rank=config.max_lora_rank if config.enable_lora else 0)
+        # LoRA adapters this engine knows and the host copies it keeps (cluster/engine/lora.py)
+        self.loras = (LoRAHostCache(self.model_config, config.max_lora_rank,
+                                    config.max_cpu_loras or config.max_loras)
+                      if config.enable_lora else None)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device == "cuda")
         if spec is not None and self.async_scheduling:
@@ -163,7 +171,8 @@ class LLMEngine:
             "swap" if self.executor.num_cpu_blocks > 0 else "recompute")
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
-                            max_model_len=self.max_model_len, preemption_mode=preemption),
+                            max_model_len=self.max_model_len, preemption_mode=preemption,
+                            max_loras=worker_config.max_loras),
             kv, eos_token_ids=self.model_config.eos_token_ids, vocab_size=len(self.tokenizer),
             speculative=spec)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer,
@@ -223,16 +232,29 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # cached for add_request
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Know (and load, checking it) a LoRA adapter; ValueError for a bad one or with LoRA
+        off. Idempotent: requests name it afterwards."""
+        if self.loras is None:
+            raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} "
+                             "requested, but LoRA is off; start the engine with enable_lora=True")
+        self.loras.add(lora_request)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, cache_salt: str | None = None,
-                    output_token_ids: list[int] | None = None) -> None:
+                    output_token_ids: list[int] | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. `output_token_ids`: it is resumed from another replica with the
-        tokens it generated there (Scheduler.add_request); its deltas start after them."""
+        tokens it generated there (Scheduler.add_request); its deltas start after them.
+        `lora_request`: the adapter it runs under (None: the base model)."""
         params = params or self.default_sampling_params()
         self.validate(prompt_token_ids, params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         outputs = list(output_token_ids or ())
         self.scheduler.add_request(request_id, list(prompt_token_ids), params,
-                                   cache_salt=cache_salt, output_token_ids=outputs)
+                                   cache_salt=cache_salt, output_token_ids=outputs,
+                                   lora_request=lora_request)
         if params.structured_outputs is not None:
             self.structured.add_request(request_id, params.structured_outputs)
             if outputs:  # the matcher is where the grammar was after those tokens
@@ -299,6 +321,8 @@ class LLMEngine:
     def _submit(self) -> None:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
+        for load in plan.lora_loads:  # (the scheduler chose the slot; the tensors are ours)
+            load.weights = self.loras.weights(load.lora_id)
         for new in plan.new_seqs:  # (first schedule, or a resume: the first one counts)
             times = self._times.get(new.request_id)
             if times is not None and times.scheduled is None:

@@ -3,7 +3,7 @@ import struct
 import pytest
 import xxhash
 
-from kvcache import hash_block_tokens
+from kvcache import hash_block_tokens, prompt_block_hashes
 from kvcache.hashing import ROOT_HASH, block_hasher, hash_packed_blocks, pack_token_ids
 
 
@@ -46,3 +46,17 @@ def test_block_hasher_is_hash_block_tokens_for_its_block_size():
     assert hash4(parent, [5, 6, 7, 8], b"salt") == hash_block_tokens(parent, [5, 6, 7, 8], b"salt")
     with pytest.raises(ValueError, match="int32"):
         hash4(None, [1, 2, 3, 2**31])
+
+
+def test_extra_key_separates_adapters_and_salts_and_keeps_a_salt_alone_as_before() -> None:
+    from kvcache.hashing import extra_key
+
+    assert extra_key(None) is None and extra_key("") is None
+    assert extra_key("salt") == b"salt"  # what a salted request hashed with before adapters
+    keys = [extra_key(s, a) for s in (None, "x", "\xff") for a in (None, "a", "ab", "b")]
+    assert len(set(keys)) == len(keys)
+    assert not any(extra_key(s, None).startswith(b"\xff") for s in ("x", "\xff", "\U0010ffff"))
+    tokens = list(range(32))
+    under = {a: prompt_block_hashes(tokens, 16, extra_key(None, a)) for a in (None, "a", "b")}
+    assert len({h[0] for h in under.values()}) == 3
+    assert under["a"] == prompt_block_hashes(tokens, 16, extra_key(None, "a"))

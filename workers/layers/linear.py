@@ -4,6 +4,8 @@ Column-parallel layers split the output features across ranks and need no commun
 row-parallel layers split the input features and all-reduce the partial sums. Each weight
 carries a `weight_loader` that reads its rank's shard from the full checkpoint tensor, so
 merged (gate_up) and packed (qkv) projections load from their separate checkpoint names.
+`matmul(x)` is this rank's product alone, before any communication: what a wrapper around the
+layer (LoRA, workers/lora/layers.py) adds to before a row-parallel layer's all-reduce.
 """
 
 from __future__ import annotations
@@ -41,8 +43,12 @@ class LinearBase(nn.Module, ABC):
                       shard_id: int | str | None = None) -> None:
         """Copy this rank's slice of the full checkpoint tensor `loaded` into `param`."""
 
-    def forward(self, x: Tensor) -> Tensor:
+    def matmul(self, x: Tensor) -> Tensor:
+        """This rank's `x @ W.T` (a row-parallel layer's partial sum, not yet reduced)."""
         return F.linear(x, self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.matmul(x)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -133,4 +139,4 @@ class RowParallelLinear(LinearBase):
         copy_checked(param, loaded.narrow(1, self.tp.rank * n, n), loaded.name)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(self.matmul(x))
