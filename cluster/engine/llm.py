@@ -14,8 +14,8 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from scheduler import RequestOutput as OutputDelta
 from scheduler import SamplingParams
-from scheduler.outputs import PromptLogprobList
 from scheduler.lora import LoRARequest
+from scheduler.outputs import PromptLogprobList
 
 
 @dataclass(slots=True)
