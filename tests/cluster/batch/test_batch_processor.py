@@ -146,3 +146,17 @@ def test_bad_rows_carry_their_error_and_no_output(job: Job) -> None:
     assert "a row needs `messages`" in errors[1004]
     for i in errors:
         assert by_id[i]["generated_tokens"] is None and by_id[i]["generated_text"] is None
+
+
+def test_tensor_parallel_engines_give_the_same_tokens(job: Job) -> None:
+    """tp 2: each engine actor starts its own two Ray workers in their own placement group."""
+    import ray.data
+
+    rows = [r for r in job.rows if r["id"] in job.expected][:24]
+    config = ProcessorConfig(engine_kwargs=dict(ENGINE, tensor_parallel_size=2,
+                                                worker_num_cpus=0.5),
+                             engine_num_cpus=0.25, batch_size=8)
+    out = build_processor(config)(ray.data.from_items(rows)).take_all()
+    assert sorted(r["id"] for r in out) == [r["id"] for r in rows]
+    for row in out:
+        assert row["error"] is None and row["generated_tokens"] == job.expected[row["id"]]
