@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=False)
         else:
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+            # "local": a new Ray of this job's own; without it ray.init joins whatever
+            # cluster another program on this machine started last.
+            ray.init("local", num_cpus=os.cpu_count(), include_dashboard=False,
+                     log_to_driver=False)
     processor = build_processor(config, preprocess=functools.partial(read_request, facts=facts),
                                 postprocess=functools.partial(write_result, model=served))
     summary = run(processor(ray.data.read_text(os.path.abspath(args["input"]))), args["output"])
