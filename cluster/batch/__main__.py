@@ -46,12 +46,16 @@ def parser() -> argparse.ArgumentParser:
                        default=ProcessorConfig.__dataclass_fields__[name].default)
     p.add_argument("--engine-num-cpus", type=float, default=1.0,
                    help="CPUs each engine replica asks Ray for (default 1)")
+    p.add_argument("--engine-num-gpus", type=float, default=None,
+                   help="GPUs each engine replica asks Ray for (default: 1 for tp 1 on a cluster "
+                        "with GPUs, else 0; tp > 1 workers take theirs)")
     p.add_argument("--served-model-name", default=None,
                    help="the `model` of the response bodies (default: --model)")
     engine = p.add_argument_group("engine arguments (EngineConfig's fields; values in YAML)")
     for f in dataclasses.fields(EngineConfig):
         engine.add_argument(f"--{f.name.replace('_', '-')}", dest=f"engine.{f.name}",
-                            type=yaml.safe_load, default=argparse.SUPPRESS)
+                            metavar=f.name.upper(), type=yaml.safe_load,
+                            default=argparse.SUPPRESS)
     return p
 
 
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                                  batch_size=args["batch_size"],
                                  max_batches_in_flight=args["max_batches_in_flight"],
                                  engine_num_cpus=args["engine_num_cpus"],
+                                 engine_num_gpus=args["engine_num_gpus"],
                                  apply_chat_template=False, tokenize=False)
         if not os.path.isfile(args["input"]):
             raise ValueError(f"input {args['input']!r} is not a file")

@@ -21,8 +21,10 @@ class ProcessorConfig:
     `batch_size`: rows per batch handed to an engine actor; `max_batches_in_flight`: how many
     batches one actor works on at once, so its engine's free slots are refilled from the next
     batch while the rows of the last one finish (a batch comes back whole, once every row in
-    it has). `engine_num_cpus`: the CPUs each engine actor asks Ray for (its tensor-parallel
-    workers, when tp > 1, ask for `worker_num_cpus` each). `max_restarts`: how often Ray
+    it has). `engine_num_cpus` / `engine_num_gpus`: what each engine actor asks Ray for (its
+    tensor-parallel workers, when tp > 1, ask for `worker_num_cpus` and a GPU each in their
+    own placement group); `engine_num_gpus` None: 1 for a tp-1 engine when the Ray cluster has
+    GPUs (its model runs in the actor), else 0. `max_restarts`: how often Ray
     restarts an engine actor whose process died; its unfinished batches run again.
     `apply_chat_template` / `tokenize`: the stages that turn `messages` rows into a prompt and
     `prompt` rows into token ids (off: the rows carry `prompt_token_ids` already); they and
@@ -35,6 +37,7 @@ class ProcessorConfig:
     batch_size: int = 32
     max_batches_in_flight: int = 4
     engine_num_cpus: float = 1.0
+    engine_num_gpus: float | None = None
     max_restarts: int = 4
     apply_chat_template: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -63,6 +66,10 @@ class ProcessorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be > 0; got {value!r}")
+        gpus = self.engine_num_gpus
+        if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, (int, float))
+                                 or gpus < 0):
+            raise ValueError(f"engine_num_gpus must be >= 0 or None (auto); got {gpus!r}")
         if not isinstance(self.chat_template_kwargs, dict):
             raise ValueError("chat_template_kwargs must be a dict of the chat template's "
                              f"arguments; got {self.chat_template_kwargs!r}")
@@ -72,6 +79,13 @@ class ProcessorConfig:
             raise ValueError(f"engine_kwargs must be a dict of EngineConfig's fields; got "
                              f"{self.engine_kwargs!r}")
         return EngineConfig.from_dict(self.engine_kwargs)
+
+    def engine_gpus(self, cluster_gpus: float) -> float:
+        """The GPUs an engine actor asks for, on a cluster of `cluster_gpus` GPUs."""
+        if self.engine_num_gpus is not None:
+            return self.engine_num_gpus
+        single = self.engine_config().tensor_parallel_size == 1
+        return 1.0 if single and cluster_gpus >= 1 else 0.0
 
     @property
     def pool_size(self) -> tuple[int, int]:

@@ -71,7 +71,7 @@ class Processor:
             ds = ds.map_batches(
                 EngineStage, fn_constructor_kwargs={"engine_kwargs": dict(cfg.engine_kwargs)},
                 batch_format="pyarrow", batch_size=cfg.batch_size, num_cpus=cfg.engine_num_cpus,
-                compute=pool, max_restarts=cfg.max_restarts, max_task_retries=-1)
+                num_gpus=cfg.engine_gpus(ray.cluster_resources().get("GPU", 0)), compute=pool, max_restarts=cfg.max_restarts, max_task_retries=-1)
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, num_cpus=cfg.tokenizer_num_cpus,
                         concurrency=cfg.tokenizer_concurrency)

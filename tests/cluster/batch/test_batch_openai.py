@@ -42,7 +42,14 @@ def test_processor_config_names_what_to_change() -> None:
         ProcessorConfig(batch_size=0)
     with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['tp'\]"):
         ProcessorConfig(engine_kwargs={"tp": 2})
+    with pytest.raises(ValueError, match="engine_num_gpus must be >= 0 or None"):
+        ProcessorConfig(engine_num_gpus=-1)
     assert ProcessorConfig(concurrency=[1, 3]).pool_size == (1, 3)
+    # A tp-1 engine runs its model in the actor: the actor takes the GPU; a tp-2 engine's
+    # workers take theirs in their own placement group.
+    assert ProcessorConfig().engine_gpus(cluster_gpus=8) == 1.0
+    assert ProcessorConfig().engine_gpus(cluster_gpus=0) == 0.0
+    assert ProcessorConfig(engine_kwargs={"tensor_parallel_size": 2}).engine_gpus(8) == 0.0
 
 
 def test_row_sampling_params_take_the_engine_defaults_for_what_they_leave_out() -> None:
