@@ -123,10 +123,22 @@ class EngineStage:
             except EngineDeadError as e:
                 self._exit(e)
 
-    @staticmethod
-    def _exit(error: BaseException) -> None:
+    def _exit(self, error: BaseException) -> None:
         # The process, not the actor: an intentional exit_actor() is not restarted, and the
         # batches in flight would fail instead of running again on the restarted actor.
         logger.error("batch engine actor: the engine cannot serve (%s); exiting so Ray restarts "
                      "this actor and retries its unfinished batches", error)
+        self._shutdown()  # its workers' placement group, for the restarted actor to take
         os._exit(1)
+
+    def _shutdown(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception as e:  # noqa: BLE001 - the engine is already broken; say so, go on
+            logger.warning("batch engine actor: shutting the engine down failed: %s", e)
+
+    def __del__(self) -> None:
+        # Ray Data drops the UDF when the job ends (a graceful actor exit): a tp > 1 engine's
+        # workers and placement group go with it rather than with the driver. (An actor
+        # killed outright leaves them to its owner: the driver's job.)
+        self._shutdown()
