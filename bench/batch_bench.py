@@ -15,7 +15,7 @@ engine actors' start and engine load included; `llm`'s `start_s` is what buildin
 costs (outside its wall time), the part of a batch job's wall time that more rows amortize. Scaling efficiency is a two-replica run's rows/s over
 twice the one-replica run's. Prints a table; `--json PATH` writes the figures.
 
-    python bench/batch_bench.py [--rows 64] [--json out.json]
+    python bench/batch_bench.py [--rows 64] [--batch-size 16] [--in-flight 8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -55,24 +55,26 @@ def run_llm(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {"wall_s": wall, "start_s": built, "tokens": tokens}
 
 
-def run_batch(rows: list[dict[str, Any]], replicas: int, engine_num_cpus: float) -> dict[str, float]:
+def run_batch(rows: list[dict[str, Any]], replicas: int, engine_num_cpus: float,
+              batch_size: int, in_flight: int) -> dict[str, float]:
     import ray.data
 
     from cluster.batch import ProcessorConfig, build_processor
 
-    config = ProcessorConfig(engine_kwargs=ENGINE, concurrency=replicas, batch_size=8,
-                             max_batches_in_flight=4, engine_num_cpus=engine_num_cpus,
+    config = ProcessorConfig(engine_kwargs=ENGINE, concurrency=replicas, batch_size=batch_size,
+                             max_batches_in_flight=in_flight, engine_num_cpus=engine_num_cpus,
                              apply_chat_template=False, tokenize=False)
     start = time.perf_counter()
     tokens = 0
-    ds = build_processor(config)(ray.data.from_items(rows, override_num_blocks=len(rows) // 8))
+    ds = build_processor(config)(ray.data.from_items(rows, override_num_blocks=len(rows) // batch_size))
     for row in ds.iter_rows():
         assert row["error"] is None, row["error"]
         tokens += row["num_generated_tokens"]
     return {"wall_s": time.perf_counter() - start, "tokens": tokens}
 
 
-def in_cluster(mode: str, rows: list[dict[str, Any]], cpus: int) -> dict[str, float]:
+def in_cluster(mode: str, rows: list[dict[str, Any]], cpus: int, batch: tuple[int, int]
+               ) -> dict[str, float]:
     import ray
 
     if mode == "batch-2nodes":
@@ -86,7 +88,7 @@ def in_cluster(mode: str, rows: list[dict[str, Any]], cpus: int) -> dict[str, fl
         cluster.add_node(num_cpus=half + 1)
         ray.init(address=cluster.address, log_to_driver=False)
         try:
-            return run_batch(rows, 2, engine_num_cpus=half)
+            return run_batch(rows, 2, half, *batch)
         finally:
             ray.shutdown()
             cluster.shutdown()
@@ -97,7 +99,7 @@ def in_cluster(mode: str, rows: list[dict[str, Any]], cpus: int) -> dict[str, fl
         if mode == "llm":
             return run_llm(rows)
         replicas = 1 if mode == "batch-1" else 2
-        return run_batch(rows, replicas, engine_num_cpus=max(cpus // replicas, 1))
+        return run_batch(rows, replicas, max(cpus // replicas, 1), *batch)
     finally:
         ray.shutdown()
 
@@ -107,13 +109,17 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="llm,batch-1,batch-2,batch-2nodes")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--in-flight", type=int, default=8, help="batches in flight per engine")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rows = workload(args.rows, args.seed)
     cpus = os.cpu_count() or 2
-    results = {mode: in_cluster(mode, rows, cpus) for mode in args.modes.split(",")}
+    batch = (args.batch_size, args.in_flight)
+    results = {mode: in_cluster(mode, rows, cpus, batch) for mode in args.modes.split(",")}
     print(f"{platform.processor() or platform.machine()}, {cpus} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f}; {args.rows} rows")
+          f"{os.getloadavg()[0]:.1f}; {args.rows} rows, batches of {args.batch_size}, "
+          f"{args.in_flight} in flight per engine")
     print(f"{'mode':<14}{'wall s':>8}{'rows/s':>9}{'tok/s':>9}")
     for mode, r in results.items():
         r["rows_per_s"] = args.rows / r["wall_s"]
@@ -131,7 +137,8 @@ def main() -> None:
               f"engine took {llm['start_s']:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": args.rows, "cpus": cpus, "results": results}, f, indent=2)
+            json.dump({"rows": args.rows, "cpus": cpus, "batch_size": args.batch_size,
+                       "in_flight": args.in_flight, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":
