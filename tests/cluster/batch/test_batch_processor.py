@@ -160,3 +160,20 @@ def test_tensor_parallel_engines_give_the_same_tokens(job: Job) -> None:
     assert sorted(r["id"] for r in out) == [r["id"] for r in rows]
     for row in out:
         assert row["error"] is None and row["generated_tokens"] == job.expected[row["id"]]
+
+
+def test_engine_that_cannot_serve_fails_the_job_instead_of_hanging(ray_cluster: None) -> None:
+    """ray#59986: Ray Data LLM waits forever on a dead engine. Here the actor exits (its
+    engine "stalls" at once: engine_stall_timeout_s of a microsecond), Ray restarts it
+    max_restarts times, and then the job fails with the actor's death."""
+    import ray.data
+    import ray.exceptions
+
+    config = ProcessorConfig(engine_kwargs=dict(ENGINE, engine_stall_timeout_s=1e-6),
+                             engine_num_cpus=0.5, batch_size=4, max_restarts=1)
+    rows = [{"prompt": f"row {i}", "sampling_params": {"max_tokens": 64, "ignore_eos": True}}
+            for i in range(8)]
+    start = time.monotonic()
+    with pytest.raises(ray.exceptions.ActorDiedError, match="EngineStage") as raised:
+        build_processor(config)(ray.data.from_items(rows)).take_all()
+    assert time.monotonic() - start < 180, raised.value
