@@ -70,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                                  engine_num_cpus=args["engine_num_cpus"],
                                  engine_num_gpus=args["engine_num_gpus"],
                                  apply_chat_template=False, tokenize=False)
+        parsers = sorted(k for k in ("reasoning_parser", "tool_call_parser")
+                         if engine_kwargs.get(k) is not None)
+        if parsers:  # the result bodies would silently lack reasoning_content / tool_calls
+            raise ValueError(f"{parsers[0]} is not supported by batch jobs yet; remove it")
         if not os.path.isfile(args["input"]):
             raise ValueError(f"input {args['input']!r} is not a file")
         facts = ModelFacts.of(config.engine_config())

@@ -109,6 +109,17 @@ def test_result_body_is_the_http_api_body(url: str) -> None:
     assert result["response"]["request_id"] == batch["id"] == http["id"]
 
 
+def test_cli_refuses_what_it_cannot_honour(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from cluster.batch.__main__ import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("")
+    assert main([str(src), str(tmp_path / "out"), "--reasoning-parser", "qwen3"]) == 2
+    assert "reasoning_parser is not supported by batch jobs yet" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_cli_runs_an_openai_batch_file(ray_cluster: None, tmp_path: Path) -> None:
     import ray
