@@ -39,6 +39,14 @@ RULES: dict[str, Rule] = {
     "cluster.api": Rule(allowed=None, forbidden=("kvcache.block_pool", "kvcache.manager",
                                                  "kvcache.prefix", "kvcache.swap",
                                                  "kvcache.tables", "kvcache.invariants")),
+    # Batch jobs are built on the engine, never on the HTTP front: of cluster/api they read a
+    # request as the API does (its request models and prompt checks), nothing that serves HTTP.
+    "cluster.batch": Rule(allowed=None, forbidden=("cluster.api.openai_api",
+                                                   "cluster.api.openai_responses",
+                                                   "cluster.api.openai_errors",
+                                                   "cluster.api.responses_api",
+                                                   "cluster.api.serve_app", "fastapi",
+                                                   "starlette", "ray.serve")),
     "cluster": Rule(allowed=None),  # cluster/__init__.py: the lazy facade
 }
 
@@ -103,7 +111,7 @@ def test_every_package_has_a_rule() -> None:
     packages = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
     assert packages == sorted(PACKAGES)
     subpackages = sorted(p.parent.name for p in (ROOT / "cluster").glob("*/__init__.py"))
-    assert subpackages == ["api", "engine"]
+    assert subpackages == ["api", "batch", "engine"]
 
 
 def test_a_violation_is_found_wherever_it_hides(tmp_path: Path) -> None:
