@@ -86,3 +86,21 @@ def test_bad_shapes_are_value_errors_naming_the_argument() -> None:
     with pytest.raises(ValueError, match=r"out must be \[T=4, 16\]"):
         kernels.lora_expand(torch.zeros(4, 8, device=DEVICE), b, token_slots,
                             torch.zeros(4, 15, device=DEVICE))
+
+
+def test_twin_regroups_when_the_same_slot_buffer_gets_new_slots() -> None:
+    """The twin groups a step's slots once and reuses that for the step's other products; new
+    slots written in place into the same buffer (the next step) are grouped again, and so are
+    fewer tokens read from it."""
+    x, a, b, _ = _case(num_tokens=9, slots=3, rank=8, n_in=40, n_out=24, seed=5)
+    buffer = torch.full((16,), -1, dtype=torch.int64, device=DEVICE)  # LoRABatch.token_slots
+    for step, (slots, n) in enumerate([([0, 1, 2, -1, 0, 1, 2, -1, 0], 9),
+                                       ([2, 2, -1, 1, 0, 0, 1, 2, 2], 9),
+                                       ([1, 0, -1, 2, 0, 0], 6)]):
+        buffer[:len(slots)].copy_(torch.tensor(slots, device=DEVICE))
+        for _ in range(2):  # the second product of the step reuses the grouping
+            out = torch.zeros(n, 24, device=DEVICE)
+            kernels.lora_expand(kernels.lora_shrink(x[:n], a, buffer, backend="torch"), b,
+                                buffer, out, backend="torch")
+            torch.testing.assert_close(out, _per_token(x[:n], a, b, buffer[:n]),
+                                       rtol=1e-5, atol=1e-4, msg=f"step {step}")
