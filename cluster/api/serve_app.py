@@ -5,10 +5,15 @@
 every `EngineConfig` field (model, tensor_parallel_size, ...) plus the serving keys in
 `SERVING_DEFAULTS` (replicas, autoscaling, overload limits, API key, CPU shares).
 
-One LLMServer replica is one tensor-parallel group. It reserves a STRICT_PACK placement
-group: bundle 0 is the replica actor itself, bundles 1..tp one per rank (a GPU each on
-CUDA, `worker_num_cpus` on CPU), so a replica either gets all its ranks on one node or
-does not start. The ingress is a separate deployment (tokenizing and SSE scale apart
+One LLMServer replica is one tensor-parallel group: the replica actor (`replica_num_cpus`)
+and one worker actor per rank (a GPU each on CUDA, `worker_num_cpus` on CPU), all on one node.
+`replica_placement` says how replicas find nodes. `spread` (the default): the replica actor
+has no placement group, so Serve's SPREAD strategy puts replicas on different nodes while
+nodes have room (three on two nodes: two and one; one node: all there), and the replica's
+engine reserves its ranks' STRICT_PACK group with its own node as the soft target. `pack`:
+Serve reserves one STRICT_PACK group per replica (bundle 0 the replica, bundles 1..tp the
+ranks), so a replica gets all of it at once or does not start, and Ray packs the groups onto
+few nodes. The ingress is a separate deployment (tokenizing and SSE scale apart
 from the engines) that streams from LLMServer through a DeploymentHandle.
 """
 
@@ -58,6 +63,9 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "max_ongoing_requests": 64,  # per LLMServer replica, in the engine at once
     "max_queued_requests": 64,   # per caller, waiting for a replica; beyond: 503 + Retry-After
     "replica_num_cpus": 1.0,     # the LLMServer actor (bundle 0)
+    # spread: replicas on different nodes while nodes have room (a node loss takes one); pack:
+    # Serve reserves each replica's whole group at once and Ray packs them (fewer nodes)
+    "replica_placement": "spread",
     "ingress_num_cpus": 1.0,
     "ingress_num_replicas": 1,
     "ingress_max_ongoing_requests": 1024,
@@ -78,6 +86,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
 }
 
 
+PLACEMENTS = ("spread", "pack")
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 HEAD_NODE_SHARE = 0.001  # of it per ingress replica: up to 1000 of them fit on the head
 
@@ -304,6 +313,9 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
         timeout = serving[key]
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"{key} must be a number of seconds > 0; got {timeout!r}")
+    if serving["replica_placement"] not in PLACEMENTS:
+        raise ValueError(f"replica_placement must be one of {list(PLACEMENTS)}; got "
+                         f"{serving['replica_placement']!r}")
     check_router_args(serving)
     return config, serving
 
@@ -357,8 +369,9 @@ def build_app(args: dict[str, Any]) -> Application:
     # With the in-process executor the replica runs the model itself, so it starts with what a
     # worker actor would (on a CPU, OpenMP threads that sleep when idle).
     llm_env = {**REPLICA_ENV_VARS, **worker_env("cuda" if use_gpu else "cpu")}
+    if serving["replica_placement"] == "pack":
+        replicas.update(placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK")
     llm = LLMServer.options(
-        placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
         ray_actor_options={"num_cpus": bundles[0]["CPU"], "num_gpus": bundles[0].get("GPU", 0.0),
                            "runtime_env": {"env_vars": llm_env}},
         max_ongoing_requests=serving["max_ongoing_requests"],

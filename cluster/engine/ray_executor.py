@@ -30,6 +30,10 @@ _FORWARDED_ENV = ("HF_HUB_OFFLINE", "QWEN3_SERVE_CACHE", "TOKENIZERS_PARALLELISM
                   "TRITON_INTERPRET", "CUDA_LAUNCH_BLOCKING", "OMP_WAIT_POLICY")
 
 
+# How long an engine waits for its ranks' placement group before it fails to start.
+_PLACEMENT_TIMEOUT_S = 120
+
+
 def worker_env(device: str) -> dict[str, str]:
     """The environment variables a worker actor starts with: _FORWARDED_ENV as set here, and on
     a CPU OpenMP threads that sleep when idle (OMP_WAIT_POLICY=PASSIVE unless set). With the
@@ -62,10 +66,24 @@ class RayExecutor(Executor):
         self._owns_pg = placement_group is None
         if placement_group is None:
             bundle = {"GPU": 1, "CPU": num_cpus} if use_gpu else {"CPU": num_cpus}
-            placement_group = make_pg([bundle] * tp, strategy="STRICT_PACK")
+            # On this process's node when it has room (a Serve replica placed by SPREAD keeps
+            # its ranks beside it), elsewhere when it has not; the ranks stay on one node.
+            placement_group = make_pg([bundle] * tp, strategy="STRICT_PACK",
+                                      _soft_target_node_id=ray.get_runtime_context().get_node_id())
             bundle_offset = 0
         self._pg = placement_group
-        ray.get(placement_group.ready(), timeout=120)
+        try:
+            ray.get(placement_group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            if self._owns_pg:  # (a pending group would take the room once some is freed)
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(placement_group)
+            raise RuntimeError(
+                f"the {tp} rank(s) of this engine found no node with room for them together "
+                f"within {_PLACEMENT_TIMEOUT_S} s (bundles {placement_group.bundle_specs}, "
+                "STRICT_PACK: all on one node); free or add a node, or lower worker_num_cpus"
+            ) from None
         self._config = config
         self._actor_options = dict(num_cpus=num_cpus, num_gpus=1 if use_gpu else 0)
         self._bundle_offset = bundle_offset

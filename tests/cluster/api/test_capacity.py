@@ -44,7 +44,10 @@ def test_unplaceable_replica_is_in_serve_status_within_serves_wait(ray_cluster: 
     from cluster.api.serve_app import build_app
 
     args = dict(yaml.safe_load(MANIFEST.read_text())["applications"][0]["args"])
-    args.update(worker_num_cpus=8.0)  # 2 ranks x 8 CPUs: more than the cluster has
+    # 2 ranks x 8 CPUs: more than the cluster has. `pack`: Serve reserves the replica's whole
+    # group, so its status names what is missing (`spread` reserves the ranks' group from the
+    # replica: the build's fit report above says it, then the replica's start fails naming it)
+    args.update(worker_num_cpus=8.0, replica_placement="pack")
     logged: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
@@ -73,3 +76,22 @@ def test_unplaceable_replica_is_in_serve_status_within_serves_wait(ray_cluster: 
         assert status.status in ("DEPLOYING", "UPDATING"), status.status
     finally:
         serve.delete("unplaceable")
+
+
+@pytest.mark.slow
+def test_ranks_without_room_fail_the_engine_naming_what_they_need(
+        ray_cluster: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`spread` (the default): the replica reserves its ranks' group itself; when no node has
+    room for them together, its engine fails to start saying what they need (then Serve
+    retries the replica) instead of waiting forever."""
+    from cluster.engine import ray_executor
+    from cluster.engine.ray_executor import RayExecutor
+    from workers.config import WorkerConfig
+
+    monkeypatch.setattr(ray_executor, "_PLACEMENT_TIMEOUT_S", 2)
+    config = WorkerConfig(model="unused: never loaded", tensor_parallel_size=2,
+                          dist_init_method="tcp://127.0.0.1:1")
+    with pytest.raises(RuntimeError, match=r"the 2 rank\(s\) of this engine found no node with "
+                       r"room for them together within 2 s \(bundles \[\{'CPU': 8.0\}, "
+                       r"\{'CPU': 8.0\}\], STRICT_PACK"):
+        RayExecutor(config, num_cpus=8.0, use_gpu=False)

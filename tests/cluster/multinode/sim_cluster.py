@@ -43,12 +43,13 @@ class Sim:
         self.url = url
 
 
-def add_node(cluster: Any, wait: bool = True) -> Any:
-    """A 1-CPU worker node; from the main thread only (see the module docstring)."""
+def add_node(cluster: Any, wait: bool = True, num_cpus: int = 1) -> Any:
+    """A worker node (1 CPU unless told); from the main thread only (see the module
+    docstring)."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("add a simulated node from the main thread: its raylet dies with "
                            "the thread that started it (PR_SET_PDEATHSIG)")
-    return cluster.add_node(wait=wait, num_cpus=1)
+    return cluster.add_node(wait=wait, num_cpus=num_cpus)
 
 
 def _process_tree(root: int) -> list[int]:
@@ -95,10 +96,10 @@ def kill_node(cluster: Any, node: Any) -> list[int]:
 
 
 @contextlib.contextmanager
-def simulated_cluster() -> Iterator[Sim]:
-    """The head with no CPU (Serve's controller, the HeadOnly proxy) and two 1-CPU worker
-    nodes, Serve started on a free port; all stopped on exit (bench/node_loss.py and
-    bench/autoscale.py run on it too)."""
+def simulated_cluster(node_cpus: tuple[int, ...] = (1, 1)) -> Iterator[Sim]:
+    """The head with no CPU (Serve's controller, the HeadOnly proxy) and worker nodes of
+    `node_cpus` CPUs (two 1-CPU nodes by default), Serve started on a free port; all stopped
+    on exit (bench/node_loss.py and bench/autoscale.py run on it too)."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -106,8 +107,8 @@ def simulated_cluster() -> Iterator[Sim]:
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "_system_config": GCS_HEALTH_CHECKS})
     try:
-        for _ in range(2):
-            add_node(cluster, wait=False)  # both start at once
+        for cpus in node_cpus:
+            add_node(cluster, wait=False, num_cpus=cpus)  # all start at once
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
         port = get_free_port()
