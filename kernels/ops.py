@@ -18,14 +18,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kernels import lora_reference, moe_reference, reference
+from kernels import fp8_reference, lora_reference, moe_reference, reference
 from kernels.reference import FP8_KV_DTYPE
 from kernels.rotary_tables import compute_cos_sin_cache
 
 Backend = Literal["auto", "triton", "flash_attn", "torch"]
 _BACKENDS = ("auto", "triton", "flash_attn", "torch")
 
-__all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fused_moe", "lora_expand",
+__all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fp8_block_linear", "fused_moe",
+           "lora_expand",
            "lora_shrink", "moe_route", "paged_attention", "qk_norm_rope_write_kv",
            "rms_norm", "rotary_embedding", "sample_tokens", "silu_and_mul", "write_kv"]
 
@@ -323,3 +324,27 @@ def lora_expand(y: Tensor, lora_b: Tensor, token_slots: Tensor, out: Tensor,
         return
     from kernels.triton_lora import lora_expand as triton_lora_expand
     triton_lora_expand(y, lora_b, token_slots, out)
+
+
+def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
+                     block: tuple[int, int], backend: Backend = "auto") -> Tensor:
+    """`x [M, K] @ W.T` for a block-scaled FP8 weight (e4m3 `[N, K]`, float32 scales per
+    `block = (bn, bk)`: `[ceil(N/bn), ceil(K/bk)]`), activations quantized per token and `bk`
+    group on the fly (W8A8); `[M, N]` in x's dtype. kernels/fp8_reference.py states the format."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"fp8_block_linear: x must be [M, K] and weight [N, K]; got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    bn, bk = block
+    grid = (-(-weight.shape[0] // bn), -(-weight.shape[1] // bk))
+    if weight.dtype != fp8_reference.FP8_DTYPE or weight_scale_inv.shape != grid \
+            or weight_scale_inv.dtype != torch.float32:
+        raise ValueError(f"fp8_block_linear: weight must be float8_e4m3fn and weight_scale_inv "
+                         f"float32 {grid} for block {block}; got {weight.dtype} and "
+                         f"{weight_scale_inv.dtype} {tuple(weight_scale_inv.shape)}")
+    if _resolve(backend, x) == "torch":
+        return fp8_reference.fp8_block_linear(x, weight, weight_scale_inv, block)
+    if bk < 16 or bk & (bk - 1) or bn < 16 or bn & (bn - 1):
+        raise ValueError(f"the Triton FP8 GEMM needs power-of-two weight blocks >= 16; got "
+                         f"{block}: use backend 'torch'")
+    from kernels.triton_fp8 import fp8_block_linear as triton_fp8_block_linear
+    return triton_fp8_block_linear(x, weight, weight_scale_inv, block)
