@@ -102,7 +102,7 @@ class Worker:
         cfg = self.config
         if cfg.device == "cuda" and self.device.type != "cuda":
             raise RuntimeError("call init_distributed() before load_model()")
-        mc = load_model_config(cfg.model, cfg.tensor_parallel_size, cfg.hf_overrides)
+        mc = load_model_config(cfg.model, cfg.tensor_parallel_size, cfg.hf_overrides, cfg.quantization)
         mc.check_max_model_len(cfg.max_model_len)
         if cfg.dtype == "auto":
             self.dtype = torch.float32 if cfg.device == "cpu" else _DTYPES[mc.dtype]
