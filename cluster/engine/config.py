@@ -90,8 +90,8 @@ class EngineConfig:
     # the target, its KV in the same blocks (scheduler/speculative.py, workers/draft_runner.py).
     speculative_config: dict[str, Any] | None = None
     # vLLM's weight quantization method; None: the checkpoint's weights as they are (a
-    # checkpoint's own quantization_config is checked at load). No method is supported yet
-    # (workers/quantization.py): any value is refused, naming what is.
+    # checkpoint's own quantization_config is read at load); "fp8": a float checkpoint
+    # quantized at load in 128x128 blocks (workers/quantization.py); others are refused.
     quantization: str | None = None
     # vLLM's hf_overrides: config.json keys set over the checkpoint's, in any spelling
     # transformers reads (workers/hf_config.py); e.g. Qwen3's YaRN to 131,072 tokens:

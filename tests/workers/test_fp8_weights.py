@@ -28,10 +28,12 @@ from fp8_testlib import (
 )
 from workers_testlib import LocalExecutor, PlanBuilder, hf_greedy, parity_prompts
 
+from kernels.fp8_reference import quantize_weight_blocks
 from scheduler.sampling_params import SamplingParams
 from workers.distributed import TensorParallelGroup
-from workers.layers import MergedColumnParallelLinear
+from workers.layers import MergedColumnParallelLinear, RowParallelLinear
 from workers.layers.moe import FusedMoE
+from workers.lora import LoRABatch, RowParallelLinearWithLoRA
 from workers.model_config import load_model_config
 from workers.quantization import Fp8Config
 from workers.tiny_model import write_random_qwen3
@@ -184,3 +186,29 @@ def test_tp_size_that_splits_a_scale_block_is_refused() -> None:
                                          r"multiples of the block"):
         MergedColumnParallelLinear(64, [128, 64], TensorParallelGroup(0, 1), torch.float32,
                                    quant)
+
+
+def test_lora_adds_its_product_over_an_fp8_base_layer() -> None:
+    """A LoRA wrapper keeps the FP8 layer's own GEMM and adds x A^T B^T in the activations'
+    dtype (its slots are float32 here, not e4m3); tp 2's rank 1 takes its columns of A."""
+    g = torch.Generator().manual_seed(5)
+    base = RowParallelLinear(512, 128, TensorParallelGroup(1, 2), torch.float32,
+                             Fp8Config(from_checkpoint=False))
+    w = torch.randn(128, 512, generator=g)
+    base.weight.data.copy_(w[:, 256:])
+    base.process_weights_after_loading()
+    assert base.weight.dtype == F8
+    slots = torch.tensor([0, -1], dtype=torch.int64)
+    layer = RowParallelLinearWithLoRA(base, [("o_proj", None)], 1, 8,
+                                      LoRABatch(slots, active=True, backend="torch"))
+    assert layer.lora_a.dtype == torch.float32
+    a, b = torch.randn(8, 512, generator=g), torch.randn(128, 8, generator=g)
+    layer.set_slot(0, 0, {"layers.0.o_proj": (a.numpy(), b.numpy())})
+    x = torch.randn(2, 256, generator=g)
+    plain = base.matmul(x)
+    q, scale = quantize_weight_blocks(w[:, 256:], (128, 128))
+    assert torch.equal(base.weight.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(base.weight_scale_inv, scale)
+    out = layer.add_lora(x, base.matmul(x))  # (what forward all-reduces)
+    torch.testing.assert_close(out[0], plain[0] + b @ (a[:, 256:] @ x[0]))
+    assert torch.equal(out[1], plain[1])
