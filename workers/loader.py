@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from workers.checkpoint import checkpoint_files
+from workers.kv_scales import KV_SCALE_TENSOR, apply_checkpoint_kv_scales
 from workers.layers.linear_method import process_weights_after_loading
 from workers.layers.weights import WeightSource, default_weight_loader
 
@@ -37,10 +38,14 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
     loaded: Counter[str] = Counter()
     seen_experts: set[str] = set()
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    kv_scales = {}  # llm-compressor's FP8 KV-cache scales (workers/kv_scales.py)
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                if KV_SCALE_TENSOR.match(name):
+                    kv_scales[name] = f.get_tensor(name)
                     continue
                 param_name, shard_id = _target(name, packed)
                 if isinstance(shard_id, tuple):
@@ -66,6 +71,7 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
         raise ValueError(f"checkpoint {str(model_dir)!r} lacks tensors for {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
     process_weights_after_loading(model)
+    apply_checkpoint_kv_scales(model, kv_scales)
 
 
 def _target(name: str, packed: dict[str, tuple[str, int | str]]

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 import kernels
 from workers.distributed import TensorParallelGroup
+from workers.kv_scales import calculate_kv_scales
 from workers.layers import (
     Attention,
     AttentionMetadata,
@@ -71,6 +72,8 @@ class Qwen3Attention(nn.Module):
             self.q_norm.eps, positions, self.rotary_emb.cos_sin_cache, k_cache, v_cache,
             attn_metadata.slot_mapping, backend=self.ops, k_scale=self.attn.k_scale,
             v_scale=self.attn.v_scale)
+        if self.attn.kv_scales_pending:  # calculate_kv_scales: the first step after start-up
+            calculate_kv_scales(self.attn, k, v, attn_metadata.slot_mapping, self.ops)
         o = self.attn(q, k, v, attn_metadata)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 

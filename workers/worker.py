@@ -29,6 +29,7 @@ from workers.config import WorkerConfig
 from workers.cuda_graph import capture_step_graphs
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftRunner
+from workers.kv_scales import arm_kv_scale_calculation
 from workers.loader import load_model
 from workers.lora import LoRAModel, check_lora_plan
 from workers.model_config import ModelConfig, check_weights_fit, load_model_config
@@ -255,6 +256,8 @@ class Worker:
             self.capture_graphs()
         if self.device.type == "cuda":
             self.warm_up()
+        if cfg.calculate_kv_scales:  # (after the warm-up's dummy steps)
+            arm_kv_scale_calculation(_loaded(self.model).attention_layers())
 
     def capture_graphs(self, graph_factory: Callable[[], Any] | None = None) -> None:
         """Capture the decode and verify graphs, with the draft's (workers/cuda_graph.py);

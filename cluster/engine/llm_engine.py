@@ -144,7 +144,7 @@ class LLMEngine:
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
             speculative_max_num_seqs=0 if spec is None else spec.disable_by_batch_size,
             hf_overrides=config.hf_overrides, kv_cache_dtype=config.kv_cache_dtype,
-            quantization=config.quantization,
+            quantization=config.quantization, calculate_kv_scales=config.calculate_kv_scales,
             max_loras=config.max_loras if config.enable_lora else 0,
             max_lora_rank=config.max_lora_rank if config.enable_lora else 0)
         # LoRA adapters this engine knows and the host copies it keeps (cluster/engine/lora.py)

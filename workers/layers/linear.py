@@ -124,6 +124,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  quant: Fp8Config | None = None) -> None:
         ws = tp.world_size
         self.head_dim = head_dim
+        self.total_num_kv_heads = total_num_kv_heads
         self.num_heads = _divide(total_num_heads, ws, "num_attention_heads")
         if ws >= total_num_kv_heads:
             if ws % total_num_kv_heads:
