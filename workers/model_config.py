@@ -100,9 +100,10 @@ class ModelConfig:
 
     def weight_bytes_per_rank(self, tensor_parallel_size: int, itemsize: int) -> int:
         """Bytes of one rank's weights (embedding and head split over the ranks, norms
-        replicated, experts split whether by TP or EP: each rank holds 1/tp of them); with FP8
-        the linear layers' and experts' weights take one byte each plus a float32 scale per
-        block, the rest `itemsize`."""
+        replicated, experts split whether by TP or EP: each rank holds 1/tp of them); an FP8
+        checkpoint's linear layers and experts take one byte a weight plus a float32 scale per
+        block, the rest `itemsize`. `quantization: fp8` over a float checkpoint counts the float
+        bytes: loading holds them all before it quantizes."""
         tp, h = tensor_parallel_size, self.hidden_size
         nq, d = self.num_attention_heads, self.head_dim
         kv_per_rank = self.num_kv_heads_per_rank(tp)
@@ -117,7 +118,7 @@ class ModelConfig:
             other += 2 * d + 2 * h
         vocab = -(-self.vocab_size // tp) * h
         other += vocab * (1 if self.tie_word_embeddings else 2) + h
-        if self.quantization is None:
+        if self.quantization is None or not self.quantization.from_checkpoint:
             return (linear + other) * itemsize
         bn, bk = self.quantization.weight_block_size
         return linear + -(-linear // (bn * bk)) * 4 + other * itemsize

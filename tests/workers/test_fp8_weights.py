@@ -169,6 +169,8 @@ def test_weight_bytes_count_fp8_before_the_kv_cache(name, request) -> None:
     linear = sum(p.numel() for n, p in model.named_parameters()
                  if n.endswith(("_proj.weight", "w13_weight", "w2_weight")))
     assert full - fp8 == linear * 3 - linear // (128 * 128) * 4
+    # quantized at load: loading holds the float weights first, so the start-up check counts them
+    assert load_model_config(m["float"], quantization="fp8").weight_bytes_per_rank(1, 4) == full
 
 
 def test_tp_size_that_splits_a_scale_block_is_refused() -> None:
@@ -212,3 +214,18 @@ def test_lora_adds_its_product_over_an_fp8_base_layer() -> None:
     out = layer.add_lora(x, base.matmul(x))  # (what forward all-reduces)
     torch.testing.assert_close(out[0], plain[0] + b @ (a[:, 256:] @ x[0]))
     assert torch.equal(out[1], plain[1])
+
+
+def test_engine_serves_an_fp8_checkpoint_and_quantizes_at_load(dense) -> None:
+    """Through `LLM.generate` (the engine's wiring of `quantization` and the checkpoint's
+    config): the W8A8 oracle's greedy tokens, from the FP8 checkpoint and from the float one
+    with `quantization: fp8`."""
+    from cluster import LLM
+
+    prompts = [{"prompt_token_ids": p} for p in dense["prompts"][:2]]
+    want = [tokens for tokens, _ in dense["w8a8_oracle"][:2]]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    for model, quantization in ((dense["fp8"], None), (dense["float"], "fp8")):
+        with LLM(model, device="cpu", max_model_len=512, quantization=quantization) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want

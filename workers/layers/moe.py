@@ -26,9 +26,9 @@ FP8 (workers/quantization.py's `Fp8Config`): the stacked weights are e4m3 with
 `w13_weight_scale_inv` `[E_local, 2 I_local / bn, H / bk]` and `w2_weight_scale_inv`
 `[E_local, H / bn, I_local / bk]`, loaded from the hub's per-expert `weight_scale_inv` through
 the same geometry counted in blocks (or quantized at load, `quantization: fp8`); every rank
-holds whole blocks (refused at construction naming the sizes). The forward dequantizes the
-experts to the activations' dtype and runs the unquantized fused kernels (W8A16: no block-scaled
-fused MoE kernel yet), so memory at rest is FP8's and a forward holds one layer's float copy.
+holds whole blocks (refused at construction naming the sizes). The fused kernels read the
+e4m3 experts and their scales (W8A16: kernels.fused_moe dequantizes in registers on Triton; the
+torch twin dequantizes a layer's experts before its matmuls).
 
 Memory: a forward's expert buffers (`[T k, I_local]` and `[T k, H]` plus the alignment's
 index arrays) have sizes fixed by T alone, not by the routing, so the worker's profiling
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import kernels
-from kernels.fp8_reference import FP8_DTYPE, dequantize_weight_blocks, quantize_weight_blocks
+from kernels.fp8_reference import FP8_DTYPE, quantize_weight_blocks
 from workers.distributed import TensorParallelGroup
 from workers.layers.weights import WeightSource, copy_checked
 from workers.quantization import Fp8Config, check_fp8_blocks
@@ -160,20 +160,16 @@ class FusedMoE(nn.Module):
             setattr(self, f"{name}_scale_inv",
                     nn.Parameter(torch.stack([s for _, s in pairs]), requires_grad=False))
 
-    def _expert_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        if self.quant is None:
-            return self.w13_weight, self.w2_weight
-        block = self.quant.weight_block_size
-        return (dequantize_weight_blocks(self.w13_weight, self.w13_weight_scale_inv, block, dtype),
-                dequantize_weight_blocks(self.w2_weight, self.w2_weight_scale_inv, block, dtype))
-
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = kernels.moe_route(self.gate(x), self.top_k, self.renormalize)
         if self.expert_parallel:
             ids = ids - self.expert_start
             ids = ids.masked_fill((ids < 0) | (ids >= self.num_local_experts), -1)
-        w13, w2 = self._expert_weights(x.dtype)
-        out = kernels.fused_moe(x, w13, w2, weights, ids, backend=self.ops)
+        scales = {} if self.quant is None else {
+            "w13_scale": self.w13_weight_scale_inv, "w2_scale": self.w2_weight_scale_inv,
+            "block": self.quant.weight_block_size}
+        out = kernels.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids,
+                                backend=self.ops, **scales)
         return self.tp.all_reduce(out)
 
 
