@@ -32,6 +32,9 @@ _FLOAT_DTYPES = ("F32", "BF16", "F16")
 _QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "qweight", "qzeros",
                    "scales", "g_idx")
 _SUPPORTED_TEXT = ", ".join(SUPPORTED_QUANTIZATIONS)
+# The modules an FP8 checkpoint's linear method covers (embeddings, lm_head, routers: never).
+_QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                      "down_proj")
 
 
 @dataclass(slots=True, frozen=True)
@@ -93,6 +96,14 @@ def _fp8_checkpoint_config(qc: dict[str, Any], path: Path) -> Fp8Config:
             and all(isinstance(b, int) and b > 0 for b in block)):
         raise ValueError(f"{where}: weight_block_size must be two positive integers [bn, bk] "
                          f"(block-scaled FP8; per-tensor FP8 is not supported); got {block!r}")
+    # Qwen's MoE checkpoints list their routers (and lm_head), which stay unquantized here too;
+    # a projection left in BF16 would need a per-layer method this worker does not pick.
+    skipped = [m for m in qc.get("modules_to_not_convert") or []
+               if m.endswith(_QUANTIZED_MODULES) or ".experts." in m]
+    if skipped:
+        raise ValueError(f"{where}: modules_to_not_convert keeps {skipped[:4]} unquantized; this "
+                         "worker quantizes every attention and MLP projection of an FP8 "
+                         "checkpoint, so a checkpoint that leaves one in BF16 is not supported")
     return Fp8Config(weight_block_size=(block[0], block[1]), from_checkpoint=True)
 
 

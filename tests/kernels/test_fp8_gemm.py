@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import INTERPRETER_ONLY
+from kernel_cases import INTERPRETER_ONLY, run_sm90_compile
 
 import kernels
 from kernels import fp8_reference
@@ -72,16 +72,4 @@ def test_bad_scales_are_refused_with_the_expected_shape() -> None:
 def test_kernel_compiles_for_h100(tmp_path) -> None:
     """Without a GPU, the e4m3 GEMM passes Triton, LLVM and ptxas for sm_90 at every BLOCK_M
     the launcher picks and fits an H100's shared memory."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), str(here)])
-    result = subprocess.run([sys.executable, str(here / "sm90_compile_fp8.py")], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip().endswith("compiled for sm_90")
+    run_sm90_compile("sm90_compile_fp8.py", tmp_path)

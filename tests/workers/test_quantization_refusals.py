@@ -51,6 +51,10 @@ def test_qwen_fp8_checkpoint_is_read_as_block_fp8(ckpt: Path) -> None:
     _to_qwen_fp8(ckpt)
     assert load_model_config(ckpt).quantization == Fp8Config((128, 128), from_checkpoint=True)
     assert load_model_config(ckpt, quantization="fp8").quantization is not None
+    # Qwen's MoE checkpoints keep their routers and lm_head in BF16, as this worker does
+    _with_config(ckpt, quantization_config={
+        **QWEN_FP8, "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate"]})
+    assert load_model_config(ckpt).quantization is not None
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
@@ -58,6 +62,9 @@ def test_qwen_fp8_checkpoint_is_read_as_block_fp8(ckpt: Path) -> None:
     ("activation_scheme", "static", r"activation_scheme 'static' is not supported"),
     ("weight_block_size", None, r"weight_block_size must be two positive integers.*"
                                 r"per-tensor FP8 is not supported\); got None"),
+    ("modules_to_not_convert", ["lm_head", "model.layers.0.mlp.gate",
+                                "model.layers.1.self_attn.o_proj"],
+     r"modules_to_not_convert keeps \['model.layers.1.self_attn.o_proj'\] unquantized"),
 ])
 def test_fp8_variants_are_refused_by_key(ckpt: Path, key: str, value: object,
                                          message: str) -> None:
