@@ -109,6 +109,29 @@ def test_calculated_scales_fit_the_first_prefill(big_kv: str, full_precision) ->
         assert 1.0 < k_scale < 50 and 1.0 < v_scale < 100
 
 
+def test_tp2_ranks_calculate_their_own_heads_scales(big_kv: str, full_precision,
+                                                     tp2_group) -> None:
+    """Each rank's scales come from its own KV heads: in the first layer (its K/V are the
+    embeddings' projections, the same at any tp) the larger of the two ranks' is exactly the
+    whole tensor's (tp 1's); later layers' inputs carry the first's FP8 rounding, different
+    under different scales (within 5%). The logits stay within the bound."""
+    prompts, tokens, logits = full_precision
+    _, tp1 = _fp8_run(big_kv, full_precision, calculate_kv_scales=True)
+    tp2_group.init(model=big_kv, num_gpu_blocks=64, max_model_len=512,
+                   num_gpu_blocks_override=64, swap_space=0.001, kv_cache_dtype="fp8",
+                   calculate_kv_scales=True)
+    try:
+        _, got = _logits(tp2_group, prompts, tokens)
+        ranks = [state["kv_scales"] for state in tp2_group.state()]
+    finally:
+        tp2_group.shutdown_workers()
+    assert _error(got, logits) <= FP8_LOGIT_BOUND
+    assert ranks[0] != ranks[1]
+    for layer, whole in enumerate(tp1):
+        largest = tuple(max(r[layer][i] for r in ranks) for i in (0, 1))
+        assert largest == (whole if layer == 0 else pytest.approx(whole, rel=0.05))
+
+
 def test_checkpoint_scales_per_tensor_and_per_head(big_kv: str, full_precision,
                                                    tmp_path: Path) -> None:
     _, calculated = _fp8_run(big_kv, full_precision, calculate_kv_scales=True)
