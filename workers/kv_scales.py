@@ -5,7 +5,7 @@ float32 `[1]` buffers the KV-write and attention kernels read; 1.0 by default):
   one value or one per KV head: per-head scales become this rank's largest (the kernels take
   one scale per tensor, and the largest never saturates a head the smaller ones would not);
 * `calculate_kv_scales: true`: from the first step after start-up (the first request's
-  prefill), vLLM's rule `amax(K) / 200` and `amax(V) / 100` over this rank's rows (headroom for
+  prefill; a speculative draft's layers from its own first forward), vLLM's rule `amax(K) / 200` and `amax(V) / 100` over this rank's rows (headroom for
   later tokens larger than the first prompt's); that step's K/V are stored again under the new
   scales, so no cached value was ever written under another scale. Calculated scales win over
   a checkpoint's, as in vLLM.

@@ -257,7 +257,7 @@ class Worker:
         if self.device.type == "cuda":
             self.warm_up()
         if cfg.calculate_kv_scales:  # (after the warm-up's dummy steps)
-            arm_kv_scale_calculation(_loaded(self.model).attention_layers())
+            arm_kv_scale_calculation(self._attention_layers())
 
     def capture_graphs(self, graph_factory: Callable[[], Any] | None = None) -> None:
         """Capture the decode and verify graphs, with the draft's (workers/cuda_graph.py);

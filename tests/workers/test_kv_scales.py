@@ -198,3 +198,23 @@ def test_triton_kernels_calculate_and_read_the_same_scales(big_kv: str, full_pre
     for sid, ref in out["torch"][0].items():
         err = np.abs(out["triton"][0][sid] - ref).max(axis=1) / np.abs(ref).max(axis=1)
         assert err.max() <= 2e-3
+
+
+def test_a_drafts_layers_calculate_their_own_scales(big_kv: str, full_precision) -> None:
+    """The draft's KV layers (in the target's cache) take scales from its own first forward:
+    a draft with the target's weights sees the target's K/V, so gets the target's scales."""
+    prompts, _, _ = full_precision
+    executor = LocalExecutor(model=big_kv, num_gpu_blocks=64, max_model_len=512,
+                             kv_cache_dtype="fp8", calculate_kv_scales=True,
+                             speculative_model=big_kv, num_speculative_tokens=2,
+                             speculative_max_num_seqs=4)
+    try:
+        _logits(executor, prompts[:1])
+        worker = executor.worker
+        layers = worker.model.attention_layers() + worker.drafter.attention_layers()
+        scales = [(float(a.k_scale), float(a.v_scale)) for a in layers]
+    finally:
+        executor.close()
+    n = SECOND_CONFIG["num_hidden_layers"]
+    assert len(scales) == 2 * n and scales[:n] == scales[n:]
+    assert all(k > 1.0 and v > 1.0 for k, v in scales)
