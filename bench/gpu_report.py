@@ -28,7 +28,10 @@ only (the GPU box has no Ray). The steps:
                   whether the forward slows while the copy stream works;
   sampler         bench/sampler_bench.py --device cuda;
   host overhead   bench/worker_step.py --host-overhead;
-  lora, fp8       bench/lora_bench.py / bench/fp8_bench.py --device cuda, when the tree has them.
+  lora, fp8       bench/lora_bench.py / bench/fp8_bench.py --device cuda, when the tree has them;
+  decode bf16 / decode fp8, offline-gpu fp8   bench/worker_step.py at Qwen3-0.6B shapes (batch
+                  1, 32, 256 at ctx 1024) and bench/throughput.py's offline-gpu, with FP8 weights
+                  (quantized at load) and FP8 KV against the model's dtype.
 Writes `<out>/report.md` (tables), `<out>/report.json` (everything) and each step's log and
 JSON beside them.
 """
@@ -119,6 +122,18 @@ def steps(out: Path) -> list[Step]:
                       str(out / "lora.json")], 30, "lora.json", "bench/lora_bench.py"),
         Step("fp8", [py, "bench/fp8_bench.py", "--device", "cuda", "--json",
                      str(out / "fp8.json")], 30, "fp8.json", "bench/fp8_bench.py"),
+        # FP8 weights + FP8 KV against the model's dtype on the same device (issue 39's targets:
+        # decode step at batch 256, ctx 1024 <= 0.65x; offline-gpu's tok/s against its row above)
+        *[Step(f"decode {name}", [py, "bench/worker_step.py", "--device", "cuda", "--model",
+                                  m06, "--batches", "1,32,256", "--context", "1024", *fp8,
+                                  "--json", str(out / f"decode_{name}.json")], 40,
+               f"decode_{name}.json")
+          for name, fp8 in (("bf16", []), ("fp8", ["--quantization", "fp8",
+                                                    "--kv-cache-dtype", "fp8"]))],
+        Step("offline-gpu fp8", [py, "bench/throughput.py", "--workload", "offline-gpu",
+                                 "--runs", "1", "--passes", "2", "--skip-hf", "--quantization",
+                                 "fp8", "--kv-cache-dtype", "fp8", "--json",
+                                 str(out / "offline_gpu_fp8.json")], 100, "offline_gpu_fp8.json"),
     ]
 
 
@@ -212,7 +227,12 @@ def _markdown(report: dict) -> str:
         lines += _table(["sampler rows", "mode", "ms", "vs unseeded"], [
             [r["rows"], r["mode"], f"{r['ms']:.3f}", f"{r['vs_unseeded']:.2f}x"]
             for r in sampler["results"]])
-    for name in ("lora", "fp8"):
+    if (bf16 := res.get("decode bf16")) and (fp8 := res.get("decode fp8")):
+        fp8_ms = {r["batch"]: r["decode_step_ms"] for r in fp8["rows"]}
+        lines += _table(["batch (ctx 1024)", "bf16 ms/step", "fp8 w+kv ms/step", "fp8 / bf16"], [
+            [r["batch"], f"{r['decode_step_ms']:.2f}", f"{fp8_ms[r['batch']]:.2f}",
+             f"{fp8_ms[r['batch']] / r['decode_step_ms']:.2f}x"] for r in bf16["rows"]])
+    for name in ("lora", "fp8", "offline-gpu fp8"):
         if name in res:
             lines += ["", f"{name}: `{json.dumps(res[name])[:1500]}`"]
     return "\n".join(lines) + "\n"

@@ -22,6 +22,7 @@ import platform
 import random
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def model_path(name: str) -> str:
 
 def run_engine(path: str, reqs: list, temperature: float, tp: int,
                async_scheduling: bool | None = None, seeds: tuple[bool, ...] = (True,),
-               passes: int = 1) -> dict[str, float]:
+               passes: int = 1, **engine_args: Any) -> dict[str, float]:
     """The workload through `LLM.generate` in one engine: for each of `seeds` (a seed per
     request or none), `passes` timed runs; the first right after start-up and one tiny
     warm-up request. The row's figures are the last run's; every run's tok/s is listed."""
@@ -67,7 +68,7 @@ def run_engine(path: str, reqs: list, temperature: float, tp: int,
 
     compiles = _CompileLog()
     llm = LLM(path, tensor_parallel_size=tp, worker_num_cpus=max(0.5, 2 / tp) if tp > 1 else 1.0,
-              seed=0, async_scheduling=async_scheduling)
+              seed=0, async_scheduling=async_scheduling, **engine_args)
     try:
         warm = [{"prompt_token_ids": reqs[0][0]}]
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -259,8 +260,12 @@ def main() -> None:
                     help="of the transformers peers, only continuous batching (exact lengths)")
     ap.add_argument("--hf-subset", type=int, default=0,
                     help="run the transformers peers on the first N requests only (0: all)")
+    ap.add_argument("--quantization", default=None, choices=[None, "fp8"],
+                    help="the engine's weights: fp8 quantizes them at load (FP8 W8A8)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    engine_args = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     w = WORKLOADS[args.workload]
     reqs = make_requests(w)
     hf_reqs = reqs[:args.hf_subset] if args.hf_subset else reqs
@@ -274,7 +279,8 @@ def main() -> None:
     modes = [True, False] if args.compare_async else [None]
     systems: list[tuple[str, Any, tuple]] = [
         (f"engine tp={tp}" + ("" if on is None else f", async {'on' if on else 'off'}"),
-         run_engine, (path, reqs, w["temperature"], tp, on, seeds, args.passes))
+         partial(run_engine, **engine_args), (path, reqs, w["temperature"], tp, on, seeds,
+                                              args.passes))
         for tp in args.tp for on in modes]
     if args.hf_continuous_only:
         systems.append(("hf continuous, exact lengths", run_hf_continuous_exact,
@@ -326,7 +332,7 @@ def main() -> None:
               f"{'' if frac is None else f'{100 * frac:.1f}':>11}")
     if args.json:
         args.json.write_text(json.dumps({"workload": args.workload, "machine": machine(),
-                                         "rows": rows}, indent=2))
+                                         **engine_args, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ def _worker(args: argparse.Namespace, **config: object) -> Worker:
     """A tp = 1 worker of `args.model` on `args.device`, its cache sized by `config`."""
     worker = Worker(WorkerConfig(model=config.pop("model", None) or resolve_model(args.model),
                                  device=args.device, dtype=args.dtype, swap_space=0.01,
-                                 **config))
+                                 quantization=args.quantization,
+                                 kv_cache_dtype=args.kv_cache_dtype, **config))
     worker.init_distributed()
     worker.load_model()
     worker.init_cache(*worker.determine_num_blocks())
@@ -263,6 +264,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantization", default=None, choices=[None, "fp8"],
+                    help="fp8: the model's linear weights quantized at load (FP8 W8A8)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--json", default=None)
     ap.add_argument("--anatomy", action="store_true",
                     help="CUDA: profile decode steps (GPU busy fraction, kernels per step)")
@@ -292,7 +296,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['context']:>7} {r['prefill_tok_per_s']:>14.0f} "
               f"{r['decode_step_ms']:>15.2f} {r['decode_tok_per_s']:>13.0f}")
-    _write_json(args, rows)
+    _write_json(args, rows, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     worker.shutdown()
 
 

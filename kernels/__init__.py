@@ -4,6 +4,7 @@ from kernels.ops import (
     FP8_KV_DTYPE,
     Backend,
     compute_cos_sin_cache,
+    fp8_block_linear,
     fused_moe,
     lora_expand,
     lora_shrink,
@@ -16,7 +17,7 @@ from kernels.ops import (
     write_kv,
 )
 
-__all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fused_moe", "lora_expand",
+__all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fp8_block_linear", "fused_moe", "lora_expand",
            "lora_shrink", "moe_route",
            "paged_attention", "qk_norm_rope_write_kv",
            "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv"]

@@ -18,14 +18,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kernels import lora_reference, moe_reference, reference
+from kernels import fp8_reference, lora_reference, moe_reference, reference
 from kernels.reference import FP8_KV_DTYPE
 from kernels.rotary_tables import compute_cos_sin_cache
 
 Backend = Literal["auto", "triton", "flash_attn", "torch"]
 _BACKENDS = ("auto", "triton", "flash_attn", "torch")
 
-__all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fused_moe", "lora_expand",
+__all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fp8_block_linear", "fused_moe",
+           "lora_expand",
            "lora_shrink", "moe_route", "paged_attention", "qk_norm_rope_write_kv",
            "rms_norm", "rotary_embedding", "sample_tokens", "silu_and_mul", "write_kv"]
 
@@ -250,7 +251,8 @@ def moe_route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Ten
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-              backend: Backend = "auto") -> Tensor:
+              backend: Backend = "auto", w13_scale: Tensor | None = None,
+              w2_scale: Tensor | None = None, block: tuple[int, int] | None = None) -> Tensor:
     """The experts of a sparse MLP block: `[T, H]` in x's dtype.
 
     Token t's output is `sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)` with
@@ -258,7 +260,10 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     `[E, 2I, H]` (gate rows, then up rows), w2 `[E, H, I]`. `topk_ids` index this rank's
     E experts; -1 marks an expert held by another rank (expert parallelism), which adds
     nothing here. Triton: grouped GEMMs over tokens sorted by expert, no host sync; torch:
-    the same grouping with batched matmuls.
+    the same grouping with batched matmuls. Block-scaled FP8 experts: w13/w2 e4m3 with
+    `w13_scale` `[E, 2I / bn, H / bk]`, `w2_scale` `[E, H / bn, I / bk]` float32 and
+    `block = (bn, bk)` (kernels/fp8_reference.py's format), dequantized in registers (Triton)
+    or before the matmuls (torch): W8A16.
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
@@ -271,10 +276,36 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
             or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids and topk_weights must both be [T={x.shape[0]}, k]; got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    fp8 = w13.dtype == fp8_reference.FP8_DTYPE
+    if fp8 or w13_scale is not None:
+        _check_expert_scales(w13, w2, w13_scale, w2_scale, block)
     if _resolve(backend, x) == "torch":
+        if fp8:
+            w13 = fp8_reference.dequantize_weight_blocks(w13, w13_scale, block, x.dtype)
+            w2 = fp8_reference.dequantize_weight_blocks(w2, w2_scale, block, x.dtype)
         return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
     from kernels.triton_moe import fused_moe as triton_fused_moe
-    return triton_fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return triton_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                            w2_scale=w2_scale, block=block)
+
+
+def _check_expert_scales(w13: Tensor, w2: Tensor, w13_scale: Tensor | None,
+                         w2_scale: Tensor | None, block: tuple[int, int] | None) -> None:
+    """Block-scaled FP8 experts need both scale grids, a power-of-two block >= 16 (a Triton
+    tile stays inside one block) and e4m3 weights."""
+    if block is None or w13_scale is None or w2_scale is None:
+        raise ValueError("fused_moe: FP8 (float8_e4m3fn) experts need w13_scale, w2_scale and "
+                         "block")
+    bn, bk = block
+    if bn < 16 or bk < 16 or bn & (bn - 1) or bk & (bk - 1):
+        raise ValueError(f"fused_moe: FP8 expert blocks must be powers of two >= 16; got {block}")
+    for name, w, s in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+        grid = (w.shape[0], -(-w.shape[1] // bn), -(-w.shape[2] // bk))
+        if w.dtype != fp8_reference.FP8_DTYPE or tuple(s.shape) != grid \
+                or s.dtype != torch.float32:
+            raise ValueError(f"fused_moe: {name} must be float8_e4m3fn with float32 scales "
+                             f"{grid} for block {block}; got {w.dtype} and {s.dtype} "
+                             f"{tuple(s.shape)}")
 
 
 def _check_lora(x: Tensor, weights: Tensor, token_slots: Tensor, x_width: int, what: str) -> None:
@@ -323,3 +354,27 @@ def lora_expand(y: Tensor, lora_b: Tensor, token_slots: Tensor, out: Tensor,
         return
     from kernels.triton_lora import lora_expand as triton_lora_expand
     triton_lora_expand(y, lora_b, token_slots, out)
+
+
+def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
+                     block: tuple[int, int], backend: Backend = "auto") -> Tensor:
+    """`x [M, K] @ W.T` for a block-scaled FP8 weight (e4m3 `[N, K]`, float32 scales per
+    `block = (bn, bk)`: `[ceil(N/bn), ceil(K/bk)]`), activations quantized per token and `bk`
+    group on the fly (W8A8); `[M, N]` in x's dtype. kernels/fp8_reference.py states the format."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"fp8_block_linear: x must be [M, K] and weight [N, K]; got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    bn, bk = block
+    grid = (-(-weight.shape[0] // bn), -(-weight.shape[1] // bk))
+    if weight.dtype != fp8_reference.FP8_DTYPE or weight_scale_inv.shape != grid \
+            or weight_scale_inv.dtype != torch.float32:
+        raise ValueError(f"fp8_block_linear: weight must be float8_e4m3fn and weight_scale_inv "
+                         f"float32 {grid} for block {block}; got {weight.dtype} and "
+                         f"{weight_scale_inv.dtype} {tuple(weight_scale_inv.shape)}")
+    if _resolve(backend, x) == "torch":
+        return fp8_reference.fp8_block_linear(x, weight, weight_scale_inv, block)
+    if bk < 16 or bk & (bk - 1) or bn < 16 or bn & (bn - 1):
+        raise ValueError(f"the Triton FP8 GEMM needs power-of-two weight blocks >= 16; got "
+                         f"{block}: use backend 'torch'")
+    from kernels.triton_fp8 import fp8_block_linear as triton_fp8_block_linear
+    return triton_fp8_block_linear(x, weight, weight_scale_inv, block)

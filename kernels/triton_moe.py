@@ -13,6 +13,12 @@
    `[T*k, H]`; the k slots of a token are then summed (one `sum` over a view, no atomics, so
    the result is deterministic).
 
+Block-scaled FP8 experts (kernels/fp8_reference.py's format, `[E, N, K]` e4m3 with
+`[E, N / bn, K / bk]` float32 scales): the kernel loads each B tile as e4m3 and multiplies it by
+its block's scale in registers before the dot (W8A16: half the weight bytes of bf16 read, no
+float copy of the experts anywhere); a tile never spans two scale blocks (BLOCK_K <= bk,
+BLOCK_N <= bn, powers of two).
+
 No host read anywhere (the grid is the static worst case, blocks past the used rows exit
 at once), so the decode CUDA graph captures it. Blocks of pairs whose expert lives on another
 rank (expert id -1) store zeros.
@@ -129,12 +135,14 @@ def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_m: int
 
 @triton.jit(do_not_specialize=["num_pairs", "num_rows_total"])
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, bs_ptr,
     N, K, num_pairs, num_rows_total,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_bse, stride_bsn,
     TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, GATED: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8_W: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
 ):
     """C[pair, n] for one (row block, column block). A's row for a pair is its token
     (`pair // TOP_K`) when A_PER_TOKEN, else the pair itself. With GATED, B's rows n and
@@ -171,9 +179,17 @@ def _moe_gemm_kernel(
         k_ok = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if FP8_W:  # this tile's block scales, one per column (BLOCK_K <= SCALE_K)
+            s_ptrs = bs_ptr + expert * stride_bse + (k0 * BLOCK_K) // SCALE_K
+            s = tl.load(s_ptrs + (offs_n // SCALE_N) * stride_bsn, mask=col_ok, other=0.0)
+            b = (b.to(tl.float32) * s[None, :]).to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if GATED:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if FP8_W:
+                s_up = tl.load(s_ptrs + ((N + offs_n) // SCALE_N) * stride_bsn, mask=col_ok,
+                               other=0.0)
+                b_up = (b_up.to(tl.float32) * s_up[None, :]).to(a.dtype)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -187,34 +203,44 @@ def _moe_gemm_kernel(
 
 def _launch(a: Tensor, b: Tensor, c: Tensor, weights: Tensor, sorted_ids: Tensor,
             expert_ids: Tensor, num_padded: Tensor, n: int, top_k: int, a_per_token: bool,
-            gated: bool, mul_weight: bool, tiles: tuple[int, ...]) -> None:
+            gated: bool, mul_weight: bool, tiles: tuple[int, ...],
+            b_scale: Tensor | None = None, block: tuple[int, int] = (1, 1)) -> None:
     block_m, block_n, block_k, group_m, num_warps, num_stages = tiles
     rows = sorted_ids.shape[0]
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    scale = b if b_scale is None else b_scale
     _moe_gemm_kernel[grid](
-        a, b, c, weights, sorted_ids, expert_ids, num_padded,
+        a, b, c, weights, sorted_ids, expert_ids, num_padded, scale,
         n, b.shape[2], c.shape[0], rows,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        scale.stride(0), scale.stride(1),
         TOP_K=top_k, A_PER_TOKEN=a_per_token, GATED=gated, MUL_WEIGHT=mul_weight,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
+        DOT_PRECISION=precision, FP8_W=b_scale is not None, SCALE_N=block[0],
+        SCALE_K=block[1], num_warps=num_warps, num_stages=num_stages)
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-              tiles: tuple[int, ...] | None = None) -> Tensor:
+              tiles: tuple[int, ...] | None = None, w13_scale: Tensor | None = None,
+              w2_scale: Tensor | None = None, block: tuple[int, int] | None = None) -> Tensor:
     """See kernels.ops.fused_moe; `tiles` overrides the table (benchmark sweeps, tests)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     tiles = tiles or tile_config(num_pairs)
+    if block is not None:  # a B tile within one scale block
+        block_m, block_n, block_k, *rest = tiles
+        tiles = (block_m, min(block_n, block[0]), min(block_k, block[1]), *rest)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, tiles[0])
     weights = topk_weights.reshape(-1)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _launch(x, w13, act, weights, sorted_ids, expert_ids, num_padded, inter, top_k,
-            a_per_token=True, gated=True, mul_weight=False, tiles=tiles)
+            a_per_token=True, gated=True, mul_weight=False, tiles=tiles, b_scale=w13_scale,
+            block=block or (1, 1))
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _launch(act, w2, out, weights, sorted_ids, expert_ids, num_padded, hidden, 1,
-            a_per_token=False, gated=False, mul_weight=True, tiles=tiles)
+            a_per_token=False, gated=False, mul_weight=True, tiles=tiles, b_scale=w2_scale,
+            block=block or (1, 1))
     return out.view(num_tokens, top_k, hidden).sum(dim=1)

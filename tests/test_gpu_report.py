@@ -121,3 +121,15 @@ def test_report_tables_render_from_benchmark_results() -> None:
     assert "| eager | 1.0 | 1 | 100 | 300 | 3.0 | 5.0 |" in md
     assert "| 32 | 0.1 | 1.0 | 0.05 | 2000.0 |" in md
     assert "offload copies: gib 0.50, offload_gb_s 20.50" in md
+
+
+def test_report_compares_the_fp8_decode_step_with_bf16s() -> None:
+    rows = [{"batch": 256, "decode_step_ms": 20.0}]
+    report = {"device": "H100", "date": "d", "commit": "c", "driver": "x", "torch": "t",
+              "triton": "t", "transformers": "t", "steps": {}, "tests": {},
+              "results": {"decode bf16": {"rows": rows},
+                          "decode fp8": {"rows": [{"batch": 256, "decode_step_ms": 12.0}]},
+                          "offline-gpu fp8": {"rows": {"engine tp=1": {"tok_per_s": 9.0}}}}}
+    md = gpu_report._markdown(report)
+    assert "| 256 | 20.00 | 12.00 | 0.60x |" in md
+    assert "offline-gpu fp8: `" in md

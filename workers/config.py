@@ -63,6 +63,10 @@ class WorkerConfig:
     # vLLM's hf_overrides: config.json keys set over the target checkpoint's (hf_config.py)
     hf_overrides: dict[str, Any] | None = None
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    # vLLM's quantization: None (the checkpoint's weights as they are) or "fp8" (a float
+    # checkpoint quantized at load; workers/quantization.py)
+    quantization: str | None = None
+    calculate_kv_scales: bool = False  # FP8 KV scales from the first step (workers/kv_scales.py)
     # LoRA: adapters held in device slots (0: no LoRA wrappers) and their largest rank
     max_loras: int = 0
     max_lora_rank: int = 0

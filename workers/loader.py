@@ -18,12 +18,15 @@ from safetensors import safe_open
 from torch import nn
 
 from workers.checkpoint import checkpoint_files
+from workers.kv_scales import KV_SCALE_TENSOR, apply_checkpoint_kv_scales
+from workers.layers.linear_method import process_weights_after_loading
 from workers.layers.weights import WeightSource, default_weight_loader
 
 # Tensors some exporters add that carry nothing a Qwen3 forward needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # One expert's projection in the hub layout -> the stacked parameter of its layer.
-_EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_TENSOR = re.compile(
+    r"^(.*\.mlp\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 _EXPERT_PARAM = {"gate_proj": "w13_weight", "up_proj": "w13_weight", "down_proj": "w2_weight"}
 
 
@@ -35,10 +38,14 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
     loaded: Counter[str] = Counter()
     seen_experts: set[str] = set()
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    kv_scales = {}  # llm-compressor's FP8 KV-cache scales (workers/kv_scales.py)
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                if KV_SCALE_TENSOR.match(name):
+                    kv_scales[name] = f.get_tensor(name)
                     continue
                 param_name, shard_id = _target(name, packed)
                 if isinstance(shard_id, tuple):
@@ -63,6 +70,8 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
     if missing:
         raise ValueError(f"checkpoint {str(model_dir)!r} lacks tensors for {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
+    process_weights_after_loading(model)
+    apply_checkpoint_kv_scales(model, kv_scales)
 
 
 def _target(name: str, packed: dict[str, tuple[str, int | str]]
@@ -70,8 +79,9 @@ def _target(name: str, packed: dict[str, tuple[str, int | str]]
     """(parameter name, shard id) that checkpoint tensor `name` fills."""
     m = _EXPERT_TENSOR.match(name)
     if m:
-        prefix, expert, proj = m.groups()
-        return f"{prefix}{_EXPERT_PARAM[proj]}", (int(expert), proj)
+        prefix, expert, proj, suffix = m.groups()
+        scale = suffix[len("weight"):]  # "" or "_scale_inv"
+        return f"{prefix}{_EXPERT_PARAM[proj]}{scale}", (int(expert), proj)
     for ckpt_part, (packed_part, sid) in packed.items():
         if ckpt_part in name:
             return name.replace(ckpt_part, packed_part), sid
@@ -86,7 +96,7 @@ def _expert_tensor_names(params: dict[str, nn.Parameter]) -> list[str]:
         if projections is None:
             continue
         prefix = pname.rsplit(".", 1)[0]  # ...mlp
-        names += [f"{prefix}.experts.{e}.{proj}.weight"
+        names += [f"{prefix}.experts.{e}.{proj}.{param.checkpoint_suffix}"
                   for e in range(param.num_experts) for proj in projections]
     return names
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.hf_config import is_moe, read_hf_config
-from workers.quantization import check_checkpoint_quantization
+from workers.quantization import Fp8Config, quantization_config
 
 _ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MODEL_TYPES = ("qwen3", "qwen3_moe")
@@ -68,6 +68,7 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     yarn: YarnScaling | None = None  # None: plain RoPE
+    quantization: Fp8Config | None = None  # the linear layers' weights (None: as loaded)
 
     @property
     def max_context_len(self) -> int:
@@ -99,22 +100,28 @@ class ModelConfig:
 
     def weight_bytes_per_rank(self, tensor_parallel_size: int, itemsize: int) -> int:
         """Bytes of one rank's weights (embedding and head split over the ranks, norms
-        replicated, experts split whether by TP or EP: each rank holds 1/tp of them)."""
+        replicated, experts split whether by TP or EP: each rank holds 1/tp of them); an FP8
+        checkpoint's linear layers and experts take one byte a weight plus a float32 scale per
+        block, the rest `itemsize`. `quantization: fp8` over a float checkpoint counts the float
+        bytes: loading holds them all before it quantizes."""
         tp, h = tensor_parallel_size, self.hidden_size
         nq, d = self.num_attention_heads, self.head_dim
         kv_per_rank = self.num_kv_heads_per_rank(tp)
-        attn = h * (nq // tp) * d * 2 + 2 * h * kv_per_rank * d + 2 * d
-        total = 0
+        linear, other = 0, 0
         for i in range(self.num_hidden_layers):
+            linear += h * (nq // tp) * d * 2 + 2 * h * kv_per_rank * d
             if self.is_sparse_layer(i):
-                mlp = self.num_experts * 3 * h * self.moe_intermediate_size // tp \
-                    + self.num_experts * h
+                linear += self.num_experts * 3 * h * self.moe_intermediate_size // tp
+                other += self.num_experts * h
             else:
-                mlp = 3 * h * self.intermediate_size // tp
-            total += attn + mlp + 2 * h
+                linear += 3 * h * self.intermediate_size // tp
+            other += 2 * d + 2 * h
         vocab = -(-self.vocab_size // tp) * h
-        total += vocab * (1 if self.tie_word_embeddings else 2) + h
-        return total * itemsize
+        other += vocab * (1 if self.tie_word_embeddings else 2) + h
+        if self.quantization is None or not self.quantization.from_checkpoint:
+            return (linear + other) * itemsize
+        bn, bk = self.quantization.weight_block_size
+        return linear + -(-linear // (bn * bk)) * 4 + other * itemsize
 
     def num_kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
         """KV heads one rank holds: a shard, or one replicated head when tp > num_kv_heads."""
@@ -138,10 +145,12 @@ class ModelConfig:
 
 
 def load_model_config(model: str | Path, tensor_parallel_size: int = 1,
-                      hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+                      hf_overrides: dict[str, Any] | None = None,
+                      quantization: str | None = None) -> ModelConfig:
     """Read `model`/config.json as transformers does (workers/hf_config.py), with vLLM's
-    `hf_overrides` over it; ValueError for a missing file, another architecture, a setting
-    this worker does not implement, a bad tp size."""
+    `hf_overrides` over it and the `quantization` engine argument (workers/quantization.py);
+    ValueError for a missing file, another architecture, a setting this worker does not
+    implement, a bad tp size."""
     path = Path(model)
     raw = read_hf_config(path, hf_overrides)
     archs = raw.get("architectures") or []
@@ -157,7 +166,6 @@ def load_model_config(model: str | Path, tensor_parallel_size: int = 1,
                          "not supported")
     if raw["hidden_act"] != "silu":
         raise ValueError(f"{path} uses hidden_act={raw['hidden_act']!r}; only 'silu' is supported")
-    check_checkpoint_quantization(raw, path)
     dtype = str(raw.get("dtype") or "bfloat16")
     if dtype not in _CHECKPOINT_DTYPES:
         raise ValueError(f"{path} has dtype {dtype!r}; expected one of {_CHECKPOINT_DTYPES}")
@@ -179,6 +187,7 @@ def load_model_config(model: str | Path, tensor_parallel_size: int = 1,
         bos_token_id=raw["bos_token_id"],
         eos_token_ids=_eos_token_ids(raw, path),
         yarn=_yarn(rope, path),
+        quantization=quantization_config(raw, path, quantization),
         **_moe_fields(raw, path),
     )
     cfg.verify_tensor_parallel_size(tensor_parallel_size)

@@ -1,31 +1,50 @@
 """Which weight quantization a checkpoint declares or the `quantization` engine argument asks
-for, and the refusal at start of every one this worker does not implement.
+for: the one place that turns them into an `Fp8Config` (or None), and the refusal at start of
+every one this worker does not implement.
 
-Supported today: none (`SUPPORTED_QUANTIZATIONS` is empty). FP8 weights, Qwen's
-`quant_method: fp8` checkpoints and `quantization: fp8` online, wait for a "linear method"
-interface of the parallel layers; until then they are refused by name instead of failing
-later on a scale tensor the model has no parameter for. A checkpoint is quantized when a
-tensor has a non-float dtype (FP8, int) or a quantization scale's name; a config that declares
-a `quantization_config` over weights that are not is refused too, since serving it would
-silently ignore the declaration.
+Supported: FP8 with block scales, either Qwen's FP8 checkpoints (`quantization_config:
+{quant_method: fp8, fmt: e4m3, weight_block_size: [bn, bk], activation_scheme: dynamic}`:
+e4m3 weights and a float32 `weight_scale_inv` per block) or `quantization: fp8` over a
+BF16/FP32 checkpoint (quantized at load, 128x128 blocks). The parallel layers' linear method
+(workers/layers/linear_method.py) reads the config; embeddings, the LM head, norms and the MoE
+router stay unquantized, as in Qwen's checkpoints.
+
+A checkpoint is quantized when a tensor has a non-float dtype (FP8, int) or a quantization
+scale's name; a config that declares a `quantization_config` over weights that are not is
+refused, since serving it would silently ignore the declaration. Tensor parallelism shards
+whole scale blocks: `check_fp8_blocks` refuses at start a TP size that would split one.
+Imports only the standard library (the engine reads it before any worker starts).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from workers.checkpoint import tensor_dtypes
 
-SUPPORTED_QUANTIZATIONS: tuple[str, ...] = ()
+SUPPORTED_QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+DEFAULT_FP8_BLOCK = (128, 128)
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
 # Tensor-name endings that only quantized checkpoints carry (FP8 block / per-tensor scales,
 # GPTQ / AWQ packed weights and their scales and zeros).
 _QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "qweight", "qzeros",
                    "scales", "g_idx")
-_SUPPORTED_TEXT = ", ".join(SUPPORTED_QUANTIZATIONS) or "none yet"
-_FP8_NOT_YET = ("FP8 weights are not supported yet; serve the model's BF16 checkpoint instead "
-                "(e.g. Qwen/Qwen3-8B for Qwen/Qwen3-8B-FP8)")
+_SUPPORTED_TEXT = ", ".join(SUPPORTED_QUANTIZATIONS)
+# The modules an FP8 checkpoint's linear method covers (embeddings, lm_head, routers: never).
+_QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                      "down_proj")
+
+
+@dataclass(slots=True, frozen=True)
+class Fp8Config:
+    """Block-scaled FP8 weights: `weight_block_size` (bn output rows, bk input columns) per
+    float32 scale; `from_checkpoint`: the weights are stored e4m3 with their scales (else the
+    float checkpoint is quantized at load)."""
+
+    weight_block_size: tuple[int, int] = DEFAULT_FP8_BLOCK
+    from_checkpoint: bool = True
 
 
 def check_quantization_arg(quantization: str | None) -> None:
@@ -33,19 +52,20 @@ def check_quantization_arg(quantization: str | None) -> None:
     take the checkpoint's weights as they are)."""
     if quantization is None or quantization in SUPPORTED_QUANTIZATIONS:
         return
-    if quantization == "fp8":
-        raise ValueError(f"quantization 'fp8': {_FP8_NOT_YET}; leave quantization unset (null)")
-    raise ValueError(f"quantization must be null (no quantization); supported methods: "
-                     f"{_SUPPORTED_TEXT}; got {quantization!r} (FP8 weights, 'fp8', are not "
-                     "supported yet)")
+    raise ValueError(f"quantization must be null (the checkpoint's weights as they are) or one "
+                     f"of: {_SUPPORTED_TEXT}; got {quantization!r}")
 
 
-def check_checkpoint_quantization(raw: dict[str, Any], path: Path) -> None:
-    """ValueError when config.json declares a `quantization_config` this worker cannot serve,
-    or declares one over unquantized weights; reads only the safetensors headers."""
+def quantization_config(raw: dict[str, Any], path: Path,
+                        quantization: str | None = None) -> Fp8Config | None:
+    """The checkpoint's (config.json `quantization_config`) or the engine argument's weight
+    quantization (a checkpoint's own wins: `quantization: fp8` over an FP8 checkpoint reads it as
+    it is); ValueError for one this worker cannot serve or a declaration over unquantized
+    weights. Reads only safetensors headers."""
+    check_quantization_arg(quantization)
     qc = raw.get("quantization_config")
     if qc is None:
-        return
+        return None if quantization is None else Fp8Config(from_checkpoint=False)
     if not isinstance(qc, dict):
         raise ValueError(f"{path}/config.json: quantization_config must be an object; got {qc!r}")
     method = qc.get("quant_method")
@@ -57,11 +77,48 @@ def check_checkpoint_quantization(raw: dict[str, Any], path: Path) -> None:
             f"{path}/config.json declares quantization_config (quant_method {method!r}) but "
             f"its weights are not quantized (every tensor is one of {list(_FLOAT_DTYPES)} and "
             "none is a quantization scale); remove quantization_config from config.json")
-    if method in SUPPORTED_QUANTIZATIONS:
-        return
-    if method == "fp8":
-        raise ValueError(f"{path} is an FP8 checkpoint (quantization_config.quant_method 'fp8', "
-                         f"its {quantized[0]!r} is {dtypes[quantized[0]]}): {_FP8_NOT_YET}")
-    raise ValueError(f"{path} is quantized with quantization_config.quant_method {method!r}, "
-                     f"which is not supported; supported methods: {_SUPPORTED_TEXT} "
-                     f"({_FP8_NOT_YET})")
+    if method not in SUPPORTED_QUANTIZATIONS:
+        raise ValueError(f"{path} is quantized with quantization_config.quant_method {method!r}, "
+                         f"which is not supported; supported methods: {_SUPPORTED_TEXT} "
+                         "(Qwen's block-scaled FP8 checkpoints)")
+    return _fp8_checkpoint_config(qc, path)
+
+
+def _fp8_checkpoint_config(qc: dict[str, Any], path: Path) -> Fp8Config:
+    where = f"{path}/config.json quantization_config"
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{where}: fmt {qc['fmt']!r} is not supported; only 'e4m3'")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"{where}: activation_scheme {qc['activation_scheme']!r} is not "
+                         "supported; only 'dynamic' (activations scaled per token and group)")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{where}: weight_block_size must be two positive integers [bn, bk] "
+                         f"(block-scaled FP8; per-tensor FP8 is not supported); got {block!r}")
+    # Qwen's MoE checkpoints list their routers (and lm_head), which stay unquantized here too;
+    # a projection left in BF16 would need a per-layer method this worker does not pick.
+    skipped = [m for m in qc.get("modules_to_not_convert") or []
+               if m.endswith(_QUANTIZED_MODULES) or ".experts." in m]
+    if skipped:
+        raise ValueError(f"{where}: modules_to_not_convert keeps {skipped[:4]} unquantized; this "
+                         "worker quantizes every attention and MLP projection of an FP8 "
+                         "checkpoint, so a checkpoint that leaves one in BF16 is not supported")
+    return Fp8Config(weight_block_size=(block[0], block[1]), from_checkpoint=True)
+
+
+def check_fp8_blocks(quant: Fp8Config, parts: dict[str, tuple[int, int]],
+                     tensor_parallel_size: int) -> None:
+    """ValueError naming the sizes when a rank's share of a quantized weight would split a
+    scale block: `parts` maps a weight's name to (rows, columns) of one rank's slice (each
+    packed part on its own: q, k, v; gate, up)."""
+    bn, bk = quant.weight_block_size
+    for name, (rows, cols) in parts.items():
+        if rows % bn or cols % bk:
+            fix = ("choose a smaller tensor_parallel_size" if tensor_parallel_size > 1 else
+                   "this worker needs the weights' dims (each of q, k, v; gate, up) to be "
+                   "multiples of the block")
+            raise ValueError(
+                f"FP8 weights in [{bn}, {bk}] blocks: one rank's {name} is [{rows}, {cols}] at "
+                f"tensor_parallel_size={tensor_parallel_size}, which splits a scale block "
+                f"(every rank must hold whole blocks); {fix}")

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 import kernels
 from workers.distributed import TensorParallelGroup
+from workers.kv_scales import calculate_kv_scales
 from workers.layers import (
     Attention,
     AttentionMetadata,
@@ -47,14 +48,14 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         self.ops = ops = ops_backend(backend)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, tp, dtype)
+                                          cfg.num_key_value_heads, tp, dtype, cfg.quantization)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        tp, dtype)
+                                        tp, dtype, cfg.quantization)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops)
         self.rotary_emb = rotary_emb
@@ -71,6 +72,8 @@ class Qwen3Attention(nn.Module):
             self.q_norm.eps, positions, self.rotary_emb.cos_sin_cache, k_cache, v_cache,
             attn_metadata.slot_mapping, backend=self.ops, k_scale=self.attn.k_scale,
             v_scale=self.attn.v_scale)
+        if self.attn.kv_scales_pending:  # calculate_kv_scales: the first step after start-up
+            calculate_kv_scales(self.attn, k, v, attn_metadata.slot_mapping, self.ops)
         o = self.attn(q, k, v, attn_metadata)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
@@ -80,8 +83,9 @@ class Qwen3MLP(nn.Module):
                  ops: str) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, tp, dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, dtype)
+            cfg.hidden_size, [cfg.intermediate_size] * 2, tp, dtype, cfg.quantization)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, dtype,
+                                           cfg.quantization)
         self.act_fn = SiluAndMul(ops)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -99,7 +103,7 @@ class Qwen3DecoderLayer(nn.Module):
         if cfg.is_sparse_layer(layer_idx):
             self.mlp = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                                 cfg.moe_intermediate_size, cfg.norm_topk_prob, tp, dtype, ops,
-                                expert_parallel)
+                                expert_parallel, cfg.quantization)
         else:
             self.mlp = Qwen3MLP(cfg, tp, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)

@@ -29,6 +29,7 @@ from workers.config import WorkerConfig
 from workers.cuda_graph import capture_step_graphs
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftRunner
+from workers.kv_scales import arm_kv_scale_calculation
 from workers.loader import load_model
 from workers.lora import LoRAModel, check_lora_plan
 from workers.model_config import ModelConfig, check_weights_fit, load_model_config
@@ -102,7 +103,7 @@ class Worker:
         cfg = self.config
         if cfg.device == "cuda" and self.device.type != "cuda":
             raise RuntimeError("call init_distributed() before load_model()")
-        mc = load_model_config(cfg.model, cfg.tensor_parallel_size, cfg.hf_overrides)
+        mc = load_model_config(cfg.model, cfg.tensor_parallel_size, cfg.hf_overrides, cfg.quantization)
         mc.check_max_model_len(cfg.max_model_len)
         if cfg.dtype == "auto":
             self.dtype = torch.float32 if cfg.device == "cpu" else _DTYPES[mc.dtype]
@@ -255,6 +256,8 @@ class Worker:
             self.capture_graphs()
         if self.device.type == "cuda":
             self.warm_up()
+        if cfg.calculate_kv_scales:  # (after the warm-up's dummy steps)
+            arm_kv_scale_calculation(self._attention_layers())
 
     def capture_graphs(self, graph_factory: Callable[[], Any] | None = None) -> None:
         """Capture the decode and verify graphs, with the draft's (workers/cuda_graph.py);

@@ -90,8 +90,8 @@ class EngineConfig:
     # the target, its KV in the same blocks (scheduler/speculative.py, workers/draft_runner.py).
     speculative_config: dict[str, Any] | None = None
     # vLLM's weight quantization method; None: the checkpoint's weights as they are (a
-    # checkpoint's own quantization_config is checked at load). No method is supported yet
-    # (workers/quantization.py): any value is refused, naming what is.
+    # checkpoint's own quantization_config is read at load); "fp8": a float checkpoint
+    # quantized at load in 128x128 blocks (workers/quantization.py); others are refused.
     quantization: str | None = None
     # vLLM's hf_overrides: config.json keys set over the checkpoint's, in any spelling
     # transformers reads (workers/hf_config.py); e.g. Qwen3's YaRN to 131,072 tokens:
@@ -99,12 +99,12 @@ class EngineConfig:
     # A key the loader does not read is refused, naming the valid ones.
     hf_overrides: dict[str, Any] | None = None
     # vLLM's kv_cache_dtype (workers/config.py KV_CACHE_DTYPES): "auto", the model's dtype;
-    # "fp8" / "fp8_e4m3": K and V stored as float8_e4m3fn over a per-tensor scale of 1.0,
-    # twice the blocks of bf16 for the same memory. Read by the Triton and torch kernels (not
-    # flash-attn).
+    # "fp8" / "fp8_e4m3": K and V stored as float8_e4m3fn over a per-tensor scale (1.0, the
+    # checkpoint's k_scale / v_scale, or calculate_kv_scales), twice the blocks of bf16 for the
+    # same memory. Read by the Triton and torch kernels (not flash-attn).
     kv_cache_dtype: str = "auto"
-    # vLLM's calculate_kv_scales (FP8 KV scales from the first prefill): not implemented yet,
-    # so true is refused rather than ignored.
+    # vLLM's calculate_kv_scales: FP8 KV scales from the first prefill (workers/kv_scales.py);
+    # refused with kv_cache_dtype "auto", which has no scales.
     calculate_kv_scales: bool = False
     # LoRA (vLLM's names): requests may name a PEFT adapter (LoRARequest); max_loras adapters
     # sit in device slots at once (a step mixes at most that many), of rank <= max_lora_rank;
@@ -129,9 +129,12 @@ class EngineConfig:
         _choice(self, "generation_config", ("auto", "vllm"))
         check_quantization_arg(self.quantization)
         check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend)
-        if self.calculate_kv_scales is not False:
-            raise ValueError("calculate_kv_scales is not supported yet (FP8 KV scales are 1.0 per "
-                             f"tensor); leave it false; got {self.calculate_kv_scales!r}")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError("calculate_kv_scales must be true or false; "
+                             f"got {self.calculate_kv_scales!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales needs an FP8 KV cache (its scales); set "
+                             "kv_cache_dtype 'fp8' or leave calculate_kv_scales false")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError("hf_overrides must be a mapping of config.json keys to values; "
                              f"got {self.hf_overrides!r}")

@@ -105,7 +105,7 @@ class LLMEngine:
         self.model_name = config.model
         self.model_path = resolve_model(config.model)
         self.model_config = load_model_config(self.model_path, config.tensor_parallel_size,
-                                              config.hf_overrides)
+                                              config.hf_overrides, config.quantization)
         config.check_host_memory(sum(f.stat().st_size for f in checkpoint_files(self.model_path)),
                                  os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         self.max_model_len = config.max_model_len or self.model_config.max_context_len
@@ -144,6 +144,7 @@ class LLMEngine:
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
             speculative_max_num_seqs=0 if spec is None else spec.disable_by_batch_size,
             hf_overrides=config.hf_overrides, kv_cache_dtype=config.kv_cache_dtype,
+            quantization=config.quantization, calculate_kv_scales=config.calculate_kv_scales,
             max_loras=config.max_loras if config.enable_lora else 0,
             max_lora_rank=config.max_lora_rank if config.enable_lora else 0)
         # LoRA adapters this engine knows and the host copies it keeps (cluster/engine/lora.py)

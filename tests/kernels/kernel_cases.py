@@ -31,6 +31,21 @@ def load_launch_counter() -> ModuleType:
     return sys.modules[name]
 
 
+def run_sm90_compile(script: str, cache_dir: Path) -> None:
+    """Run tests/kernels/`script` (an sm_90 compile of Triton kernels, no GPU needed) in a
+    process without TRITON_INTERPRET and a cold Triton cache; asserts it compiled."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), str(here)])
+    result = subprocess.run([sys.executable, str(here / script)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip().endswith("compiled for sm_90")
+
+
 # CPU cases run only under Triton's interpreter (conftest sets TRITON_INTERPRET=1 without CUDA).
 INTERPRETER_ONLY = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",

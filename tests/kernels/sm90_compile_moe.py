@@ -1,7 +1,8 @@
 """Compile the fused-MoE kernels for an H100 (sm_90) without a GPU (see sm90_compile.py,
 whose helper this uses): the three alignment kernels, and the GEMM at every row of
 `_TILE_TABLE`, gate+up (GATED, rows per token) and down (routing weights applied), in bf16
-(the GPU default), and fp32 at one tile. Run with TRITON_INTERPRET unset."""
+(the GPU default) with bf16 and block-scaled FP8 experts (128x128 blocks), and fp32 at one
+tile. Run with TRITON_INTERPRET unset."""
 
 from __future__ import annotations
 
@@ -14,24 +15,26 @@ H100_SHARED_BYTES = 232448
 
 
 def main() -> None:
-    configs = [("bf16", row[1:]) for row in triton_moe._TILE_TABLE]
-    configs.append(("fp32", (16, 64, 32, 1, 4, 2)))
-    for dt, (block_m, block_n, block_k, group_m, warps, stages) in configs:
+    configs = [("bf16", fp8, row[1:]) for row in triton_moe._TILE_TABLE for fp8 in (False, True)]
+    configs.append(("fp32", False, (16, 64, 32, 1, 4, 2)))
+    for dt, fp8, (block_m, block_n, block_k, group_m, warps, stages) in configs:
         for gated in (True, False):
             compiled = compile_kernel(
                 triton_moe._moe_gemm_kernel,
-                dict(a_ptr=dt, b_ptr=dt, c_ptr=dt, weights_ptr="fp32", sorted_ids_ptr="i32",
-                     expert_ids_ptr="i32", num_padded_ptr="i32"),
+                dict(a_ptr=dt, b_ptr="fp8e4nv" if fp8 else dt, c_ptr=dt, weights_ptr="fp32",
+                     sorted_ids_ptr="i32", expert_ids_ptr="i32", num_padded_ptr="i32",
+                     bs_ptr="fp32" if fp8 else dt),
                 dict(TOP_K=8 if gated else 1, A_PER_TOKEN=gated, GATED=gated,
                      MUL_WEIGHT=not gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                     GROUP_M=group_m, DOT_PRECISION="ieee" if dt == "fp32" else "tf32"),
+                     GROUP_M=group_m, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
+                     FP8_W=fp8, SCALE_N=128 if fp8 else 1, SCALE_K=128 if fp8 else 1),
                 num_warps=warps, num_stages=stages)
             shared = compiled.metadata.shared
             if shared > H100_SHARED_BYTES:
                 raise SystemExit(f"{dt} tiles {block_m}x{block_n}x{block_k} stages {stages} "
-                                 f"gated={gated} need {shared} B of shared memory")
-            print(dt, (block_m, block_n, block_k, stages), "gated" if gated else "down",
-                  f"shared {shared} B")
+                                 f"gated={gated} fp8={fp8} need {shared} B of shared memory")
+            print(dt, "fp8 experts" if fp8 else "", (block_m, block_n, block_k, stages),
+                  "gated" if gated else "down", f"shared {shared} B")
     for ids in ("i64", "i32"):
         compile_kernel(triton_moe._align_count_kernel, dict(topk_ids_ptr=ids, counts_ptr="i32"),
                        dict(BLOCK=triton_moe._ALIGN_BLOCK), num_warps=4)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import INTERPRETER_ONLY
+from kernel_cases import INTERPRETER_ONLY, run_sm90_compile
 
 from kernels import ops
 from kernels.moe_reference import moe_align_block_size
@@ -195,16 +195,4 @@ def test_triton_moe_is_captured_by_a_cuda_graph() -> None:
 def test_kernel_compiles_for_h100_at_every_table_tile(tmp_path) -> None:
     """Without a GPU, every tile of the table passes Triton, LLVM and ptxas for sm_90 and
     fits an H100's shared memory."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), str(here)])
-    result = subprocess.run([sys.executable, str(here / "sm90_compile_moe.py")], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip().endswith("compiled for sm_90")
+    run_sm90_compile("sm90_compile_moe.py", tmp_path)

@@ -1,4 +1,5 @@
-"""FP8 KV cache (kv_cache_dtype fp8 / fp8_e4m3, per-tensor scales of 1.0) in the worker.
+"""FP8 KV cache (kv_cache_dtype fp8 / fp8_e4m3, per-tensor scales of 1.0) in the worker (other
+scales: test_kv_scales.py).
 
 - The twins: a write stores x / scale saturated in e4m3; attention over an FP8 cache equals,
   bit for bit, attention over a float32 cache holding its dequantized values.
@@ -93,7 +94,7 @@ def test_kernels_refuse_what_they_cannot_read(backend: str, scales: bool, messag
     ({"kv_cache_dtype": "fp8", "attention_backend": "flash_attn"},
      r"kv_cache_dtype 'fp8' is not read by attention_backend 'flash_attn'; choose "
      r"attention_backend 'auto', 'triton' or 'torch'"),
-    ({"calculate_kv_scales": True}, r"calculate_kv_scales is not supported yet"),
+    ({"calculate_kv_scales": True}, r"calculate_kv_scales needs an FP8 KV cache"),
 ])
 def test_engine_args_are_refused_naming_the_choices(args: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

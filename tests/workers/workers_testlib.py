@@ -8,6 +8,7 @@ import multiprocessing as mp
 import queue
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,7 +309,9 @@ def _child_main(rank: int, commands: Any, replies: Any) -> None:
                 replies.put(("ok", _kv_blocks(worker, *arg)))
             elif cmd == "state":
                 replies.put(("ok", {"seqs": sorted(worker.model_runner.seqs),
-                                    "num_gpu_blocks": worker.cache_engine.num_gpu_blocks}))
+                                    "num_gpu_blocks": worker.cache_engine.num_gpu_blocks,
+                                    "kv_scales": [(float(a.k_scale), float(a.v_scale))
+                                                  for a in worker.model.attention_layers()]}))
         except Exception:  # report to the test process instead of hanging it
             replies.put(("error", traceback.format_exc()))
 
@@ -390,13 +393,17 @@ class ProcessGroupExecutor:
 # Hugging Face oracle
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], num_tokens: int
+def hf_greedy(model_dir: str, prompts: list[list[int]], num_tokens: int,
+              prepare: Callable[[torch.nn.Module], None] | None = None
               ) -> list[tuple[list[int], list[np.ndarray]]]:
-    """Per prompt: transformers' greedy tokens and the logits each was chosen from (fp32, CPU)."""
+    """Per prompt: transformers' greedy tokens and the logits each was chosen from (fp32, CPU);
+    `prepare(model)` may change the loaded model first (hooks)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
+    if prepare is not None:
+        prepare(model)
     # transformers 5.24 renamed the KV cache argument and output `past_key_values` -> `cache`
     cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = []

@@ -40,6 +40,8 @@ class Attention(nn.Module):
     `k`/`v` are the same rows, from which the kernel reads each chunk's own keys contiguously.
     `k_scale` / `v_scale` (float32 `[1]`, 1.0) are the per-tensor scales an FP8 cache
     (kv_cache_dtype fp8) stores its values divided by; a full-precision cache ignores them.
+    workers/kv_scales.py sets them (the checkpoint's, or `calculate_kv_scales` while
+    `kv_scales_pending`).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -55,6 +57,8 @@ class Attention(nn.Module):
         self.v_cache = torch.tensor([])
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.kv_scales_pending = False
+        self.kv_scales_calculated = False
 
     def kv_cache(self) -> tuple[Tensor, Tensor]:
         """This layer's (k_cache, v_cache) `[num_blocks, block_size, Hkv, D]`."""

@@ -22,6 +22,14 @@ Either way the layer ends in one all-reduce of `[T, H]`, so the communication is
 MLP's. EP reads whole expert matrices (better GEMM shapes when I/tp gets small); TP balances
 work whatever the routing.
 
+FP8 (workers/quantization.py's `Fp8Config`): the stacked weights are e4m3 with
+`w13_weight_scale_inv` `[E_local, 2 I_local / bn, H / bk]` and `w2_weight_scale_inv`
+`[E_local, H / bn, I_local / bk]`, loaded from the hub's per-expert `weight_scale_inv` through
+the same geometry counted in blocks (or quantized at load, `quantization: fp8`); every rank
+holds whole blocks (refused at construction naming the sizes). The fused kernels read the
+e4m3 experts and their scales (W8A16: kernels.fused_moe dequantizes in registers on Triton; the
+torch twin dequantizes a layer's experts before its matmuls).
+
 Memory: a forward's expert buffers (`[T k, I_local]` and `[T k, H]` plus the alignment's
 index arrays) have sizes fixed by T alone, not by the routing, so the worker's profiling
 forward at the largest batch measures their peak and the KV cache is sized after it.
@@ -34,8 +42,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import kernels
+from kernels.fp8_reference import FP8_DTYPE, quantize_weight_blocks
 from workers.distributed import TensorParallelGroup
 from workers.layers.weights import WeightSource, copy_checked
+from workers.quantization import Fp8Config, check_fp8_blocks
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -46,7 +56,7 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, tp: TensorParallelGroup, dtype: torch.dtype, ops: str,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, quant: Fp8Config | None = None) -> None:
         super().__init__()
         ws = tp.world_size
         self.tp = tp
@@ -75,22 +85,41 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         e, i = self.num_local_experts, self.local_intermediate
+        self.quant = quant
         self.gate = _Router(num_experts, hidden_size, dtype)
-        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype),
+        stored = FP8_DTYPE if quant is not None and quant.from_checkpoint else dtype
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=stored),
                                        requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype),
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=stored),
                                       requires_grad=False)
-        for param, projections in ((self.w13_weight, ("gate_proj", "up_proj")),
-                                   (self.w2_weight, ("down_proj",))):
-            param.weight_loader = self.weight_loader
+        params = [(self.w13_weight, ("gate_proj", "up_proj"), None),
+                  (self.w2_weight, ("down_proj",), None)]
+        if quant is not None:
+            check_fp8_blocks(quant, {"expert gate_proj/up_proj": (i, hidden_size),
+                                     "expert down_proj": (hidden_size, i)}, ws)
+        if quant is not None and quant.from_checkpoint:
+            bn, bk = block = quant.weight_block_size
+            self.w13_weight_scale_inv = nn.Parameter(
+                torch.empty(e, 2 * i // bn, hidden_size // bk), requires_grad=False)
+            self.w2_weight_scale_inv = nn.Parameter(
+                torch.empty(e, hidden_size // bn, i // bk), requires_grad=False)
+            params += [(self.w13_weight_scale_inv, ("gate_proj", "up_proj"), block),
+                       (self.w2_weight_scale_inv, ("down_proj",), block)]
+        for param, projections, block in params:
+            param.weight_loader = (self.weight_loader if block is None else
+                                   lambda p, loaded, sid, b=block: self.weight_loader(
+                                       p, loaded, sid, block=b))
             # What the loader must see for this parameter: every expert's tensors, on every
             # rank (an EP rank checks the shapes of the experts it does not keep).
             param.expert_projections = projections
             param.num_experts = num_experts
+            param.checkpoint_suffix = "weight" if block is None else "weight_scale_inv"
 
     def weight_loader(self, param: nn.Parameter, loaded: WeightSource,
-                      shard_id: int | str | tuple | None = None) -> None:
-        """Copy this rank's part of expert `e`'s `proj` tensor; shard_id is `(e, proj)`."""
+                      shard_id: int | str | tuple | None = None,
+                      block: tuple[int, int] | None = None) -> None:
+        """Copy this rank's part of expert `e`'s `proj` tensor; shard_id is `(e, proj)`; with
+        `block`, the tensors are per-block scales and every size is counted in blocks."""
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2
                 and shard_id[1] in EXPERT_PROJECTIONS):
             raise ValueError(f"{loaded.name}: expert shard id must be (expert, one of "
@@ -99,11 +128,13 @@ class FusedMoE(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint tensor {loaded.name} is for expert {expert}, but "
                              f"config.json has num_experts={self.num_experts}")
+        bn, bk = block or (1, 1)
         h, full_i = self.hidden_size, self.intermediate_size
-        want = (h, full_i) if proj == "down_proj" else (full_i, h)
+        want = (h // bn, full_i // bk) if proj == "down_proj" else (full_i // bn, h // bk)
         if tuple(loaded.shape) != want:
             raise ValueError(f"checkpoint tensor {loaded.name} has shape {tuple(loaded.shape)}; "
-                             f"expected {want} (hidden_size={h}, moe_intermediate_size={full_i}): "
+                             f"expected {want} (hidden_size={h}, moe_intermediate_size={full_i}"
+                             f"{'' if block is None else f', blocks {block}'}): "
                              "does config.json match the weights?")
         local = expert - self.expert_start
         if not 0 <= local < self.num_local_experts:
@@ -111,19 +142,34 @@ class FusedMoE(nn.Module):
         i = self.local_intermediate
         start = 0 if self.expert_parallel else self.tp.rank * i
         if proj == "down_proj":
-            copy_checked(param.data[local], loaded.narrow(1, start, i), loaded.name)
+            copy_checked(param.data[local], loaded.narrow(1, start // bk, i // bk), loaded.name)
         else:
-            offset = 0 if proj == "gate_proj" else i
-            copy_checked(param.data[local].narrow(0, offset, i), loaded.narrow(0, start, i),
-                         loaded.name)
+            offset = 0 if proj == "gate_proj" else i // bn
+            copy_checked(param.data[local].narrow(0, offset, i // bn),
+                         loaded.narrow(0, start // bn, i // bn), loaded.name)
+
+    def process_weights_after_loading(self) -> None:
+        """`quantization: fp8`: quantize the loaded float experts, one expert at a time."""
+        if self.quant is None or self.quant.from_checkpoint:
+            return
+        block = self.quant.weight_block_size
+        for name in ("w13_weight", "w2_weight"):
+            pairs = [quantize_weight_blocks(w, block) for w in getattr(self, name).data]
+            setattr(self, name, nn.Parameter(torch.stack([q for q, _ in pairs]),
+                                             requires_grad=False))
+            setattr(self, f"{name}_scale_inv",
+                    nn.Parameter(torch.stack([s for _, s in pairs]), requires_grad=False))
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = kernels.moe_route(self.gate(x), self.top_k, self.renormalize)
         if self.expert_parallel:
             ids = ids - self.expert_start
             ids = ids.masked_fill((ids < 0) | (ids >= self.num_local_experts), -1)
+        scales = {} if self.quant is None else {
+            "w13_scale": self.w13_weight_scale_inv, "w2_scale": self.w2_weight_scale_inv,
+            "block": self.quant.weight_block_size}
         out = kernels.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids,
-                                backend=self.ops)
+                                backend=self.ops, **scales)
         return self.tp.all_reduce(out)
 
 

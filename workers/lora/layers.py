@@ -56,14 +56,15 @@ class BaseLinearWithLoRA(nn.Module):
         self.batch = batch
         # (a multiple of 8: the grouped GEMMs need rows of 16-byte multiples; the rest is zeros)
         self.rank = rank = -(-max_rank // 8) * 8
-        w = base.weight
+        w = base.weight  # (its shape and device; an FP8 weight's dtype is not the activations')
         out, n_in = w.shape
+        dtype = base.params_dtype
         self.register_buffer("lora_a", torch.zeros(max_loras + 1, len(slices) * rank, n_in,
-                                                   dtype=w.dtype, device=w.device),
+                                                   dtype=dtype, device=w.device),
                              persistent=False)
         # each slice's rows of this rank's output, and its B over them
         self.rows = [(0, out) if self.shards_a else _slice_rows(base, sid) for _, sid in slices]
-        self.lora_b = [torch.zeros(max_loras + 1, size, rank, dtype=w.dtype, device=w.device)
+        self.lora_b = [torch.zeros(max_loras + 1, size, rank, dtype=dtype, device=w.device)
                        for _, size in self.rows]
 
     @property

@@ -1,0 +1,72 @@
+"""Block-scaled FP8 experts in the fused MoE kernels: the torch twin is the float kernels on the
+dequantized experts (exactly), and the Triton kernel (interpreter, CPU), which dequantizes
+each B tile in registers, gives the twin's output, expert parallelism's remote pairs and tiles
+clipped to the scale block included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import INTERPRETER_ONLY
+from test_moe_kernels import make_case
+
+from kernels import ops
+from kernels.fp8_reference import dequantize_weight_blocks, quantize_weight_blocks
+
+
+def _quantized(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [quantize_weight_blocks(e, block) for e in w]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def _fp8_case(block: tuple[int, int], remote: bool = False, seed: int = 0):
+    x, w13, w2, weights, ids = make_case(9, 4, 2, hidden=64, inter=32, seed=seed,
+                                         remote=remote)
+    (q13, s13), (q2, s2) = _quantized(w13, block), _quantized(w2, block)
+    return x, (q13, s13), (q2, s2), weights, ids
+
+
+def test_twin_is_the_float_kernel_on_dequantized_experts() -> None:
+    block = (16, 32)
+    x, (q13, s13), (q2, s2), weights, ids = _fp8_case(block)
+    got = ops.fused_moe(x, q13, q2, weights, ids, backend="torch", w13_scale=s13, w2_scale=s2,
+                        block=block)
+    want = ops.fused_moe(x, dequantize_weight_blocks(q13, s13, block),
+                         dequantize_weight_blocks(q2, s2, block), weights, ids, backend="torch")
+    assert torch.equal(got, want)
+
+
+@INTERPRETER_ONLY
+@pytest.mark.parametrize("block", [(16, 16), (32, 32), (16, 32)])
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "ep"])
+def test_triton_fp8_experts_match_the_twin(block: tuple[int, int], remote: bool) -> None:
+    x, (q13, s13), (q2, s2), weights, ids = _fp8_case(block, remote, seed=7)
+    args = dict(w13_scale=s13, w2_scale=s2, block=block)
+    want = ops.fused_moe(x, q13, q2, weights, ids, backend="torch", **args)
+    got = ops.fused_moe(x, q13, q2, weights, ids, backend="triton", **args)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@INTERPRETER_ONLY
+def test_triton_tiles_wider_than_a_block_are_clipped_to_it() -> None:
+    from kernels.triton_moe import fused_moe as triton_fused_moe
+
+    block = (16, 16)
+    x, (q13, s13), (q2, s2), weights, ids = _fp8_case(block, seed=9)
+    want = ops.fused_moe(x, q13, q2, weights, ids, backend="torch", w13_scale=s13,
+                         w2_scale=s2, block=block)
+    got = triton_fused_moe(x, q13, q2, weights, ids, tiles=(16, 64, 64, 2, 4, 1),
+                           w13_scale=s13, w2_scale=s2, block=block)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_experts_without_their_scales_are_refused() -> None:
+    x, (q13, s13), (q2, s2), weights, ids = _fp8_case((16, 16))
+    with pytest.raises(ValueError, match="FP8 .* experts need w13_scale, w2_scale and block"):
+        ops.fused_moe(x, q13, q2, weights, ids, backend="torch")
+    with pytest.raises(ValueError, match=r"w2 must be float8_e4m3fn with float32 scales "
+                                         r"\(4, 4, 2\) for block \(16, 16\)"):
+        ops.fused_moe(x, q13, q2, weights, ids, backend="torch", w13_scale=s13,
+                      w2_scale=s2[:, :2], block=(16, 16))
+    with pytest.raises(ValueError, match="powers of two >= 16; got \\(12, 16\\)"):
+        ops.fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, block=(12, 16))
