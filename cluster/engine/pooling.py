@@ -27,7 +27,7 @@ return.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -199,4 +199,3 @@ class PoolingRequestOutput:
     outputs: EmbeddingOutput | ScoringOutput
     finished: bool = True
     num_cached_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
