@@ -19,8 +19,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
-
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 # sentence-transformers' flag -> vLLM's pooling type
@@ -71,6 +69,8 @@ def write_embedding_layout(directory: Path, config: dict[str, Any]) -> None:
     """Turn a written causal-LM checkpoint into Qwen3-Embedding's layout: the base model's
     tensors without the `model.` prefix (no LM head), and the sentence-transformers files
     (last-token pooling, then Normalize, the query prompt)."""
+    from safetensors.torch import load_file, save_file  # (readers of the files need no torch)
+
     weights = directory / "model.safetensors"
     tensors = load_file(str(weights))
     base = {name.removeprefix("model."): t for name, t in tensors.items()

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from cluster import LLM
-from cluster.engine.pooling import RERANK_INSTRUCTION, RERANK_PREFIX, RERANK_SUFFIX
 from workers.tiny_model import resolve_model
 
 COS = 0.9999
@@ -122,33 +121,12 @@ def test_mean_and_cls_pooling_from_the_pooling_config(mode: str, embed_path: str
         assert _cos(out.outputs.embedding, ref) > COS
 
 
-def _card_scores(path: str, pairs: list[tuple[str, str]]) -> list[float]:
-    """Qwen3-Reranker's model-card reference: prefix + formatted pair + suffix tokens, the
-    last position's logits of "yes" and "no", log-softmax, exp of "yes"."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    yes, no = tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
-    prefix = tok.encode(RERANK_PREFIX, add_special_tokens=False)
-    suffix = tok.encode(RERANK_SUFFIX, add_special_tokens=False)
-    scores = []
-    for query, doc in pairs:
-        text = f"<Instruct>: {RERANK_INSTRUCTION}\n<Query>: {query}\n<Document>: {doc}"
-        ids = prefix + tok(text)["input_ids"] + suffix
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1]
-        pair = torch.stack([logits[no], logits[yes]]).log_softmax(-1)
-        scores.append(float(pair[1].exp()))
-    return scores
-
-
-def test_reranker_scores_equal_the_model_card_reference() -> None:
+def test_reranker_scores_equal_the_model_card_reference(rerank_card_scores: Any) -> None:
     query = "What is the capital of China?"
     docs = ["The capital of China is Beijing.",
             "Gravity is a force that attracts two bodies towards each other. " * 3]
     path = resolve_model("qwen3-reranker-tiny")
-    want = _card_scores(path, [(query, d) for d in docs])
+    want = rerank_card_scores(path, [(query, d) for d in docs])
     with LLM("qwen3-reranker-tiny", hf_overrides=RERANKER_OVERRIDES, **SMALL) as llm:
         assert llm.engine.pooling.task == "score"
         got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
@@ -197,9 +175,9 @@ def test_tp2_on_ray_matches_sentence_transformers(ray_cluster: None,
         assert _cos(out.outputs.embedding, ref) > COS
 
 
-def test_tp2_reranker_on_ray(ray_cluster: None) -> None:
+def test_tp2_reranker_on_ray(ray_cluster: None, rerank_card_scores: Any) -> None:
     query, docs = "capital of France", ["Paris is the capital of France.", "Bananas are yellow."]
-    want = _card_scores(resolve_model("qwen3-reranker-tiny"), [(query, d) for d in docs])
+    want = rerank_card_scores(resolve_model("qwen3-reranker-tiny"), [(query, d) for d in docs])
     with LLM("qwen3-reranker-tiny", tensor_parallel_size=2, worker_num_cpus=0.5,
              hf_overrides=RERANKER_OVERRIDES, **SMALL) as llm:
         got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
