@@ -91,6 +91,9 @@ def test_shared_prefix_hits_the_prefix_cache(embedder: LLM, embed_path: str) -> 
     first = embedder.embed(texts[:1], use_tqdm=False)[0]
     second = embedder.embed(texts[1:], use_tqdm=False)[0]
     assert second.num_cached_tokens >= 32  # the shared instruction's full blocks
+    again = embedder.embed(texts[1:], use_tqdm=False)[0]  # all of it cached but the last token
+    assert again.num_cached_tokens >= len(again.prompt_token_ids) - 16
+    assert _cos(again.outputs.embedding, torch.tensor(second.outputs.embedding)) > 0.999999
     ref = SentenceTransformer(embed_path, device="cpu").encode(texts, convert_to_tensor=True)
     assert _cos(first.outputs.embedding, ref[0]) > COS
     assert _cos(second.outputs.embedding, ref[1]) > COS
