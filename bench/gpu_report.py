@@ -28,7 +28,8 @@ only (the GPU box has no Ray). The steps:
                   whether the forward slows while the copy stream works;
   sampler         bench/sampler_bench.py --device cuda;
   host overhead   bench/worker_step.py --host-overhead;
-  lora, fp8       bench/lora_bench.py / bench/fp8_bench.py --device cuda, when the tree has them.
+  lora, fp8       bench/lora_bench.py / bench/fp8_bench.py --device cuda, when the tree has them;
+  embed           bench/embed_bench.py --device cuda (pooling runner vs sentence-transformers).
 Writes `<out>/report.md` (tables), `<out>/report.json` (everything) and each step's log and
 JSON beside them.
 """
@@ -119,6 +120,9 @@ def steps(out: Path) -> list[Step]:
                       str(out / "lora.json")], 30, "lora.json", "bench/lora_bench.py"),
         Step("fp8", [py, "bench/fp8_bench.py", "--device", "cuda", "--json",
                      str(out / "fp8.json")], 30, "fp8.json", "bench/fp8_bench.py"),
+        # (the embedding toy: the engine's pooling runner against sentence-transformers)
+        Step("embed", [py, "bench/embed_bench.py", "--device", "cuda", "--repeats", "3",
+                       "--json", str(out / "embed.json")], 40, "embed.json"),
     ]
 
 
@@ -212,6 +216,10 @@ def _markdown(report: dict) -> str:
         lines += _table(["sampler rows", "mode", "ms", "vs unseeded"], [
             [r["rows"], r["mode"], f"{r['ms']:.3f}", f"{r['vs_unseeded']:.2f}x"]
             for r in sampler["results"]])
+    if embed := res.get("embed"):
+        lines += _table(["embed batch", "system", "inputs/s", "tokens/s"], [
+            [r["batch"], r["system"], f"{r['inputs_per_s']:.1f}", f"{r['tokens_per_s']:.0f}"]
+            for r in embed["rows"]])
     for name in ("lora", "fp8"):
         if name in res:
             lines += ["", f"{name}: `{json.dumps(res[name])[:1500]}`"]
