@@ -1,9 +1,11 @@
 """The pooling routes: `/v1/embeddings` (OpenAI's), `/v1/score` and `/v1/rerank` (vLLM's),
 served by an engine with the pooling runner (cluster/engine/pooling.py).
 
-Each input is one engine request (a prefill that finishes with its last chunk), all of a
-body's inputs sent at once so the engine batches them; the answer comes when every vector is
-in. A route asked of the other kind of model (an embedding of a reranker, a score of a chat
+Each input is one engine request (a prefill that finishes with its last chunk), a body's
+inputs sent in waves of the engine's max_num_seqs (what one step can hold; more at once would
+only wait in Serve's queues, and beyond max_queued_requests turn the whole body into a 503) so
+the engine batches them; the answer comes when every vector is in. Tokenizing a big body runs
+off the event loop, as the generation routes do. A route asked of the other kind of model (an embedding of a reranker, a score of a chat
 model, a generation of a pooling model) is a 400 naming `model`; every other client mistake a
 400 naming its field: an empty input list or input, an input longer than a pooling request
 may be, token ids outside the vocabulary, `dimensions` the model does not declare.
@@ -87,14 +89,14 @@ class PoolingRoutes:
     async def embeddings(self, request: Request) -> Response:
         rid = f"embd-{uuid.uuid4().hex}"
         try:
-            info, pooling, req = await self._read(request, EmbeddingRequest, "embed")
+            info, pooling, size, req = await self._read(request, EmbeddingRequest, "embed")
             try:
                 pooling.check_dimensions(req.dimensions)
             except ValueError as e:
                 raise RequestError(str(e), param="dimensions") from None
-            prompts = [self._check(p, info.max_model_len, "input")
-                       for p in self._embedding_inputs(req.input)]
-            vectors = await self._pool(prompts, rid)
+            inputs = await self.serving._off_loop(size, self._embedding_inputs, req.input)
+            prompts = [self._check(p, info.max_model_len, "input") for p in inputs]
+            vectors = await self._pool(prompts, info, rid)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return error_response(map_exception(e, rid))
         data = []
@@ -110,12 +112,13 @@ class PoolingRoutes:
     async def score(self, request: Request) -> Response:
         rid = f"score-{uuid.uuid4().hex}"
         try:
-            info, _, req = await self._read(request, ScoreRequest, "score")
+            info, _, size, req = await self._read(request, ScoreRequest, "score")
             try:
                 pairs = score_pairs(req.text_1, req.text_2)
             except ValueError as e:
                 raise RequestError(str(e), param="text_2") from None
-            prompts, scores = await self._scores(pairs, req.instruction, info, "text_2", rid)
+            prompts, scores = await self._scores(pairs, req.instruction, info, size, "text_2",
+                                                 rid)
         except Exception as e:  # noqa: BLE001
             return error_response(map_exception(e, rid))
         return JSONResponse({"id": rid, "object": "list", "created": int(time.time()),
@@ -127,12 +130,12 @@ class PoolingRoutes:
     async def rerank(self, request: Request) -> Response:
         rid = f"rerank-{uuid.uuid4().hex}"
         try:
-            info, _, req = await self._read(request, RerankRequest, "score")
+            info, _, size, req = await self._read(request, RerankRequest, "score")
             if req.top_n is not None and req.top_n < 0:
                 raise RequestError(f"top_n must be >= 0 (0: every document); got {req.top_n}",
                                    param="top_n")
             prompts, scores = await self._scores([(req.query, d) for d in req.documents],
-                                                 req.instruction, info, "documents", rid)
+                                                 req.instruction, info, size, "documents", rid)
         except Exception as e:  # noqa: BLE001
             return error_response(map_exception(e, rid))
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
@@ -144,9 +147,10 @@ class PoolingRoutes:
     # ---- helpers -------------------------------------------------------------------------
 
     async def _read(self, request: Request, kind: type, task: str
-                    ) -> tuple[Any, PoolingInfo, Any]:
-        """The model's info, its PoolingInfo (400 unless it serves `task`) and the body."""
-        info, _, req = await self.serving._read(request, lambda _: kind)
+                    ) -> tuple[Any, PoolingInfo, int, Any]:
+        """The model's info, its PoolingInfo (400 unless it serves `task`), the body's size
+        and the parsed body."""
+        info, body, req = await self.serving._read(request, lambda _: kind)
         pooling = info.pooling
         if pooling is None or pooling.task != task:
             serves = "text generation" if pooling is None else f"the {pooling.task!r} task"
@@ -154,7 +158,7 @@ class PoolingRoutes:
             raise RequestError(f"{route} needs a pooling model serving the {task!r} task; "
                                f"`{self.serving.served_model_name}` serves {serves}",
                                param="model")
-        return info, pooling, req
+        return info, pooling, len(body), req
 
     def _embedding_inputs(self, value: Any) -> list[list[int]]:
         if isinstance(value, str):
@@ -175,26 +179,33 @@ class PoolingRoutes:
         return ids
 
     async def _scores(self, pairs: list[tuple[str, str]], instruction: str | None, info: Any,
-                      param: str, rid: str) -> tuple[list[list[int]], list[float]]:
+                      size: int, param: str, rid: str) -> tuple[list[list[int]], list[float]]:
         if not pairs:
             raise RequestError(f"{param} is an empty list; send at least one document",
                                param=param)
         tok = self.serving.prompts.tokenizer
-        prompts = [self._check(rerank_prompt_ids(tok, q, d, instruction), info.max_model_len,
-                               param) for q, d in pairs]
-        return prompts, [float(v[0]) for v in await self._pool(prompts, rid)]
 
-    async def _pool(self, prompts: list[list[int]], rid: str) -> list[np.ndarray]:
-        """Every prompt's pooled vector, the prompts sent to the engine at once."""
-        params = [pooling_params()] * len(prompts)
-        stream = self.serving._start(prompts, params, rid, None, pooling=True)
+        def encode() -> list[list[int]]:
+            return [rerank_prompt_ids(tok, q, d, instruction) for q, d in pairs]
+
+        prompts = [self._check(p, info.max_model_len, param)
+                   for p in await self.serving._off_loop(size, encode)]
+        return prompts, [float(v[0]) for v in await self._pool(prompts, info, rid)]
+
+    async def _pool(self, prompts: list[list[int]], info: Any, rid: str) -> list[np.ndarray]:
+        """Every prompt's pooled vector, sent to the engine max_num_seqs at a time."""
+        wave = info.max_num_seqs or len(prompts)
         vectors: list[np.ndarray | None] = [None] * len(prompts)
-        try:
-            async for idx, out in stream:
-                if out.pooled is not None:
-                    vectors[idx] = out.pooled
-        finally:
-            await aclose(stream)
+        for lo in range(0, len(prompts), wave):
+            part = prompts[lo:lo + wave]
+            stream = self.serving._start(part, [pooling_params()] * len(part), f"{rid}-{lo}",
+                                         None, pooling=True)
+            try:
+                async for idx, out in stream:
+                    if out.pooled is not None:
+                        vectors[lo + idx] = out.pooled
+            finally:
+                await aclose(stream)
         missing = [i for i, v in enumerate(vectors) if v is None]
         if missing:
             raise RuntimeError(f"the engine finished inputs {missing[:8]} without a vector")

@@ -111,6 +111,15 @@ def test_token_id_inputs_and_both_encodings(base_url: str, st_reference: torch.T
     assert one["usage"]["prompt_tokens"] == len(ids[0])
 
 
+def test_more_inputs_than_max_num_seqs_come_back_in_order(base_url: str,
+                                                          st_reference: torch.Tensor) -> None:
+    ids = _tokenize(TEXTS) * 7  # 21 inputs, in waves of the app's max_num_seqs (8)
+    data = _post(base_url, "/embed/v1/embeddings", {"input": ids}).json()["data"]
+    assert [d["index"] for d in data] == list(range(21))
+    for i, d in enumerate(data):
+        assert _cos(d["embedding"], st_reference[i % 3]) > 0.9999
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": []}, "input"),
     ({"input": ""}, "input"),
