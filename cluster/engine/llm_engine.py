@@ -123,8 +123,7 @@ class LLMEngine:
             raise ValueError(f"speculative_config.model {spec.model!r} has another tokenizer than "
                              f"the target {self.model_name!r}; a draft must share its tokenizer")
         # the pooling runner's (cluster/engine/pooling.py); None: the generate runner
-        self.pooling = resolve_pooling(self.model_path, config.runner, config.hf_overrides,
-                                       self.tokenizer)
+        self.pooling = resolve_pooling(self.model_path, config, self.tokenizer)
         if config.uses_ray:
             import ray
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from cluster.engine.config import EngineConfig
 from scheduler import SamplingParams
 from workers.config import PoolerConfig
 from workers.hf_config import read_hf_config
@@ -86,14 +87,20 @@ class PoolingInfo:
         return vec.tolist()
 
 
-def resolve_pooling(model_path: str, runner: str, hf_overrides: dict[str, Any] | None,
-                    tokenizer: Any) -> PoolingInfo | None:
+# EngineConfig settings that only act on generation: refused with the pooling runner.
+_GENERATION_ONLY = {"speculative_config": None, "enable_lora": False, "reasoning_parser": None,
+                    "tool_call_parser": None}
+
+
+def resolve_pooling(model_path: str, config: EngineConfig, tokenizer: Any
+                    ) -> PoolingInfo | None:
     """The engine's PoolingInfo (None: the generate runner); ValueError for a runner the
-    checkpoint cannot take."""
+    checkpoint cannot take, or a generation-only setting beside the pooling runner."""
+    runner = config.runner
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {list(RUNNERS)}; got {runner!r}")
     path = Path(model_path)
-    raw = read_hf_config(path, hf_overrides)
+    raw = read_hf_config(path, config.hf_overrides)
     files = read_pooling_files(path)
     classifier = any(a.endswith(_CLASSIFIER_SUFFIX) for a in raw.get("architectures") or [])
     if runner == "auto":
@@ -103,6 +110,10 @@ def resolve_pooling(model_path: str, runner: str, hf_overrides: dict[str, Any] |
             raise ValueError(f"architectures {raw['architectures']} is a classifier: it serves "
                              "with runner 'pooling' (or 'auto'), not 'generate'")
         return None
+    for key, off in _GENERATION_ONLY.items():
+        if getattr(config, key) != off:
+            raise ValueError(f"{key} acts only on generation; the pooling runner (embeddings, "
+                             f"scores) does not use it: leave it out (it is {off!r} by default)")
     if classifier:
         pooler = PoolerConfig("LAST", normalize=False,
                               classify_token_ids=_classifier_ids(raw, tokenizer))

@@ -167,6 +167,11 @@ def test_runner_choice_and_bad_reranker_overrides() -> None:
         LLM("qwen3-reranker-tiny", runner="generate", hf_overrides=RERANKER_OVERRIDES)
     with pytest.raises(ValueError, match="runner must be one of"):
         LLM("qwen3-tiny", runner="embed")
+    with pytest.raises(ValueError, match="speculative_config acts only on generation"):
+        LLM("qwen3-embedding-tiny", speculative_config={"method": "ngram",
+                                                        "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tool_call_parser acts only on generation"):
+        LLM("qwen3-embedding-tiny", tool_call_parser="hermes")
 
 
 def test_tp2_on_ray_matches_sentence_transformers(ray_cluster: None,
