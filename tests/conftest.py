@@ -58,7 +58,8 @@ def rerank_card_scores() -> Any:
 
     from cluster.engine.pooling import RERANK_INSTRUCTION, RERANK_PREFIX, RERANK_SUFFIX
 
-    def scores(path: str, pairs: list[tuple[str, str]]) -> list[float]:
+    def scores(path: str, pairs: list[tuple[str, str]],
+               instruction: str = RERANK_INSTRUCTION) -> list[float]:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         yes, no = tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
@@ -66,7 +67,7 @@ def rerank_card_scores() -> Any:
         suffix = tok.encode(RERANK_SUFFIX, add_special_tokens=False)
         out = []
         for query, doc in pairs:
-            text = f"<Instruct>: {RERANK_INSTRUCTION}\n<Query>: {query}\n<Document>: {doc}"
+            text = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
             ids = prefix + tok(text)["input_ids"] + suffix
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, -1]

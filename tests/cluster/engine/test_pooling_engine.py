@@ -134,7 +134,13 @@ def test_reranker_scores_equal_the_model_card_reference(rerank_card_scores: Any)
         assert llm.engine.pooling.task == "score"
         got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
         pairwise = llm.score([query, query], docs, use_tqdm=False)
+        task = "Judge whether the document names a city"
+        custom = [o.outputs.score for o in llm.score(query, docs, instruction=task,
+                                                     use_tqdm=False)]
     assert got == pytest.approx(want, abs=1e-5)
+    assert custom == pytest.approx(rerank_card_scores(path, [(query, d) for d in docs], task),
+                                   abs=1e-5)
+    assert custom != pytest.approx(got, abs=1e-5)  # the instruction is in the prompt
     assert [o.outputs.score for o in pairwise] == pytest.approx(want, abs=1e-5)
 
 
