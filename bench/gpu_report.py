@@ -32,6 +32,8 @@ only (the GPU box has no Ray). The steps:
   decode bf16 / decode fp8, offline-gpu fp8   bench/worker_step.py at Qwen3-0.6B shapes (batch
                   1, 32, 256 at ctx 1024) and bench/throughput.py's offline-gpu, with FP8 weights
                   (quantized at load) and FP8 KV against the model's dtype.
+  embed           bench/embed_bench.py --device cuda (pooling runner vs sentence-transformers);
+  prompt logprobs 8b  bench/prompt_logprobs_bench.py --qwen3 8b --device cuda (bf16).
 Writes `<out>/report.md` (tables), `<out>/report.json` (everything) and each step's log and
 JSON beside them.
 """
@@ -134,6 +136,16 @@ def steps(out: Path) -> list[Step]:
                                  "--runs", "1", "--passes", "2", "--skip-hf", "--quantization",
                                  "fp8", "--kv-cache-dtype", "fp8", "--json",
                                  str(out / "offline_gpu_fp8.json")], 100, "offline_gpu_fp8.json"),
+        # (the embedding toy: the engine's pooling runner against sentence-transformers)
+        Step("embed", [py, "bench/embed_bench.py", "--device", "cuda", "--repeats", "3",
+                       "--json", str(out / "embed.json")], 40, "embed.json"),
+        # a loglikelihood request against a prefill where the LM head is ~8% of the weights
+        # (issue 38's <= 1.2x; writing the random 8B checkpoint takes most of the budget)
+        Step("prompt logprobs 8b", [py, "bench/prompt_logprobs_bench.py", "--qwen3", "8b",
+                                    "--device", "cuda", "--lengths", "512,2048", "--repeats",
+                                    "3", "--batch-tokens", "2048", "--json",
+                                    str(out / "prompt_logprobs_8b.json")], 150,
+             "prompt_logprobs_8b.json"),
     ]
 
 
@@ -232,6 +244,14 @@ def _markdown(report: dict) -> str:
         lines += _table(["batch (ctx 1024)", "bf16 ms/step", "fp8 w+kv ms/step", "fp8 / bf16"], [
             [r["batch"], f"{r['decode_step_ms']:.2f}", f"{fp8_ms[r['batch']]:.2f}",
              f"{fp8_ms[r['batch']] / r['decode_step_ms']:.2f}x"] for r in bf16["rows"]])
+    if embed := res.get("embed"):
+        lines += _table(["embed batch", "system", "inputs/s", "tokens/s"], [
+            [r["batch"], r["system"], f"{r['inputs_per_s']:.1f}", f"{r['tokens_per_s']:.0f}"]
+            for r in embed["rows"]])
+    if plp := res.get("prompt logprobs 8b"):
+        lines += _table(["prompt tokens (8B)", "prefill ms", "loglikelihood ms", "ratio"], [
+            [r["prompt_tokens"], f"{r['prefill_ms']:.1f}", f"{r['loglikelihood_ms']:.1f}",
+             f"{r['ratio']:.2f}"] for r in plp["rows"]])
     for name in ("lora", "fp8", "offline-gpu fp8"):
         if name in res:
             lines += ["", f"{name}: `{json.dumps(res[name])[:1500]}`"]

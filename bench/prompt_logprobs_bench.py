@@ -13,12 +13,14 @@ same for this process's CPU time (the engine runs in this process: on a shared C
 CPU time is the steadier figure, since other processes slow the wall clock).
 
     .venv/bin/python bench/prompt_logprobs_bench.py [--lengths 128,512,2048] [--repeats 5]
-        [--model qwen3-tiny | --qwen3-06b] [--device cpu|cuda] [--batch-tokens 2048]
+        [--model qwen3-tiny | --qwen3 0.6b|4b|8b] [--device cpu|cuda] [--batch-tokens 2048]
         [--json out.json]
 
-`--qwen3-06b` writes Qwen3-0.6B's config with random weights (fp32 on CPU, bf16 on CUDA)
-to a temporary directory: the model whose LM head is a realistic share of the forward pass
-(qwen3-tiny's 152k x 128 head is ~20x its body, so there the ratio is the head's cost alone).
+`--qwen3 0.6b` (or `--qwen3-06b`) writes Qwen3-0.6B's config with random weights (fp32 on
+CPU, bf16 on CUDA) to a temporary directory: the model whose LM head is a realistic share of
+the forward pass (qwen3-tiny's 152k x 128 head is ~20x its body, so there the ratio is the
+head's cost alone); `4b` and `8b` are the shapes where the head is a smaller share (~10% and
+~8% of the weights), bf16 (CUDA: the GPU run's step; on CPU they need 8-16 GB).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default="qwen3-tiny")
     ap.add_argument("--qwen3-06b", action="store_true")
+    ap.add_argument("--qwen3", choices=["0.6b", "4b", "8b"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
@@ -57,17 +60,24 @@ def main() -> None:
     import torch
 
     from cluster import LLM, SamplingParams
-    from workers.tiny_model import QWEN3_0_6B_CONFIG, write_random_qwen3
+    from workers.tiny_model import (
+        QWEN3_0_6B_CONFIG,
+        QWEN3_4B_CONFIG,
+        QWEN3_8B_CONFIG,
+        write_random_qwen3,
+    )
 
     lengths = [int(x) for x in args.lengths.split(",")]
     model = args.model
     tmp = None
-    if args.qwen3_06b:
-        tmp = tempfile.TemporaryDirectory(prefix="qwen3-06b-")
-        dtype = "bfloat16" if args.device == "cuda" else "float32"
-        model = str(write_random_qwen3(Path(tmp.name) / "qwen3-0.6b",
-                                       dict(QWEN3_0_6B_CONFIG, dtype=dtype), args.seed))
-        label = f"Qwen3-0.6B config, random weights, {dtype}"
+    shape = "0.6b" if args.qwen3_06b else args.qwen3
+    if shape is not None:
+        tmp = tempfile.TemporaryDirectory(prefix=f"qwen3-{shape}-")
+        dtype = "float32" if shape == "0.6b" and args.device == "cpu" else "bfloat16"
+        config = {"0.6b": QWEN3_0_6B_CONFIG, "4b": QWEN3_4B_CONFIG, "8b": QWEN3_8B_CONFIG}[shape]
+        model = str(write_random_qwen3(Path(tmp.name) / f"qwen3-{shape}",
+                                       dict(config, dtype=dtype), args.seed))
+        label = f"Qwen3-{shape.upper()} config, random weights, {dtype}"
     else:
         label = model
     prefill = SamplingParams(temperature=0, max_tokens=1)
@@ -75,6 +85,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     rows = []
     with LLM(model, device=args.device, max_num_seqs=1, enable_prefix_caching=False,
+             dtype="auto" if shape in (None, "0.6b") else "bfloat16",
              max_model_len=max(lengths) + 16, max_num_batched_tokens=args.batch_tokens) as llm:
         for n in lengths:
             times: dict[str, list[float]] = {"prefill": [], "loglikelihood": []}

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from scheduler.plan import StepResult
     from scheduler.request import Request, Seq, SequenceStatus
 
@@ -76,6 +78,8 @@ class RequestOutput:
     replica_id: str | None = None  # the serving replica, on a stream's first output (Serve)
     # SamplingParams.prompt_logprobs: the whole prompt's, on the request's first output only
     prompt_logprobs: PromptLogprobList | None = None
+    # a pooling runner's vector for the request (its embedding or score), on its last output
+    pooled: np.ndarray | None = None
 
 
 @dataclass(slots=True)

@@ -218,6 +218,9 @@ class StepResult:
     # per sampled row (d its proposals), the first num_tokens[i] of which are its tokens.
     num_tokens: np.ndarray | None = None
     prompt_logprobs: PromptLogprobs | None = None  # sequences computing prompt logprobs
+    # A pooling runner's output (workers/pooler.py): float32 [S, D], one vector per sampled
+    # row (whose token id is a placeholder 0: the request finishes with this step).
+    pooled: np.ndarray | None = None
 
     def owned(self) -> StepResult:
         """This result with arrays that own their memory. A result read from a Ray Compiled
@@ -229,4 +232,5 @@ class StepResult:
         return StepResult(self.step_id, own(self.seq_ids), own(self.token_ids),
                           own(self.logprobs), own(self.top_token_ids), own(self.top_logprobs),
                           self.forward_seconds, own(self.num_tokens),
-                          None if self.prompt_logprobs is None else self.prompt_logprobs.owned())
+                          None if self.prompt_logprobs is None else self.prompt_logprobs.owned(),
+                          own(self.pooled))

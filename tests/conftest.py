@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 # Before anything imports transformers or defines a Triton kernel.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,3 +46,33 @@ def tiny_model_path() -> str:
     from workers.tiny_model import resolve_model
 
     return resolve_model("qwen3-tiny")
+
+
+@pytest.fixture(scope="session")
+def rerank_card_scores() -> Any:
+    """Qwen3-Reranker's model-card reference computation, as a function of (checkpoint dir,
+    [(query, document)]): prefix + the formatted pair + suffix tokens, transformers'
+    AutoModelForCausalLM in fp32, the last position's "yes" and "no" logits, log-softmax, exp
+    of "yes". The oracle of the pooling runner's scores (offline and over HTTP)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cluster.engine.pooling import RERANK_INSTRUCTION, RERANK_PREFIX, RERANK_SUFFIX
+
+    def scores(path: str, pairs: list[tuple[str, str]],
+               instruction: str = RERANK_INSTRUCTION) -> list[float]:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        yes, no = tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
+        prefix = tok.encode(RERANK_PREFIX, add_special_tokens=False)
+        suffix = tok.encode(RERANK_SUFFIX, add_special_tokens=False)
+        out = []
+        for query, doc in pairs:
+            text = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
+            ids = prefix + tok(text)["input_ids"] + suffix
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, -1]
+            pair = torch.stack([logits[no], logits[yes]]).log_softmax(-1)
+            out.append(float(pair[1].exp()))
+        return out
+
+    return scores

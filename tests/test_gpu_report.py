@@ -108,6 +108,10 @@ def test_report_tables_render_from_benchmark_results() -> None:
             "moe": {"rows": [{"tokens": 32, "fused_ms": 0.1, "loop_ms": 1.0, "dense_ms": 0.05,
                               "fused_GBps": 2000.0}]},
             "offload copies": {"copies": {"gib": 0.5, "offload_gb_s": 20.5}},
+            "embed": {"rows": [{"batch": 64, "system": "engine", "inputs_per_s": 105.5,
+                                "tokens_per_s": 26158.2, "seconds": 0.6}]},
+            "prompt logprobs 8b": {"rows": [{"prompt_tokens": 512, "prefill_ms": 40.0,
+                                             "loglikelihood_ms": 44.0, "ratio": 1.1}]},
         }}
     md = gpu_report._markdown(report)
     assert md.startswith("# GPU report: NVIDIA H100 80GB HBM3, 2026-11-26 12:00 UTC, commit abc1234")
@@ -121,6 +125,8 @@ def test_report_tables_render_from_benchmark_results() -> None:
     assert "| eager | 1.0 | 1 | 100 | 300 | 3.0 | 5.0 |" in md
     assert "| 32 | 0.1 | 1.0 | 0.05 | 2000.0 |" in md
     assert "offload copies: gib 0.50, offload_gb_s 20.50" in md
+    assert "| 64 | engine | 105.5 | 26158 |" in md
+    assert "| 512 | 40.0 | 44.0 | 1.10 |" in md
 
 
 def test_report_compares_the_fp8_decode_step_with_bf16s() -> None:

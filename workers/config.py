@@ -25,6 +25,31 @@ def check_kv_cache_dtype(kv_cache_dtype: str, attention_backend: str) -> None:
                          "or kv_cache_dtype 'auto'")
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass(slots=True, frozen=True)
+class PoolerConfig:
+    """How a pooling runner pools (the engine fills it from the checkpoint's files)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+    classify_token_ids: tuple[int, int] | None = None  # (no, yes): a yes/no reranker's score
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}; "
+                             f"got {self.pooling_type!r}")
+        if self.classify_token_ids is not None and self.pooling_type != "LAST":
+            raise ValueError("a yes/no reranker scores the last token; pooling_type must be "
+                             f"'LAST', not {self.pooling_type!r}")
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether it needs every prompt position (no prefix cache)."""
+        return self.pooling_type != "LAST"
+
+
 @dataclass(slots=True)
 class WorkerConfig:
     """One tensor-parallel rank's settings (vLLM's names and defaults).
@@ -70,6 +95,8 @@ class WorkerConfig:
     # LoRA: adapters held in device slots (0: no LoRA wrappers) and their largest rank
     max_loras: int = 0
     max_lora_rank: int = 0
+    # the pooling runner's pooler (workers/pooler.py); None: the generate runner
+    pooler: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

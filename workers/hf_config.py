@@ -62,7 +62,10 @@ _ATTRIBUTE_MAP: dict[str, dict[str, str]] = {
 _COMMON_ALIASES = {"torch_dtype": "dtype"}
 # Keys an hf_override may set: those read here (any spelling) and the checkpoint's identity.
 _READ_KEYS = ({"dtype", "rope_parameters", "rope_theta", "original_max_position_embeddings",
-               "quantization_config", "architectures", "model_type", "head_dim"}
+               "quantization_config", "architectures", "model_type", "head_dim",
+               # pooling (cluster/engine/pooling.py): vLLM's reranker and Matryoshka keys
+               "classifier_from_token", "is_original_qwen3_reranker", "is_matryoshka",
+               "matryoshka_dimensions"}
               | set(QWEN3_MOE_DEFAULTS) | set(QWEN3_DEFAULTS))
 
 

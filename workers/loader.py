@@ -51,6 +51,10 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
                 if isinstance(shard_id, tuple):
                     seen_experts.add(name)
                 param = params.get(param_name)
+                if param is None and ("model." + param_name) in params:
+                    # a base model saved alone (Qwen3-Embedding): its names lack `model.`
+                    param_name = "model." + param_name
+                    param = params[param_name]
                 if param is None:
                     raise ValueError(f"{file.name} holds {name!r}, which this Qwen3 model has no "
                                      "parameter for: does config.json (dense or MoE, its layer "

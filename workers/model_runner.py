@@ -37,6 +37,7 @@ from workers.draft_runner import DraftBatch, DraftRunner, draft_entries
 from workers.layers.attention import AttentionMetadata
 from workers.lora import LoRAModel
 from workers.pending import PendingTokens
+from workers.pooler import Pooler
 from workers.prompt_logprobs import PromptRows, compute_prompt_logprobs, select_prompt_rows
 from workers.qwen3 import Qwen3ForCausalLM
 from workers.sampler import PenaltyInputs, Sampler, SamplerOutput, SamplingMetadata, TokenLogprobs
@@ -86,6 +87,7 @@ class StepBatch:
     # LoRA: int64 [T (+ graph padding)] each token's adapter slot (-1: base); None: LoRA off
     lora_slots: Tensor | None = None
     lora_active: bool = False  # some sequence of the step has an adapter
+    pooled: Tensor | None = None  # the pooling runner's output (workers/pooler.py), rank 0
 
     @property
     def num_sampled(self) -> int:
@@ -98,9 +100,10 @@ class ModelRunner:
 
     def __init__(self, model: Qwen3ForCausalLM, device: torch.device, block_size: int,
                  max_model_len: int, max_num_seqs: int, vocab_size: int, seed: int,
-                 lora: LoRAModel | None = None) -> None:
+                 lora: LoRAModel | None = None, pooler: Pooler | None = None) -> None:
         self.model = model
         self.lora = lora
+        self.pooler = pooler  # the pooling runner's (no sampling); None: generate
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -387,6 +390,11 @@ class ModelRunner:
                 return None, None
             return logits[:n], tokens[:n] if batch.simple else None
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        if self.pooler is not None:
+            batch.pooled = self.pooler.pool(self.model, hidden, batch.attn_metadata,
+                                            batch.positions, batch.rows, batch.logits_indices,
+                                            batch.sample_rows)
+            return None, None
         if batch.prompt is not None:
             batch.prompt_out = compute_prompt_logprobs(self.model, hidden, batch.prompt)
         if batch.sampling is None:

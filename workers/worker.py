@@ -34,6 +34,7 @@ from workers.loader import load_model
 from workers.lora import LoRAModel, check_lora_plan
 from workers.model_config import ModelConfig, check_weights_fit, load_model_config
 from workers.model_runner import ModelRunner, StepBatch
+from workers.pooler import Pooler
 from workers.qwen3 import Qwen3ForCausalLM, ops_backend
 from workers.rejection_sampler import num_accepted
 from workers.sampler import SamplerOutput
@@ -137,8 +138,11 @@ class Worker:
             self.lora = LoRAModel(model, cfg.max_loras, cfg.max_lora_rank,
                                   max(cfg.max_num_batched_tokens, rows),
                                   ops_backend(cfg.attention_backend))
+        pooler = None if cfg.pooler is None else Pooler(
+            cfg.pooler, cfg.max_num_seqs, mc.hidden_size, self.device, self.tp.is_first)
         self.model_runner = ModelRunner(model, self.device, cfg.block_size, cfg.max_model_len,
-                                        cfg.max_num_seqs, mc.vocab_size, cfg.seed, self.lora)
+                                        cfg.max_num_seqs, mc.vocab_size, cfg.seed, self.lora,
+                                        pooler)
         self._outputs = StepOutputs(self.device, rows, MAX_LAUNCHED + 1)
 
     def kv_block_bytes(self) -> int:
@@ -380,6 +384,9 @@ class Worker:
         if batch.prompt_out is not None:  # (rank 0's prompt logprobs)
             assert batch.prompt is not None
             self._outputs.put_prompt(step.slot, batch.prompt, batch.prompt_out)
+            step.has_output = True
+        if batch.pooled is not None:  # (rank 0's pooling output: no sampling)
+            self._outputs.put_pooled(step.slot, batch.pooled)
             step.has_output = True
         if logits is not None:  # (None: ranks > 0, or nothing samples)
             if tokens is not None:  # sampled inside the CUDA graph

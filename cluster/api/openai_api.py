@@ -46,6 +46,7 @@ from cluster.api.async_streams import first_delta, merge_streams, tag_stream
 from cluster.api.openai_errors import error_message, error_response, map_exception
 from cluster.api.openai_prompts import PromptProcessor
 from cluster.api.openai_responses import ChatBuilder, CompletionBuilder, respond
+from cluster.api.pooling_api import add_pooling_routes
 from cluster.api.prometheus import render_prometheus
 from cluster.api.protocol import (
     ChatCompletionRequest,
@@ -57,6 +58,7 @@ from cluster.api.protocol import (
     validation_error_message,
 )
 from cluster.api.responses_api import create_response
+from cluster.engine.pooling import PoolingInfo
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -83,12 +85,13 @@ class ModelInfo:
     max_num_seqs: int | None = None  # sequences per step: the most samples (n) one prompt may ask
     # SamplingParams fields a request that leaves them out gets (the engine's generation_config)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    pooling: PoolingInfo | None = None  # the pooling runner's (cluster/api/pooling_api.py)
 
     @classmethod
     def of(cls, engine: Any) -> ModelInfo:
         """An engine's (AsyncLLMEngine's attributes)."""
         return cls(engine.model_name, engine.max_model_len, engine.config.max_num_seqs,
-                   dict(engine.default_sampling))
+                   dict(engine.default_sampling), engine.pooling)
 
 
 class EngineClient(Protocol):
@@ -132,7 +135,8 @@ def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str |
                reasoning_parser: str | None = None,
                tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving /v1/models, /v1/completions, /v1/chat/completions, /v1/responses,
-    /tokenize, /detokenize, /health, /metrics.
+    /v1/embeddings, /v1/score, /v1/rerank (cluster/api/pooling_api.py), /tokenize, /detokenize,
+    /health, /metrics.
 
     `api_key`, when set, is required as `Authorization: Bearer <key>` on every /v1 route and on
     /tokenize and /detokenize (as in vLLM, /health and /metrics stay open for probes and
@@ -152,6 +156,7 @@ def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str |
     app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/metrics", serving.metrics, methods=["GET"])
+    add_pooling_routes(app, serving)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected_error)
@@ -227,7 +232,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
     where = f"{request.method} {request.url.path}"
     if exc.status_code == 404:
         message = f"Invalid URL ({where}); this server serves /v1/models, /v1/completions, " \
-                  "/v1/chat/completions, /v1/responses, /tokenize, /detokenize, /health and /metrics"
+                  "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/score, /v1/rerank, " \
+                  "/tokenize, /detokenize, /health and /metrics"
     elif exc.status_code == 405:
         message = f"Method not allowed ({where}); allowed: {(exc.headers or {}).get('Allow')}"
     else:
@@ -432,8 +438,12 @@ class OpenAIServing:
                                code="model_not_found")
 
     def _start(self, prompts: list[list[int]], params: list[SamplingParams], rid: str,
-               cache_salt: str | None,
-               routing_key: str | None = None) -> AsyncIterator[tuple[int, Any]]:
+               cache_salt: str | None, routing_key: str | None = None,
+               pooling: bool = False) -> AsyncIterator[tuple[int, Any]]:
+        if not pooling and self._info is not None and self._info.pooling is not None:
+            raise RequestError(f"`{self.served_model_name}` is a pooling model (runner: "
+                               "pooling); it answers /v1/embeddings, /v1/score and /v1/rerank, "
+                               "not generation", param="model")
         if len(prompts) == 1:
             return tag_stream(0, self.client.generate(prompts[0], params[0], rid, cache_salt,
                                                       routing_key))

@@ -280,19 +280,19 @@ def pack_output(out: RequestOutput, replica_id: str | None = None) -> tuple:
     """A RequestOutput as plain tuples for the hop to the ingress, without the prompt.
 
     (finished, num_cached_tokens, ((index, token_ids, text, finish_reason, stop_reason,
-    logprobs), ...), replica_id, prompt_logprobs); `unpack_output` inverts it given the
-    request id and prompt.
+    logprobs), ...), replica_id, prompt_logprobs, pooled); `unpack_output` inverts it given
+    the request id and prompt.
     """
     return (out.finished, out.num_cached_tokens,
             tuple((c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs)
-                  for c in out.outputs), replica_id, out.prompt_logprobs)
+                  for c in out.outputs), replica_id, out.prompt_logprobs, out.pooled)
 
 
 def unpack_output(request_id: str, prompt_token_ids: list[int], packed: tuple) -> RequestOutput:
-    finished, num_cached_tokens, outputs, replica_id, prompt_logprobs = packed
+    finished, num_cached_tokens, outputs, replica_id, prompt_logprobs, pooled = packed
     return RequestOutput(request_id, prompt_token_ids,
                          [CompletionOutput(*c) for c in outputs], finished, num_cached_tokens,
-                         replica_id, prompt_logprobs)
+                         replica_id, prompt_logprobs, pooled)
 
 
 def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:

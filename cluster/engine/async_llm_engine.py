@@ -54,6 +54,7 @@ class AsyncLLMEngine:
         self.max_model_len = self.engine.max_model_len
         self.model_name = self.engine.model_name
         self.default_sampling = self.engine.default_sampling  # (generation_config)
+        self.pooling = self.engine.pooling  # the pooling runner's (None: generate)
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_aborts: set[str] = set()
         self._stepping = False

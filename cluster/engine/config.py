@@ -114,6 +114,11 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's runner: "generate" samples tokens; "pooling" returns one vector per input
+    # (embeddings, reranker scores: cluster/engine/pooling.py); "auto" picks pooling for a
+    # checkpoint with sentence-transformers pooling files or a *ForSequenceClassification
+    # architecture, as vLLM does.
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
@@ -127,6 +132,7 @@ class EngineConfig:
         _choice(self, "reasoning_parser", (None, *REASONING_PARSERS))
         _choice(self, "tool_call_parser", (None, *TOOL_CALL_PARSERS))
         _choice(self, "generation_config", ("auto", "vllm"))
+        _choice(self, "runner", ("auto", "generate", "pooling"))
         check_quantization_arg(self.quantization)
         check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend)
         if not isinstance(self.calculate_kv_scales, bool):

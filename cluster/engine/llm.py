@@ -1,7 +1,11 @@
 """The offline API, shaped like vLLM's so code can switch: `LLM(model).generate(prompts, params)`,
 with LoRA adapters as vLLM takes them: `LLM(model, enable_lora=True, max_loras=N,
 max_lora_rank=R, max_cpu_loras=M)` and `generate(..., lora_request=LoRARequest(name, id, path))`
-(one for every prompt, or a list with one per prompt, None for the base model)."""
+(one for every prompt, or a list with one per prompt, None for the base model).
+
+A pooling model (`LLM(model, runner="pooling")`, or "auto" for a sentence-transformers or
+reranker checkpoint: cluster/engine/pooling.py) answers `embed(prompts)` (`.outputs.embedding`)
+and `score(query, documents)` (`.outputs.score`) instead of `generate`."""
 
 from __future__ import annotations
 
@@ -10,8 +14,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from cluster.engine.config import EngineConfig
 from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.pooling import (
+    EmbeddingOutput,
+    PoolingInfo,
+    PoolingRequestOutput,
+    ScoringOutput,
+    check_pooling_input,
+    pooling_params,
+    rerank_prompt_ids,
+    score_pairs,
+)
 from scheduler import RequestOutput as OutputDelta
 from scheduler import SamplingParams
 from scheduler.lora import LoRARequest
@@ -42,6 +58,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # SamplingParams.prompt_logprobs: None first, then {token id: Logprob} per prompt token
     prompt_logprobs: PromptLogprobList | None = None
+    pooled: np.ndarray | None = None  # a pooling runner's vector
 
     def merge(self, delta: OutputDelta) -> None:
         """Fold one step's delta in (the engine streams deltas; this keeps the totals)."""
@@ -55,6 +72,8 @@ class RequestOutput:
                 out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.pooled is not None:
+            self.pooled = delta.pooled
         self.finished = delta.finished
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 
@@ -105,6 +124,9 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if self.engine.pooling is not None:
+            raise ValueError(f"{self.config.model!r} runs the pooling runner; call embed() or "
+                             "score(), or start it with runner='generate'")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = (sampling_params if isinstance(sampling_params, list)
@@ -151,13 +173,62 @@ class LLM:
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def embed(self, prompts: PromptType | list[PromptType], use_tqdm: bool = True,
+              dimensions: int | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (`.outputs.embedding`), in input order; `dimensions`
+        truncates a Matryoshka model's vectors (re-normalized)."""
+        info = self._pooling("embed")
+        info.check_dimensions(dimensions)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        ids = [self._tokenize(p, add_special_tokens=True)[1] for p in prompts]
+        return [PoolingRequestOutput(r.request_id, r.prompt_token_ids,
+                                     EmbeddingOutput(info.embedding(r.pooled, dimensions)),
+                                     num_cached_tokens=r.num_cached_tokens)
+                for r in self._run_pooling(ids, use_tqdm)]
+
+    def score(self, query: str | list[str], documents: str | list[str],
+              instruction: str | None = None, use_tqdm: bool = True
+              ) -> list[PoolingRequestOutput]:
+        """A reranker's relevance of each document to the query (`.outputs.score`, P(yes)),
+        with Qwen3-Reranker's prompt template applied here; `instruction` replaces its
+        default task line."""
+        self._pooling("score")
+        tok = self.engine.tokenizer
+        ids = [rerank_prompt_ids(tok, q, d, instruction) for q, d in score_pairs(query, documents)]
+        return [PoolingRequestOutput(r.request_id, r.prompt_token_ids,
+                                     ScoringOutput(float(r.pooled[0])),
+                                     num_cached_tokens=r.num_cached_tokens)
+                for r in self._run_pooling(ids, use_tqdm)]
+
+    def _pooling(self, task: str) -> PoolingInfo:
+        info = self.engine.pooling
+        if info is None or info.task != task:
+            raise ValueError(f"{task}() needs a pooling model whose task is {task!r}; "
+                             f"{self.config.model!r} "
+                             f"{'generates' if info is None else 'serves ' + info.task}")
+        return info
+
+    def _run_pooling(self, prompts: list[list[int]], use_tqdm: bool) -> list[RequestOutput]:
+        for ids in prompts:
+            check_pooling_input(ids, self.engine.max_model_len, "prompts")
+        results: dict[str, RequestOutput] = {}
+        for ids in prompts:
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, pooling_params())
+            results[rid] = RequestOutput(rid, None, ids, [CompletionOutput(0)])
+        self._run(results, use_tqdm)
+        return list(results.values())
+
+    def _tokenize(self, prompt: PromptType, add_special_tokens: bool = False
+                  ) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+            return prompt, self.engine.tokenizer.encode(prompt,
+                                                        add_special_tokens=add_special_tokens)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
+            return self._tokenize(prompt["prompt"], add_special_tokens)
         raise ValueError("a prompt must be a string or a dict with 'prompt_token_ids' "
                          f"(or 'prompt'); got {type(prompt).__name__}")
 

@@ -29,6 +29,7 @@ from cluster.engine.fast_detokenizer import detokenizer_factory
 from cluster.engine.lora import LoRAHostCache
 from cluster.engine.metrics import LatencyMetrics, RequestTimes
 from cluster.engine.output_processor import OutputProcessor
+from cluster.engine.pooling import resolve_pooling
 from cluster.engine.ray_executor import RayExecutor
 from cluster.engine.structured_output import StructuredOutputManager
 from kvcache import KVCacheManager
@@ -121,6 +122,8 @@ class LLMEngine:
                                        != self.tokenizer.get_vocab()):
             raise ValueError(f"speculative_config.model {spec.model!r} has another tokenizer than "
                              f"the target {self.model_name!r}; a draft must share its tokenizer")
+        # the pooling runner's (cluster/engine/pooling.py); None: the generate runner
+        self.pooling = resolve_pooling(self.model_path, config, self.tokenizer)
         if config.uses_ray:
             import ray
 
@@ -138,7 +141,8 @@ class LLMEngine:
             max_num_batched_tokens=batched,
             gpu_memory_utilization=config.gpu_memory_utilization,
             num_gpu_blocks_override=config.num_gpu_blocks_override, swap_space=config.swap_space,
-            kv_offloading_size=config.kv_offloading_size, enforce_eager=config.enforce_eager,
+            kv_offloading_size=config.kv_offloading_size,
+            enforce_eager=config.enforce_eager or self.pooling is not None,
             attention_backend=config.attention_backend, seed=config.seed,
             enable_expert_parallel=config.enable_expert_parallel, speculative_model=draft_path,
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
@@ -146,13 +150,15 @@ class LLMEngine:
             hf_overrides=config.hf_overrides, kv_cache_dtype=config.kv_cache_dtype,
             quantization=config.quantization, calculate_kv_scales=config.calculate_kv_scales,
             max_loras=config.max_loras if config.enable_lora else 0,
-            max_lora_rank=config.max_lora_rank if config.enable_lora else 0)
+            max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
+            pooler=None if self.pooling is None else self.pooling.pooler)
         # LoRA adapters this engine knows and the host copies it keeps (cluster/engine/lora.py)
         self.loras = (LoRAHostCache(self.model_config, config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras)
                       if config.enable_lora else None)
-        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.device == "cuda")
+        self.async_scheduling = self.pooling is None and (
+            config.async_scheduling if config.async_scheduling is not None
+            else self.device == "cuda")
         if spec is not None and self.async_scheduling:
             logger.info("speculative decoding is on: async scheduling is turned off (a verify "
                         "step's token count is known only once its result is in)")
@@ -166,7 +172,8 @@ class LLMEngine:
         else:
             self.executor = InProcessExecutor(worker_config)
         kv = KVCacheManager(self.executor.num_gpu_blocks, self.executor.num_cpu_blocks,
-                            config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                            config.block_size, enable_prefix_caching=config.enable_prefix_caching
+                            and not (self.pooling and self.pooling.pooler.accumulates),
                             num_offload_blocks=self.executor.num_offload_blocks)
         preemption = config.preemption_mode or (
             "swap" if self.executor.num_cpu_blocks > 0 else "recompute")

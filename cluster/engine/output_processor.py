@@ -206,7 +206,7 @@ class OutputProcessor:
                 out.outputs = [comp]
                 out.finished = False
                 out.num_cached_tokens = req.num_cached_tokens
-                out.replica_id = out.prompt_logprobs = None
+                out.replica_id = out.prompt_logprobs = out.pooled = None
                 emit(out)
                 continue
             if state is None:  # no text, no logprobs: the delta is the token
@@ -225,7 +225,8 @@ class OutputProcessor:
             if req.n == 1:
                 finished = comp.finish_reason is not None
                 emit(RequestOutput(req.request_id, req.prompt_token_ids, [comp],
-                                   finished, req.num_cached_tokens, None, prompt_lps))
+                                   finished, req.num_cached_tokens, None, prompt_lps,
+                                   None if result.pooled is None else result.pooled[row]))
                 if finished and state is not None:
                     del self._states[req.request_id]
                 continue

@@ -33,6 +33,7 @@ class FakeEngine:
     max_model_len = 64
     config = EngineConfig(max_num_seqs=8)
     default_sampling: dict = {}  # (a test may set the model's generation_config defaults)
+    pooling = None  # a generate model (the pooling runner's routes answer 400)
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

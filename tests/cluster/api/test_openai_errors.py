@@ -134,7 +134,8 @@ def test_every_response_carries_a_request_id(engine: FakeEngine, tokenizer: Any)
 
 
 @pytest.mark.parametrize("method, path, status, message", [
-    ("GET", "/v1/embeddings", 404, "Invalid URL (GET /v1/embeddings); this server serves"),
+    ("GET", "/v1/images", 404, "Invalid URL (GET /v1/images); this server serves"),
+    ("GET", "/v1/embeddings", 405, "Method not allowed (GET /v1/embeddings); allowed: POST"),
     ("DELETE", "/v1/models", 405, "Method not allowed (DELETE /v1/models); allowed: GET"),
     ("GET", "/v1/completions", 405, "Method not allowed (GET /v1/completions); allowed: POST"),
 ])

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 from fake_engine import MODEL, FakeEngine, fetch, sse_events
 from starlette.requests import Request
@@ -259,7 +260,7 @@ def test_pack_output_round_trip_drops_only_the_prompt() -> None:
     packed = pack_output(out)
     assert packed == (False, 16, ((0, [5, 6], "ab", None, None, None),
                                   (1, [7], "c", "stop", 151645, [{7: -0.25, 9: -1.5}])), None,
-                      None)
+                      None, None)
     assert unpack_output("cmpl-1", [11, 12, 13], packed) == out
     # The first output of a request with prompt_logprobs carries them across.
     out.prompt_logprobs = [None, {12: Logprob(-1.5, 3, "b"), 7: Logprob(-0.5, 1, "c")},
@@ -268,6 +269,10 @@ def test_pack_output_round_trip_drops_only_the_prompt() -> None:
     # A stream's first output names the replica that serves it (the X-Replica-Id header).
     first = unpack_output("cmpl-1", [11, 12, 13], pack_output(out, "replica-a"))
     assert first.replica_id == "replica-a" and first.outputs == out.outputs
+    # A pooling request's last output carries its vector (RequestOutput.pooled).
+    out.pooled = np.array([0.6, 0.8], dtype=np.float32)
+    pooled = unpack_output("cmpl-1", [11, 12, 13], pack_output(out)).pooled
+    assert pooled.dtype == np.float32 and pooled.tolist() == out.pooled.tolist()
 
 
 def test_tokenize_counts_what_the_generation_routes_send_the_engine(engine: FakeEngine,
