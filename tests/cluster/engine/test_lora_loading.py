@@ -128,3 +128,20 @@ def test_host_cache_keeps_max_cpu_loras_and_reloads_evicted_ones(
         cache.add(LoRARequest("a", 3, other))
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("z", 0, adapter)
+
+
+def test_a_removed_adapter_frees_its_name_and_keeps_its_id_for_requests_in_flight(
+        adapter: str, tiny_model_path: str, tmp_path: Path, mc) -> None:
+    other = make_adapter(tiny_model_path, tmp_path / "b", seed=6)
+    cache = LoRAHostCache(mc, max_lora_rank=16, max_cpu_loras=2)
+    cache.add(LoRARequest("a", 1, adapter))
+    assert cache.remove("a") and not cache.remove("a")
+    assert (cache.names, list(cache.loaded)) == ({}, [])
+    assert cache.weights(1).tensors.keys() == load_adapter(adapter, mc, 16).tensors.keys()
+    cache.add(LoRARequest("a", 2, other))  # the name is free for another adapter
+    assert cache.names == {"a": 2}
+    with pytest.raises(ValueError, match="lora_name 'a' is already adapter 2"):
+        cache.add(LoRARequest("a", 1, adapter))
+    cache.remove("a")
+    cache.add(LoRARequest("a", 1, adapter))  # the first one again, under its own id
+    assert cache.names == {"a": 1}
