@@ -28,11 +28,13 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.api.drain import HANDOFF, Drain, watch_drain
 from cluster.api.failover import ReplicaDrainingError, resuming_stream
+from cluster.api.lora_models import LORA_SERVING_DEFAULTS, LoRAModels, check_lora_args, lora_modules
 from cluster.api.openai_api import ModelInfo, create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
 from cluster.api.prefix_router import check_router_args, request_router_config
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
 from cluster.engine.config import EngineConfig
+from scheduler.lora import LoRARequest
 from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -75,6 +77,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "router_imbalance_abs": 8,   # a replica this many requests above the least loaded one ...
     "router_imbalance_rel": 1.5,  # ... and this many times its load gets no prefix-routed request
     "router_session_hold_s": 5.0,  # a session between turns counts as a request this long
+    **LORA_SERVING_DEFAULTS,  # lora_modules, runtime loading, the resolver (lora_models.py)
 }
 
 
@@ -128,12 +131,13 @@ class LLMServer:
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str, cache_salt: str | None = None,
                        routing_key: str | None = None,
-                       resume_token_ids: list[int] | None = None) -> AsyncIterator[tuple]:
+                       resume_token_ids: list[int] | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[tuple]:
         """Stream `pack_output` tuples (not RequestOutput: it repeats the whole prompt); the
         first names this replica; HANDOFF last when the request goes on elsewhere because this
         replica is draining (cluster/api/drain.py). `routing_key` is the request router's
         (prefix_router.py); `resume_token_ids`: the request comes from a lost or draining
-        replica with these outputs (cluster/api/failover.py)."""
+        replica with these outputs (cluster/api/failover.py); `lora_request`: its adapter."""
         # Serve cancels this generator when the caller goes away; the engine's generator
         # then aborts the request in its `finally`, freeing its blocks within a step.
         self._ensure_exporter()
@@ -142,7 +146,8 @@ class LLMServer:
             replica_id = self.replica_id
             async for out in self.engine.generate(prompt_token_ids, sampling_params,
                                                    request_id, cache_salt=cache_salt,
-                                                   resume_token_ids=resume_token_ids):
+                                                   resume_token_ids=resume_token_ids,
+                                                   lora_request=lora_request):
                 yield pack_output(out, replica_id)
                 replica_id = None
 
@@ -150,13 +155,19 @@ class LLMServer:
             yield item
 
     async def kv_events(self, cursors: dict[str, tuple[str | None, int]]) -> tuple:
-        """(this replica's id, its KV events since its cursor in `cursors`, its load): what
-        PrefixAwareRouter polls (kvcache/events.py)."""
+        """(this replica's id, its KV events since its cursor in `cursors`, its load, its LoRA
+        adapters): what PrefixAwareRouter polls (kvcache/events.py)."""
         epoch, seq = cursors.get(self.replica_id, (None, 0))
-        return (self.replica_id, *self.engine.kv_events(epoch, seq))
+        return (self.replica_id, *self.engine.kv_events(epoch, seq), self.engine.lora_names())
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        self.engine.add_lora(lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        self.engine.remove_lora(lora_name)
 
     async def metrics(self) -> dict[str, Any]:
         return {**self.engine.metrics(), "replica_id": self.replica_id}
@@ -192,20 +203,24 @@ class HandleEngineClient:
 
     def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  request_id: str, cache_salt: str | None = None,
-                 routing_key: str | None = None) -> AsyncIterator[Any]:
-        """The request's deltas; resumed on another replica if the one serving it is lost
-        (the request router has dropped that replica and its KV holdings)."""
+                 routing_key: str | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
+        """The request's deltas; resumed (under the same adapter) on another replica if the
+        one serving it is lost (the request router has dropped that replica and its KV
+        holdings)."""
         def open_stream(resume_token_ids: list[int]) -> AsyncIterator[Any]:
             return self._generate(prompt_token_ids, sampling_params, request_id, cache_salt,
-                                  routing_key, resume_token_ids or None)
+                                  routing_key, resume_token_ids or None, lora_request)
         return resuming_stream(open_stream, request_id, sampling_params.n)
 
     async def _generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                         request_id: str, cache_salt: str | None, routing_key: str | None,
-                        resume_token_ids: list[int] | None) -> AsyncIterator[Any]:
+                        resume_token_ids: list[int] | None,
+                        lora_request: LoRARequest | None) -> AsyncIterator[Any]:
         gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params, request_id,
                                                  cache_salt, routing_key=routing_key,
-                                                 resume_token_ids=resume_token_ids)
+                                                 resume_token_ids=resume_token_ids,
+                                                 lora_request=lora_request)
         finished = False
         try:
             async for packed in gen:
@@ -217,6 +232,20 @@ class HandleEngineClient:
         finally:
             if not finished:  # client gone or error: cancel the replica-side generator
                 gen.cancel()
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Every running replica loads and checks the adapter (a replica started later loads
+        it at its first request under it); the first replica's error if any fails."""
+        await self._on_every_replica("add_lora", lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        await self._on_every_replica("remove_lora", lora_name)
+
+    async def _on_every_replica(self, method: str, *args: Any) -> None:
+        results = await self.handle.broadcast(method, *args).results_async(return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
 
     async def check_health(self) -> None:
         """Healthy while any replica is ready: one lost replica (its requests resume on the
@@ -245,7 +274,8 @@ class OpenAIIngress:
     def __init__(self, llm_server: DeploymentHandle, model: str,
                  served_model_name: str | None = None, api_key: str | None = None,
                  max_request_body_bytes: int | None = None,
-                 parsers: tuple[str | None, str | None] = (None, None)) -> None:
+                 parsers: tuple[str | None, str | None] = (None, None),
+                 loras: LoRAModels | None = None) -> None:
         from transformers import AutoTokenizer
 
         from workers.tiny_model import resolve_model
@@ -257,6 +287,7 @@ class OpenAIIngress:
         self.api_key = api_key
         self.max_request_body_bytes = max_request_body_bytes
         self.reasoning_parser, self.tool_call_parser = parsers
+        self.loras = loras
         if self.tool_call_parser is not None:
             import xgrammar  # noqa: F401 — loaded now, not on the first forced tool call (~2 s)
 
@@ -264,7 +295,7 @@ class OpenAIIngress:
         return create_app(self.client, self.tokenizer, served_model_name=self.served_model_name,
                           api_key=self.api_key, max_body_bytes=self.max_request_body_bytes,
                           reasoning_parser=self.reasoning_parser,
-                          tool_call_parser=self.tool_call_parser)
+                          tool_call_parser=self.tool_call_parser, loras=self.loras)
 
 
 def pack_output(out: RequestOutput, replica_id: str | None = None) -> tuple:
@@ -305,6 +336,7 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"{key} must be a number of seconds > 0; got {timeout!r}")
     check_router_args(serving)
+    check_lora_args(serving, config.enable_lora, serving["served_model_name"] or config.model)
     return config, serving
 
 
@@ -380,5 +412,9 @@ def build_app(args: dict[str, Any]) -> Application:
         backpressure_config=backpressure,
     ).bind(llm, config.model, serving["served_model_name"],
            serving["api_key"] or os.environ.get(API_KEY_ENV) or None,
-           serving["max_request_body_bytes"], (config.reasoning_parser, config.tool_call_parser))
+           serving["max_request_body_bytes"], (config.reasoning_parser, config.tool_call_parser),
+           LoRAModels(lora_modules(serving["lora_modules"],
+                                   serving["served_model_name"] or config.model),
+                      serving["dynamic_lora_loading_path"],
+                      serving["allow_runtime_lora_updating"]))
     return ingress
