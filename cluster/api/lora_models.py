@@ -46,6 +46,11 @@ def request_lora(request: Any) -> LoRARequest | None:
     return getattr(request.state, "lora_request", None)
 
 
+def resolvable(name: str) -> bool:
+    """Whether the resolver may look `name` up in its directory (one plain path component)."""
+    return _RESOLVABLE.match(name) is not None
+
+
 def lora_int_id(name: str, path: str) -> int:
     """The adapter's engine id (>= 1): the same on every ingress replica for the same adapter."""
     return zlib.crc32(f"{name}\0{path}".encode()) % 0x7FFFFFFF + 1
@@ -120,7 +125,7 @@ class LoRAModels:
         adapter = self.adapters.get(model)
         if adapter is not None:
             return adapter
-        if self.resolver_dir is not None and _RESOLVABLE.match(model):
+        if self.resolver_dir is not None and resolvable(model):
             path = Path(self.resolver_dir) / model
             if is_adapter_dir(path):
                 return await self.add(model, str(path), load)

@@ -28,12 +28,14 @@ class LoadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str
     lora_path: str
+    model: str | None = None  # the base model (an app of several models; None: the first)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str
     lora_int_id: int | None = None  # (vLLM's body has it; the name decides here)
+    model: str | None = None
 
 
 def add_lora_routes(app: FastAPI, serving: Any) -> None:
@@ -81,7 +83,12 @@ async def _read(serving: Any, request: Request, kind: type[BaseModel]) -> Any:
     await serving.info()  # (the base model's served name)
     body = await serving.read_body(request, MAX_BODY_BYTES)
     try:
-        return kind.model_validate_json(body or b"")
+        req = kind.model_validate_json(body or b"")
     except ValidationError as e:
         msg, param = validation_error_message(e.errors(include_url=False))
         raise RequestError(msg, param=param) from None
+    if req.model not in (None, serving.served_model_name):
+        raise RequestError(f"model `{req.model}` is not a base model this server serves "
+                           f"(`{serving.served_model_name}`)", status=404, param="model",
+                           code="model_not_found")
+    return req

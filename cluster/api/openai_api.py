@@ -172,11 +172,12 @@ def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str |
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected_error)
-    app.add_middleware(_FrontDoor, api_key=api_key)
+    app.add_middleware(FrontDoor, api_key=api_key)
+    app.state.serving = serving  # (cluster/api/multi_model.py reads its served names)
     return app
 
 
-class _FrontDoor:
+class FrontDoor:
     """Pure ASGI, in front of every route: gives each request its id and, when an API key is
     set, checks it on the model's routes (/v1 and the tokenizer's).
 
@@ -199,6 +200,8 @@ class _FrontDoor:
         scope.setdefault("state", {})["request_id"] = request_id
         if given is None:
             id_header = (b"x-request-id", request_id.encode())
+            # (so a FrontDoor behind this one, cluster/api/multi_model.py, takes the same id)
+            scope["headers"] = [*scope["headers"], id_header]
 
             async def send_with_id(message: Message) -> None:
                 if message["type"] == "http.response.start":
@@ -230,7 +233,7 @@ def _needs_key(path: str) -> bool:
 
 
 def _request_id(request: Request) -> str:
-    """The id _FrontDoor gave this request (a fresh one for a request built without it)."""
+    """The id FrontDoor gave this request (a fresh one for a request built without it)."""
     return getattr(request.state, "request_id", None) or uuid.uuid4().hex
 
 

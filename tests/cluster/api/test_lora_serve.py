@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 from lora_adapters import make_adapter
+from serve_apps import serve_app
 
 from cluster.api.prometheus import parse_prometheus
-from workers.distributed import get_free_port
 
 pytestmark = pytest.mark.slow
 
@@ -41,11 +41,6 @@ def adapters(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def base_url(ray_cluster: None, adapters: dict[str, str]) -> Iterator[str]:
-    from ray import serve
-    from ray.serve.context import _get_global_client
-
-    from cluster.api.serve_app import build_app
-
     args = {"model": "qwen3-tiny", "tensor_parallel_size": 1, "device": "cpu",
             "executor": "inprocess", "replica_num_cpus": 0.5, "ingress_num_cpus": 0.1,
             "swap_space": 0.1, "max_num_seqs": 16, "num_replicas": 2,
@@ -53,12 +48,8 @@ def base_url(ray_cluster: None, adapters: dict[str, str]) -> Iterator[str]:
             "lora_modules": [{"name": "static", "path": adapters["static"]}],
             "allow_runtime_lora_updating": True,
             "dynamic_lora_loading_path": str(Path(adapters["resolved"]).parent)}
-    serve.start(http_options={"host": "127.0.0.1", "port": get_free_port()})
-    port = _get_global_client().http_config.port
-    serve.run(build_app(args), name="qwen3-lora", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.delete("qwen3-lora")
-    serve.shutdown()
+    with serve_app(args, "qwen3-lora") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
