@@ -206,3 +206,56 @@ def test_metrics_have_vllms_lora_info_and_requests_per_adapter(engine: FakeEngin
     # LoRA off: no LoRA series at all
     plain = render_prometheus([engine.metrics()], "qwen3-tiny")
     assert "lora" not in plain
+
+
+class _FakeStreams:
+    """A DeploymentHandle stand-in: its first stream hands over after one token (a draining
+    replica), the next one finishes; records what each `generate.remote` was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, dict]] = []
+        self.generate = self
+
+    def options(self, **_: Any) -> _FakeStreams:
+        return self
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        from cluster.api.drain import HANDOFF
+        from cluster.api.serve_app import pack_output
+        from scheduler import CompletionOutput, RequestOutput
+
+        self.calls.append((args, kwargs))
+        first = len(self.calls) == 1
+        out = RequestOutput(args[2], args[0], [CompletionOutput(
+            0, [7 if first else 8], "x", None if first else "length", None, None)],
+            not first, 0)
+
+        async def items() -> Any:
+            yield pack_output(out)
+            if first:
+                yield HANDOFF
+
+        class Stream:  # (Serve's DeploymentResponseGenerator: iterable and cancellable)
+            def __aiter__(self) -> Any:
+                return items()
+
+            def cancel(self) -> None:
+                pass
+        return Stream()
+
+
+def test_a_resumed_request_keeps_its_adapter() -> None:
+    from cluster.api.serve_app import HandleEngineClient
+    from scheduler import SamplingParams
+
+    handle = _FakeStreams()
+    lora = LoRARequest("sql", 5, "/adapters/sql")
+    client = HandleEngineClient(handle)  # type: ignore[arg-type]
+
+    async def go() -> list[list[int]]:
+        return [out.outputs[0].token_ids async for out in client.generate(
+            [1, 2, 3], SamplingParams(max_tokens=2), "r1", lora_request=lora)]
+
+    assert asyncio.run(go()) == [[7], [8]]
+    assert [kw["lora_request"] for _, kw in handle.calls] == [lora, lora]
+    assert [kw["resume_token_ids"] for _, kw in handle.calls] == [None, [7]]
