@@ -19,7 +19,7 @@ cache_aware shape with exact block hashes instead of approximate text trees):
      request's cache salt), a held token counting PREFIX_WEIGHT (2) times: it saves its
      compute and a second copy in another pool. So a prefix goes home unless its home owes
      more than twice what recomputing it elsewhere costs. A request under a LoRA adapter
-     hashes with the adapter's name (the engine's extra key) and counts ADAPTER_TOKENS less on
+     hashes with the adapter's `cache_key` (the engine's extra key) and counts ADAPTER_TOKENS less on
      a replica that has the adapter loaded; overloaded holders are skipped like any other, so
      a hot adapter spreads to a replica that loads it instead of queueing. Among equals: fewer
      requests, then the emptier cache, then random.
@@ -324,8 +324,9 @@ class PrefixAwareRouter(RequestRouter):
             if len(self._hashes) >= MAX_ROUTING_KEYS:  # requests cancelled while routing
                 self._hashes.clear()
             salt = pr.args[3] if len(pr.args) > 3 else pr.kwargs.get("cache_salt")
-            hashes = prompt_block_hashes(pr.args[0], self.block_size,
-                                         extra_key(salt, _lora_name(pr)))  # (the engine's)
+            lora = pr.kwargs.get("lora_request")
+            hashes = prompt_block_hashes(pr.args[0], self.block_size,  # (the engine's key)
+                                         extra_key(salt, lora.cache_key if lora else None))
             self._hashes[rid] = hashes
         return hashes
 
