@@ -17,7 +17,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cluster.api.lora_models import LoRAModels
 from cluster.api.openai_errors import error_response, map_exception
 from cluster.api.protocol import RequestError, validation_error_message
 
@@ -48,28 +47,25 @@ def add_lora_routes(app: FastAPI, serving: Any) -> None:
             if not req.lora_name or not req.lora_path:
                 raise RequestError("both lora_name and lora_path must be non-empty",
                                    param="lora_name" if not req.lora_name else "lora_path")
-            if req.lora_name == serving.served_model_name or req.lora_name in loras().adapters:
+            if req.lora_name == serving.served_model_name or req.lora_name in serving.loras.adapters:
                 raise RequestError(f"The lora adapter '{req.lora_name}' has already been "
                                    "loaded.", param="lora_name")
-            await loras().add(req.lora_name, req.lora_path, serving.client.add_lora)
+            await serving.loras.add(req.lora_name, req.lora_path, serving.client.add_lora)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
-            return error_response(map_exception(e, "load_lora_adapter"))
+            return error_response(map_exception(e, request.state.request_id))
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     async def unload(request: Request) -> Response:
         try:
             req = await _read(serving, request, UnloadLoRAAdapterRequest)
-            if loras().adapters.pop(req.lora_name, None) is None:
+            if serving.loras.adapters.pop(req.lora_name, None) is None:
                 raise RequestError(f"The lora adapter '{req.lora_name}' cannot be found.",
                                    status=404, param="lora_name", code="model_not_found")
             await serving.client.remove_lora(req.lora_name)
         except Exception as e:  # noqa: BLE001
-            return error_response(map_exception(e, "unload_lora_adapter"))
+            return error_response(map_exception(e, request.state.request_id))
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed "
                                  "successfully.")
-
-    def loras() -> LoRAModels:
-        return serving.loras
 
     app.add_api_route("/v1/load_lora_adapter", load, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", unload, methods=["POST"])
