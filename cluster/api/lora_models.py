@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.api.protocol import RequestError
+from cluster.engine.tiny_lora import TINY_LORA_NAME
 from scheduler.lora import LoRARequest
 
 LORA_SERVING_DEFAULTS: dict[str, Any] = {
@@ -100,9 +101,10 @@ def lora_modules(modules: Any, base_name: str) -> list[LoRARequest]:
         if name == base_name or any(r.lora_name == name for r in out):
             raise ValueError(f"{where}.name {name!r} is already a served model's name; give "
                              "each adapter its own name")
-        if not isinstance(path, str) or not is_adapter_dir(Path(path)):
+        if not isinstance(path, str) or not (path == TINY_LORA_NAME
+                                             or is_adapter_dir(Path(path))):
             raise ValueError(f"{where}.path {path!r} is not a PEFT adapter directory (no "
-                             "adapter_config.json there)")
+                             f"adapter_config.json there) nor {TINY_LORA_NAME!r}")
         out.append(LoRARequest(name, lora_int_id(name, path), path))
     return out
 

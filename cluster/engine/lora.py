@@ -30,6 +30,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from cluster.engine.tiny_lora import resolve_adapter
 from scheduler.lora import LoRARequest
 from scheduler.plan import LoRAWeights
 from workers.model_config import ModelConfig
@@ -110,8 +111,9 @@ def _check_module(path: str, module: str, where: str) -> None:
 
 
 def load_adapter(path: str, mc: ModelConfig, max_lora_rank: int) -> LoRAWeights:
-    """Read and check one PEFT adapter directory against the base model `mc`."""
-    root = Path(path)
+    """Read and check one PEFT adapter directory (or the embedded `qwen3-tiny-lora`,
+    cluster/engine/tiny_lora.py) against the base model `mc`."""
+    root = Path(resolve_adapter(path))
     config_file, tensors_file = root / "adapter_config.json", root / "adapter_model.safetensors"
     if not config_file.is_file():
         raise _fail(path, "no adapter_config.json; pass a directory PEFT's save_pretrained wrote")

@@ -31,13 +31,14 @@ def base_url(ray_cluster: None) -> Iterator[str]:
         yield url
 
 
-def offline_text(model: str) -> str:
+def offline_text(model: str, lora: Any = None) -> str:
     from cluster import LLM, SamplingParams
 
-    llm = LLM(model, tensor_parallel_size=1)
+    llm = LLM(model, tensor_parallel_size=1, enable_lora=lora is not None)
     try:
         out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8,
-                                                    ignore_eos=True), use_tqdm=False)
+                                                    ignore_eos=True), use_tqdm=False,
+                           lora_request=lora)
     finally:
         llm.shutdown()
     return out[0].outputs[0].text
@@ -55,8 +56,8 @@ def complete(base_url: str, model: str | None, headers: dict | None = None) -> h
 def test_models_lists_every_base_model(base_url: str) -> None:
     assert httpx.get(f"{base_url}/v1/models", timeout=60).status_code == 401
     data = httpx.get(f"{base_url}/v1/models", headers=AUTH, timeout=60).json()["data"]
-    assert [(m["id"], m["parent"]) for m in data] == [("qwen3-tiny", None),
-                                                      ("qwen3-moe-tiny", None)]
+    assert [(m["id"], m["parent"]) for m in data] == [
+        ("qwen3-tiny", None), ("tiny-lora", "qwen3-tiny"), ("qwen3-moe-tiny", None)]
     assert httpx.get(f"{base_url}/health", timeout=60).status_code == 200
 
 
@@ -66,6 +67,19 @@ def test_each_request_goes_to_its_models_deployment(base_url: str) -> None:
     assert (dense.json()["model"], moe.json()["model"]) == ("qwen3-tiny", "qwen3-moe-tiny")
     assert dense.json()["choices"][0]["text"] == offline_text("qwen3-tiny")
     assert moe.json()["choices"][0]["text"] == offline_text("qwen3-moe-tiny")
+
+
+def test_the_manifests_embedded_adapter_is_served_by_its_name(base_url: str) -> None:
+    from cluster import LoRARequest
+    from cluster.api.lora_models import lora_int_id
+
+    resp = complete(base_url, "tiny-lora")
+    assert resp.status_code == 200 and resp.json()["model"] == "tiny-lora", resp.text
+    lora = LoRARequest("tiny-lora", lora_int_id("tiny-lora", "qwen3-tiny-lora"),
+                       "qwen3-tiny-lora")
+    assert resp.json()["choices"][0]["text"] == offline_text("qwen3-tiny", lora)
+    assert resp.json()["choices"][0]["text"] != complete(base_url, "qwen3-tiny").json()[
+        "choices"][0]["text"]
     # no model: the first one; the API key is checked once for every model
     assert complete(base_url, None).json()["model"] == "qwen3-tiny"
     assert complete(base_url, "qwen3-moe-tiny", headers={}).status_code == 401
