@@ -77,16 +77,16 @@ def chain_hashes(chunks: Sequence[bytes], parent: BlockHash, extra: bytes) -> li
     return [h := _xxh3_128(h + c) for c in chunks]
 
 
-def extra_key(cache_salt: str | None, lora_name: str | None = None) -> bytes | None:
+def extra_key(cache_salt: str | None, lora_key: str | None = None) -> bytes | None:
     """The extra key of a request's blocks: its cache salt (UTF-8) and its LoRA adapter's
-    name, so one prompt under two adapters (or an adapter and the base model) never shares
-    blocks. Without an adapter it is the salt alone (None: nothing). With one it starts with
-    0xFF, a byte UTF-8 never contains, then the name's length and the name: no salt can
-    collide with an adapter's key."""
+    identity (`LoRARequest.cache_key`: name and id), so one prompt under two adapters (or an
+    adapter and the base model) never shares blocks. Without an adapter it is the salt alone
+    (None: nothing). With one it starts with 0xFF, a byte UTF-8 never contains, then the
+    key's length and the key: no salt can collide with an adapter's key."""
     salt = cache_salt.encode() if cache_salt else b""
-    if lora_name is None:
+    if lora_key is None:
         return salt or None
-    name = lora_name.encode()
+    name = lora_key.encode()
     return b"\xff" + struct.pack("<I", len(name)) + name + salt
 
 

@@ -30,8 +30,10 @@ from scheduler.plan import LoRALoad
 class LoRARequest:
     """vLLM's `LoRARequest(lora_name, lora_int_id, lora_path)`: a PEFT adapter directory.
 
-    `lora_int_id` (>= 1) identifies the adapter within an engine; `lora_name` identifies it in
-    the prefix cache's block hashes (kvcache/hashing.py), so two adapters never share KV.
+    `lora_int_id` (>= 1) identifies the adapter within an engine; name and id together
+    (`cache_key`) identify it in the prefix cache's block hashes (kvcache/hashing.py), so two
+    adapters never share KV, not even one loaded under a name another had before (a server
+    gives it another id, cluster/api/lora_models.py).
     """
 
     lora_name: str
@@ -49,6 +51,11 @@ class LoRARequest:
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"LoRARequest.lora_path must be the adapter's directory; "
                              f"got {self.lora_path!r}")
+
+    @property
+    def cache_key(self) -> str:
+        """What the block hashes carry for this adapter (kvcache.hashing.extra_key)."""
+        return f"{self.lora_name}\0{self.lora_int_id}"
 
 
 class LoRASlots:

@@ -135,7 +135,7 @@ class Scheduler:
                      SequenceStatus.WAITING)
         req = Request(request_id, prompt, sp,
                       time.monotonic() if arrival_time is None else arrival_time,
-                      extra_key(cache_salt, lora_request and lora_request.lora_name), parent,
+                      extra_key(cache_salt, lora_request and lora_request.cache_key), parent,
                       self.eos_token_ids, self.config.max_model_len)
         req.lora_id = 0 if lora_request is None else lora_request.lora_int_id
         if outputs:

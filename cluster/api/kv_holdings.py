@@ -5,7 +5,9 @@ exact by applying the replica's own `KVEventLog` answers in order (kvcache/event
 the hashes this router sent it in the last `recent_ttl_s` seconds, which count as held until
 the events catch up (so a burst of one new prefix does not scatter before the first events
 arrive); and the queued work the replica reported with its last answer (`QueueLoad`:
-requests waiting and running, prompt tokens owed, the ids of its requests). `HoldingsView` is
+requests waiting and running, prompt tokens owed, the ids of its requests), and the LoRA
+adapters it has loaded (as it reported them, plus those this router just sent it requests
+for, which it loads on arrival; for `recent_ttl_s`). `HoldingsView` is
 the set of them for one deployment: the router's process keeps one per deployment, shared by
 its request routers and the poller that feeds it.
 
@@ -39,7 +41,8 @@ DEFAULT_RECENT_TTL_S = 5.0
 class ReplicaHoldings:
     """One replica's held hashes per medium, its log cursor and its recently routed hashes."""
 
-    __slots__ = ("epoch", "seq", "held", "recent", "load", "reported_at")
+    __slots__ = ("epoch", "seq", "held", "recent", "load", "reported_at", "loras",
+                 "recent_loras")
 
     def __init__(self) -> None:
         self.epoch: str | None = None
@@ -48,6 +51,8 @@ class ReplicaHoldings:
         self.recent: dict[BlockHash, float] = {}  # hash -> when it stops counting
         self.load: QueueLoad | None = None  # its queued work, as it last reported
         self.reported_at: float | None = None  # when the poll it answered was sent
+        self.loras: frozenset[str] = frozenset()  # the adapters it reported loaded
+        self.recent_loras: dict[str, float] = {}  # adapter routed here -> when it stops counting
 
     def apply(self, batch: KVEventBatch) -> None:
         for _, op, medium, hashes in batch.entries:
@@ -78,6 +83,7 @@ class ReplicaHoldings:
 
     def expire(self, now: float) -> None:
         self.recent = {h: t for h, t in self.recent.items() if t > now}
+        self.recent_loras = {n: t for n, t in self.recent_loras.items() if t > now}
 
 
 class HoldingsView:
@@ -114,9 +120,9 @@ class HoldingsView:
             return {rid: (r.epoch, r.seq) for rid, r in self._replicas.items()}
 
     def apply(self, replica_id: str, batch: KVEventBatch, load: QueueLoad,
-              as_of: float | None = None) -> None:
-        """A replica's answer to a poll sent at `as_of` (the view's clock; None: now); ignored
-        for a replica no longer in the view (it died)."""
+              loras: Iterable[str] = (), as_of: float | None = None) -> None:
+        """A replica's answer to a poll sent at `as_of` (the view's clock; None: now), with
+        the adapters it has loaded; ignored for a replica no longer in the view (it died)."""
         now = self.clock()
         with self._lock:
             r = self._replicas.get(replica_id)
@@ -124,6 +130,7 @@ class HoldingsView:
                 return
             r.apply(batch)
             r.load, r.reported_at = load, now if as_of is None else as_of
+            r.loras = frozenset(loras)
             r.expire(now)
 
     def note_routed(self, replica_id: str, hashes: Sequence[BlockHash]) -> None:
@@ -132,6 +139,21 @@ class HoldingsView:
             r = self._replicas.get(replica_id)
             if r is not None:
                 r.recent.update(dict.fromkeys(hashes, until))
+
+    def note_adapter(self, replica_id: str, lora_name: str) -> None:
+        """A request under this adapter was just sent to the replica (it loads it there)."""
+        until = self.clock() + self.recent_ttl_s
+        with self._lock:
+            r = self._replicas.get(replica_id)
+            if r is not None:
+                r.recent_loras[lora_name] = until
+
+    def holding_adapter(self, lora_name: str, replica_ids: Iterable[str]) -> set[str]:
+        """Which of the replicas have the adapter loaded (or were just sent it)."""
+        now = self.clock()
+        with self._lock:
+            return {rid for rid in replica_ids if (r := self._replicas.get(rid)) is not None
+                    and (lora_name in r.loras or r.recent_loras.get(lora_name, 0.0) > now)}
 
     def matches(self, hashes: Sequence[BlockHash],
                 replica_ids: Iterable[str]) -> dict[str, float]:

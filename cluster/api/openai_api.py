@@ -43,6 +43,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.api.async_streams import first_delta, merge_streams, tag_stream
+from cluster.api.lora_models import LoRAModels, request_lora
+from cluster.api.lora_routes import add_lora_routes
 from cluster.api.openai_errors import error_message, error_response, map_exception
 from cluster.api.openai_prompts import PromptProcessor
 from cluster.api.openai_responses import ChatBuilder, CompletionBuilder, respond
@@ -59,6 +61,7 @@ from cluster.api.protocol import (
 )
 from cluster.api.responses_api import create_response
 from cluster.engine.pooling import PoolingInfo
+from scheduler.lora import LoRARequest
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -101,7 +104,12 @@ class EngineClient(Protocol):
 
     def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  request_id: str, cache_salt: str | None = None,
-                 routing_key: str | None = None) -> AsyncIterator[Any]: ...
+                 routing_key: str | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[Any]: ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> None: ...
+
+    async def remove_lora(self, lora_name: str) -> None: ...
 
     async def check_health(self) -> None: ...
 
@@ -119,9 +127,16 @@ class LocalEngineClient:
 
     def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  request_id: str, cache_salt: str | None = None,
-                 routing_key: str | None = None) -> AsyncIterator[Any]:
+                 routing_key: str | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
         return self.engine.generate(prompt_token_ids, sampling_params, request_id,
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, lora_request=lora_request)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        self.engine.add_lora(lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        self.engine.remove_lora(lora_name)
 
     async def check_health(self) -> None:
         self.engine.check_ready()
@@ -132,11 +147,11 @@ class LocalEngineClient:
 
 def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str | None = None,
                api_key: str | None = None, max_body_bytes: int | None = None,
-               reasoning_parser: str | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+               loras: LoRAModels | None = None) -> FastAPI:
     """The FastAPI app serving /v1/models, /v1/completions, /v1/chat/completions, /v1/responses,
     /v1/embeddings, /v1/score, /v1/rerank (cluster/api/pooling_api.py), /tokenize, /detokenize,
-    /health, /metrics.
+    /health, /metrics, /v1/load_lora_adapter, /v1/unload_lora_adapter.
 
     `api_key`, when set, is required as `Authorization: Bearer <key>` on every /v1 route and on
     /tokenize and /detokenize (as in vLLM, /health and /metrics stay open for probes and
@@ -144,9 +159,10 @@ def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str |
     `max_body_bytes`: the largest request body accepted (413 beyond it); None: sized from
     max_model_len by `default_max_body_bytes`.
     `reasoning_parser` / `tool_call_parser`: EngineConfig's settings of those names.
+    `loras`: the LoRA adapters served by name (cluster/api/lora_models.py); None: none.
     """
     serving = OpenAIServing(client, tokenizer, served_model_name, max_body_bytes,
-                            reasoning_parser, tool_call_parser)
+                            reasoning_parser, tool_call_parser, loras)
     app = FastAPI(title="qwen3-serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_api_route("/v1/models", serving.list_models, methods=["GET"])
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
@@ -157,14 +173,16 @@ def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str |
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/metrics", serving.metrics, methods=["GET"])
     add_pooling_routes(app, serving)
+    add_lora_routes(app, serving)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected_error)
-    app.add_middleware(_FrontDoor, api_key=api_key)
+    app.add_middleware(FrontDoor, api_key=api_key)
+    app.state.serving = serving  # (cluster/api/multi_model.py reads its served names)
     return app
 
 
-class _FrontDoor:
+class FrontDoor:
     """Pure ASGI, in front of every route: gives each request its id and, when an API key is
     set, checks it on the model's routes (/v1 and the tokenizer's).
 
@@ -187,6 +205,8 @@ class _FrontDoor:
         scope.setdefault("state", {})["request_id"] = request_id
         if given is None:
             id_header = (b"x-request-id", request_id.encode())
+            # (so a FrontDoor behind this one, cluster/api/multi_model.py, takes the same id)
+            scope["headers"] = [*scope["headers"], id_header]
 
             async def send_with_id(message: Message) -> None:
                 if message["type"] == "http.response.start":
@@ -218,7 +238,7 @@ def _needs_key(path: str) -> bool:
 
 
 def _request_id(request: Request) -> str:
-    """The id _FrontDoor gave this request (a fresh one for a request built without it)."""
+    """The id FrontDoor gave this request (a fresh one for a request built without it)."""
     return getattr(request.state, "request_id", None) or uuid.uuid4().hex
 
 
@@ -257,8 +277,10 @@ class OpenAIServing:
 
     def __init__(self, client: EngineClient, tokenizer: Any,
                  served_model_name: str | None = None, max_body_bytes: int | None = None,
-                 reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+                 loras: LoRAModels | None = None) -> None:
         self.client = client
+        self.loras = loras or LoRAModels()
         self.served_model_name = served_model_name
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
@@ -287,7 +309,8 @@ class OpenAIServing:
         return JSONResponse({"object": "list", "data": [{
             "id": self.served_model_name, "object": "model", "created": 0,
             "owned_by": "qwen3-serve", "root": self.model_root or info.model_name, "parent": None,
-            "max_model_len": info.max_model_len}]})
+            "max_model_len": info.max_model_len},
+            *self.loras.cards(self.served_model_name, info.max_model_len)]})
 
     async def health(self, request: Request) -> Response:
         try:
@@ -318,12 +341,13 @@ class OpenAIServing:
             params = [req.to_sampling_params(
                 self.prompts.max_tokens(req.generated_max_tokens, len(p), info.max_model_len),
                 info.sampling_defaults) for p in prompts]
-            stream = self._start(prompts, params, rid, req.cache_salt, _routing_key(request, req))
+            stream = self._start(prompts, params, rid, req.cache_salt, _routing_key(request, req),
+                                 request_lora(request))
             first = await first_delta(stream)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return error_response(map_exception(e, rid))
         echo = [self.prompts.echo_text(p, req) for p in prompts]
-        builder = CompletionBuilder(self.served_model_name, self.prompts.token_text, rid, req,
+        builder = CompletionBuilder(self.model_name(request), self.prompts.token_text, rid, req,
                                     prompts, echo)
         return _name_replica(await respond(builder, first, stream, req.stream), first)
 
@@ -344,11 +368,11 @@ class OpenAIServing:
                 max_tokens, info.sampling_defaults,
                 reasoning=self.reasoning_parser is not None and req.thinking)
             stream = self._start([prompt], [params], rid, req.cache_salt,
-                                 _routing_key(request, req))
+                                 _routing_key(request, req), request_lora(request))
             first = await first_delta(stream)
         except Exception as e:  # noqa: BLE001
             return error_response(map_exception(e, rid))
-        builder = ChatBuilder(self.served_model_name, self.prompts.token_text, rid, req, prompt,
+        builder = ChatBuilder(self.model_name(request), self.prompts.token_text, rid, req, prompt,
                               self.reasoning_parser, self.tool_call_parser)
         return _name_replica(await respond(builder, first, stream, req.stream), first)
 
@@ -395,7 +419,8 @@ class OpenAIServing:
         info = await self.info()
         body = await self.read_body(request, self.body_limit(info))
         req = _parse(kind(body), body)
-        self._check_model(req.model)
+        request.state.lora_request = await self.loras.resolve(
+            req.model, self.served_model_name, self.client.add_lora)
         return info, body, req
 
     @staticmethod
@@ -431,14 +456,14 @@ class OpenAIServing:
                                f"(max_num_seqs={info.max_num_seqs}); ask for at most "
                                f"{info.max_num_seqs}", param="n")
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise RequestError(f"The model `{model}` does not exist; this server serves "
-                               f"`{self.served_model_name}`", status=404, param="model",
-                               code="model_not_found")
+    def model_name(self, request: Request) -> str:
+        """The `model` a response names: the request's adapter, else the served model."""
+        lora = request_lora(request)
+        return lora.lora_name if lora is not None else self.served_model_name
 
     def _start(self, prompts: list[list[int]], params: list[SamplingParams], rid: str,
                cache_salt: str | None, routing_key: str | None = None,
+               lora: LoRARequest | None = None,
                pooling: bool = False) -> AsyncIterator[tuple[int, Any]]:
         if not pooling and self._info is not None and self._info.pooling is not None:
             raise RequestError(f"`{self.served_model_name}` is a pooling model (runner: "
@@ -446,8 +471,9 @@ class OpenAIServing:
                                "not generation", param="model")
         if len(prompts) == 1:
             return tag_stream(0, self.client.generate(prompts[0], params[0], rid, cache_salt,
-                                                      routing_key))
-        return merge_streams([self.client.generate(p, sp, f"{rid}-{i}", cache_salt, routing_key)
+                                                      routing_key, lora))
+        return merge_streams([self.client.generate(p, sp, f"{rid}-{i}", cache_salt, routing_key,
+                                                   lora)
                               for i, (p, sp) in enumerate(zip(prompts, params))])
 
 

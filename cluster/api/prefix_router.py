@@ -18,8 +18,11 @@ cache_aware shape with exact block hashes instead of approximate text trees):
      xxh3 hashes of kvcache/hashing.py over the prompt the ingress tokenized, with the
      request's cache salt), a held token counting PREFIX_WEIGHT (2) times: it saves its
      compute and a second copy in another pool. So a prefix goes home unless its home owes
-     more than twice what recomputing it elsewhere costs. Among equals: fewer requests, then
-     the emptier cache, then random.
+     more than twice what recomputing it elsewhere costs. A request under a LoRA adapter
+     hashes with the adapter's `cache_key` (the engine's extra key) and counts ADAPTER_TOKENS less on
+     a replica that has the adapter loaded; overloaded holders are skipped like any other, so
+     a hot adapter spreads to a replica that loads it instead of queueing. Among equals: fewer
+     requests, then the emptier cache, then random.
 The others follow, least loaded first, so Serve falls through to them when the first refuses
 (max_ongoing_requests).
 
@@ -94,6 +97,9 @@ CHOSEN_TTL_S = 30.0  # a chosen request not routed by then was cancelled: it sto
 # copy of it in another pool, which evicts something that is recomputed later once pools are
 # full: each counts twice against prompt tokens owed (docs/benchmarks.md, issue #24, round 3).
 PREFIX_WEIGHT = 2.0
+# A replica that has a request's LoRA adapter loaded saves loading it (and keeps each adapter's
+# requests, and their KV, together): worth this many prompt tokens owed.
+ADAPTER_TOKENS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +116,12 @@ class RoutingThresholds:
 def rank_replicas(replica_ids: Sequence[str], loads: dict[str, int], matches: dict[str, float],
                   affinity: str | None, th: RoutingThresholds, rng: random.Random,
                   sizes: dict[str, int] | None = None, work: dict[str, int] | None = None,
-                  block_size: int = 16) -> tuple[list[str], str]:
+                  block_size: int = 16,
+                  adapter: set[str] | None = None) -> tuple[list[str], str]:
     """Replica ids best first and why the first one (the module docstring's policy): loads in
-    requests, matches in leading blocks held, sizes in blocks cached, work in prompt tokens."""
-    sizes, work = sizes or {}, work or {}
+    requests, matches in leading blocks held, sizes in blocks cached, work in prompt tokens,
+    `adapter` the replicas holding the request's LoRA adapter."""
+    sizes, work, adapter = sizes or {}, work or {}, adapter or set()
     by_load = sorted(replica_ids,
                      key=lambda r: (loads.get(r, 0), sizes.get(r, 0), rng.random()))
     least = loads.get(by_load[0], 0)
@@ -126,12 +134,14 @@ def rank_replicas(replica_ids: Sequence[str], loads: dict[str, int], matches: di
         return first(affinity), "affinity"
 
     def cost(r: str) -> float:  # prompt work before this request's first token, less a constant
-        return work.get(r, 0) - matches.get(r, 0.0) * block_size * PREFIX_WEIGHT
+        return (work.get(r, 0) - matches.get(r, 0.0) * block_size * PREFIX_WEIGHT
+                - (ADAPTER_TOKENS if r in adapter else 0))
 
     best = min(fit, key=cost)  # the first among equals in by_load order
     if cost(min(by_load, key=cost)) < cost(best):
         return first(best), "balance"  # an overloaded replica would have been cheaper
-    return first(best), "prefix" if matches.get(best, 0.0) > 0.0 else "load"
+    return first(best), ("prefix" if matches.get(best, 0.0) > 0.0
+                         else "adapter" if best in adapter else "load")
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -203,15 +213,19 @@ class PrefixAwareRouter(RequestRouter):
             self.sessions.end(key)
         loads, work = self.queued(ids, pending_request)
         affinity = self.routing_keys.get(key) if key is not None else None
+        lora = _lora_name(pending_request)
+        holders = self.view.holding_adapter(lora, ids) if lora is not None else None
         ranked, self.last_reason = rank_replicas(ids, loads, matches, affinity, self.thresholds,
                                                  self._rng, self.view.sizes(), work,
-                                                 self.block_size)
+                                                 self.block_size, holders)
         if pending_request is not None:
             held = int(matches.get(ranked[0], 0.0) * self.block_size)
             self._chosen[pending_request.metadata.internal_request_id] = (
                 ranked[0], time.monotonic(), max(1, self._prompt_len(pending_request) - held))
             if hashes:
                 self.view.note_routed(ranked[0], hashes)
+            if lora is not None:
+                self.view.note_adapter(ranked[0], lora)
             if key is not None:  # the next turn of this session follows before this one lands
                 self._remember_key(key, ranked[0])
         return [[by_id[ranked[0]]], [by_id[r] for r in ranked[1:]]]
@@ -310,8 +324,9 @@ class PrefixAwareRouter(RequestRouter):
             if len(self._hashes) >= MAX_ROUTING_KEYS:  # requests cancelled while routing
                 self._hashes.clear()
             salt = pr.args[3] if len(pr.args) > 3 else pr.kwargs.get("cache_salt")
-            # (the engine's extra key: a request without a LoRA adapter hashes with its salt)
-            hashes = prompt_block_hashes(pr.args[0], self.block_size, extra_key(salt))
+            lora = pr.kwargs.get("lora_request")
+            hashes = prompt_block_hashes(pr.args[0], self.block_size,  # (the engine's key)
+                                         extra_key(salt, lora.cache_key if lora else None))
             self._hashes[rid] = hashes
         return hashes
 
@@ -334,6 +349,11 @@ def _finished_in_engine(entry: tuple[str | None, int, float], report: QueueLoad 
 
 def _routing_key(pr: PendingRequest | None) -> str | None:
     return pr.kwargs.get("routing_key") if pr is not None else None
+
+
+def _lora_name(pr: PendingRequest | None) -> str | None:
+    lora = pr.kwargs.get("lora_request") if pr is not None else None
+    return getattr(lora, "lora_name", None)
 
 
 def _request_id(pr: PendingRequest) -> str | None:

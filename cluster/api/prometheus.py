@@ -17,6 +17,7 @@ bucket's upper bound: bucket counts are exact; Ray's `_sum` is an upper bound.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 # (snapshot key, exported name, help) for each kind.
@@ -90,6 +91,13 @@ PER_REPLICA = (
      "One replica's KV-cache usage. 1 means 100 percent usage."),
 )
 _GAUGE_KEYS = {key for key, _, _ in GAUGES}
+# LoRA (snapshots with `max_lora` > 0, cluster/engine/lora.py `lora_metrics`): vLLM's info gauge,
+# set to the scrape time, its labels the adapters of running and of waiting requests (comma
+# separated, over every replica) and the device slots; and requests per adapter.
+LORA_INFO = ("vllm:lora_requests_info", "Running stats on lora requests.")
+LORA_REQUESTS = ("qwen3_serve:lora_requests", "Requests admitted per LoRA adapter.")
+LORA_LOADED = ("qwen3_serve:replica_lora_loaded",
+               "1 for each LoRA adapter a replica has loaded (label lora_name).")
 PREEMPTIONS = ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
 SUCCESS = ("vllm:request_success", "Count of successfully processed requests.")
 
@@ -169,6 +177,7 @@ def render_prometheus(snapshots: list[dict[str, Any]], model_name: str) -> str:
         lines.append(f'{name}_bucket{{{label},le="+Inf"}} {h.count}')
         lines.append(f"{name}_sum{{{label}}} {_num(h.sum)}")
         lines.append(f"{name}_count{{{label}}} {h.count}")
+    lines += _lora_lines([s for s in snapshots if s.get("max_lora")], label)
     replicas = sorted((s["replica_id"], s) for s in snapshots if s.get("replica_id"))
     for key, name, help_text in PER_REPLICA if replicas else ():
         kind = "gauge" if key in _GAUGE_KEYS else "counter"
@@ -177,6 +186,31 @@ def render_prometheus(snapshots: list[dict[str, Any]], model_name: str) -> str:
         for rid, s in replicas:
             lines.append(f'{name}{suffix}{{{label},replica="{_escape(rid)}"}} {_num(s[key])}')
     return "\n".join(lines) + "\n"
+
+
+def _lora_lines(snapshots: list[dict[str, Any]], label: str) -> list[str]:
+    """LORA_INFO and LORA_REQUESTS over the replicas that run LoRA (none: no lines)."""
+    if not snapshots:
+        return []
+    running = sorted({n for s in snapshots for n in s["lora_running"]})
+    waiting = sorted({n for s in snapshots for n in s["lora_waiting"]})
+    counts: dict[str, int] = {}
+    for s in snapshots:
+        for name, n in s["lora_requests_total"].items():
+            counts[name] = counts.get(name, 0) + n
+    info = (f'{label},max_lora="{max(s["max_lora"] for s in snapshots)}",'
+            f'running_lora_adapters="{_escape(",".join(running))}",'
+            f'waiting_lora_adapters="{_escape(",".join(waiting))}"')
+    lines = [f"# HELP {LORA_INFO[0]} {LORA_INFO[1]}", f"# TYPE {LORA_INFO[0]} gauge",
+             f"{LORA_INFO[0]}{{{info}}} {_num(time.time())}",
+             f"# HELP {LORA_REQUESTS[0]} {LORA_REQUESTS[1]}", f"# TYPE {LORA_REQUESTS[0]} counter"]
+    lines += [f'{LORA_REQUESTS[0]}_total{{{label},lora_name="{_escape(name)}"}} {n}'
+              for name, n in sorted(counts.items())]
+    lines += [f"# HELP {LORA_LOADED[0]} {LORA_LOADED[1]}", f"# TYPE {LORA_LOADED[0]} gauge"]
+    lines += [f'{LORA_LOADED[0]}{{{label},replica="{_escape(s["replica_id"])}",'
+              f'lora_name="{_escape(name)}"}} 1'
+              for s in snapshots if s.get("replica_id") for name in s["lora_loaded"]]
+    return lines
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

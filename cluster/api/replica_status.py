@@ -1,6 +1,9 @@
 """`./dev status`: one line per Serve replica — its state, node and, for LLMServer replicas, the
 engine's running and waiting requests, KV-cache usage and prefix-cache hit rate.
 
+For an engine with LoRA on, the `loras` column lists the adapters the replica has loaded
+(`qwen3_serve:replica_lora_loaded`).
+
 `serve status` counts replicas per state; it has no per-replica numbers, and Serve offers a
 deployment no way to add them. This view joins two things the cluster already serves:
 Serve's own details (the dashboard's `/api/serve/applications/`, read with the client that
@@ -25,23 +28,37 @@ import httpx
 # Per-replica series of GET /metrics -> column (cluster/api/prometheus.py PER_REPLICA).
 _SERIES = re.compile(r'^qwen3_serve:replica_(\w+?)(?:_total)?\{[^}]*replica="((?:[^"\\]|\\.)*)"'
                      r'[^}]*\} (\S+)$', re.M)
+_LORA = re.compile(r'^qwen3_serve:replica_lora_loaded\{[^}]*replica="((?:[^"\\]|\\.)*)"'
+                   r'[^}]*lora_name="((?:[^"\\]|\\.)*)"[^}]*\} \S+$', re.M)
 COLUMNS = ("app", "deployment", "replica", "state", "node", "pid", "running", "waiting",
-           "kv_usage", "prefix_hit")
+           "kv_usage", "prefix_hit", "loras")
 
 
 def per_replica_metrics(metrics_text: str) -> dict[str, dict[str, float]]:
     """replica id -> {series key: value} from a /metrics text."""
     out: dict[str, dict[str, float]] = {}
     for key, rid, value in _SERIES.findall(metrics_text):
-        rid = rid.replace('\\"', '"').replace("\\\\", "\\")
-        out.setdefault(rid, {})[key] = float(value)
+        out.setdefault(_unescape(rid), {})[key] = float(value)
     return out
+
+
+def loaded_adapters(metrics_text: str) -> dict[str, list[str]]:
+    """replica id -> the LoRA adapters it has loaded, from a /metrics text."""
+    out: dict[str, list[str]] = {}
+    for rid, name in _LORA.findall(metrics_text):
+        out.setdefault(_unescape(rid), []).append(_unescape(name))
+    return out
+
+
+def _unescape(label: str) -> str:
+    return label.replace('\\"', '"').replace("\\\\", "\\")
 
 
 def replica_rows(details: dict[str, Any], metrics_text: str) -> list[dict[str, str]]:
     """One row per replica of every application in Serve's `details`, with the engine's numbers
     where /metrics has them."""
     metrics = per_replica_metrics(metrics_text)
+    loras = loaded_adapters(metrics_text)
     rows = []
     for app_name, app in sorted((details.get("applications") or {}).items()):
         for dep_name, dep in sorted((app.get("deployments") or {}).items()):
@@ -57,6 +74,7 @@ def replica_rows(details: dict[str, Any], metrics_text: str) -> list[dict[str, s
                     "kv_usage": _pct(m.get("kv_cache_usage_perc")),
                     "prefix_hit": _pct(m.get("prefix_cache_hits", 0.0) / queries
                                        if queries else None),
+                    "loras": ",".join(loras.get(rep["replica_id"], [])) or "-",
                 })
     return rows
 

@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, Field, ValidationError
 
 from cluster.api.async_streams import aclose, first_delta
+from cluster.api.lora_models import request_lora
 from cluster.api.openai_errors import error_response, map_exception
 from cluster.api.openai_responses import _Parsed
 from cluster.api.protocol import (
@@ -409,11 +410,11 @@ async def create_response(serving: Any, request: Request) -> Response:
         params = chat.to_sampling_params(
             max_tokens, info.sampling_defaults,
             reasoning=serving.reasoning_parser is not None and chat.thinking)
-        stream = serving._start([prompt], [params], rid, None)
+        stream = serving._start([prompt], [params], rid, None, lora=request_lora(request))
         first = await first_delta(stream)
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
         return error_response(map_exception(e, rid))
-    builder = ResponsesBuilder(serving.served_model_name, rid, req, chat, len(prompt),
+    builder = ResponsesBuilder(serving.model_name(request), rid, req, chat, len(prompt),
                                serving.reasoning_parser, serving.tool_call_parser)
     if req.stream:
         return StreamingResponse(builder.stream(first, stream), media_type="text/event-stream",

@@ -3,7 +3,9 @@
 `build_app(args)` is the app builder a Serve config file names
 (`import_path: cluster.api.serve_app:build_app`); `args` are the manifest's `args`:
 every `EngineConfig` field (model, tensor_parallel_size, ...) plus the serving keys in
-`SERVING_DEFAULTS` (replicas, autoscaling, overload limits, API key, CPU shares).
+`SERVING_DEFAULTS` (replicas, autoscaling, overload limits, API key, CPU shares); or, for
+several base models in one app, `models: [args of one model, ...]` beside the ingress's keys
+(cluster/api/multi_model.py): one LLMServer deployment per model, one ingress for all.
 
 One LLMServer replica is one tensor-parallel group: the replica actor (`replica_num_cpus`)
 and one worker actor per rank (a GPU each on CUDA, `worker_num_cpus` on CPU), all on one node.
@@ -33,11 +35,14 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.api.drain import HANDOFF, Drain, watch_drain
 from cluster.api.failover import ReplicaDrainingError, resuming_stream
+from cluster.api.lora_models import LORA_SERVING_DEFAULTS, LoRAModels, check_lora_args, lora_modules
+from cluster.api.multi_model import ModelDispatch, deployment_name, model_entries
 from cluster.api.openai_api import ModelInfo, create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
 from cluster.api.prefix_router import check_router_args, request_router_config
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
 from cluster.engine.config import EngineConfig
+from scheduler.lora import LoRARequest
 from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -83,9 +88,12 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "router_imbalance_abs": 8,   # a replica this many requests above the least loaded one ...
     "router_imbalance_rel": 1.5,  # ... and this many times its load gets no prefix-routed request
     "router_session_hold_s": 5.0,  # a session between turns counts as a request this long
+    **LORA_SERVING_DEFAULTS,  # lora_modules, runtime loading, the resolver (lora_models.py)
 }
 
 
+# Beyond max_queued_requests (LLMServer) or ingress_max_ongoing_requests: 503 + Retry-After.
+BACKPRESSURE = BackpressureConfig(status_code=503, retry_after_s=DEFAULT_RETRY_AFTER_S)
 PLACEMENTS = ("spread", "pack")
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 HEAD_NODE_SHARE = 0.001  # of it per ingress replica: up to 1000 of them fit on the head
@@ -137,12 +145,13 @@ class LLMServer:
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str, cache_salt: str | None = None,
                        routing_key: str | None = None,
-                       resume_token_ids: list[int] | None = None) -> AsyncIterator[tuple]:
+                       resume_token_ids: list[int] | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[tuple]:
         """Stream `pack_output` tuples (not RequestOutput: it repeats the whole prompt); the
         first names this replica; HANDOFF last when the request goes on elsewhere because this
         replica is draining (cluster/api/drain.py). `routing_key` is the request router's
         (prefix_router.py); `resume_token_ids`: the request comes from a lost or draining
-        replica with these outputs (cluster/api/failover.py)."""
+        replica with these outputs (cluster/api/failover.py); `lora_request`: its adapter."""
         # Serve cancels this generator when the caller goes away; the engine's generator
         # then aborts the request in its `finally`, freeing its blocks within a step.
         self._ensure_exporter()
@@ -151,7 +160,8 @@ class LLMServer:
             replica_id = self.replica_id
             async for out in self.engine.generate(prompt_token_ids, sampling_params,
                                                    request_id, cache_salt=cache_salt,
-                                                   resume_token_ids=resume_token_ids):
+                                                   resume_token_ids=resume_token_ids,
+                                                   lora_request=lora_request):
                 yield pack_output(out, replica_id)
                 replica_id = None
 
@@ -159,13 +169,19 @@ class LLMServer:
             yield item
 
     async def kv_events(self, cursors: dict[str, tuple[str | None, int]]) -> tuple:
-        """(this replica's id, its KV events since its cursor in `cursors`, its load): what
-        PrefixAwareRouter polls (kvcache/events.py)."""
+        """(this replica's id, its KV events since its cursor in `cursors`, its load, its LoRA
+        adapters): what PrefixAwareRouter polls (kvcache/events.py)."""
         epoch, seq = cursors.get(self.replica_id, (None, 0))
-        return (self.replica_id, *self.engine.kv_events(epoch, seq))
+        return (self.replica_id, *self.engine.kv_events(epoch, seq), self.engine.lora_names())
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        self.engine.add_lora(lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        self.engine.remove_lora(lora_name)
 
     async def metrics(self) -> dict[str, Any]:
         return {**self.engine.metrics(), "replica_id": self.replica_id}
@@ -201,20 +217,24 @@ class HandleEngineClient:
 
     def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  request_id: str, cache_salt: str | None = None,
-                 routing_key: str | None = None) -> AsyncIterator[Any]:
-        """The request's deltas; resumed on another replica if the one serving it is lost
-        (the request router has dropped that replica and its KV holdings)."""
+                 routing_key: str | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
+        """The request's deltas; resumed (under the same adapter) on another replica if the
+        one serving it is lost (the request router has dropped that replica and its KV
+        holdings)."""
         def open_stream(resume_token_ids: list[int]) -> AsyncIterator[Any]:
             return self._generate(prompt_token_ids, sampling_params, request_id, cache_salt,
-                                  routing_key, resume_token_ids or None)
+                                  routing_key, resume_token_ids or None, lora_request)
         return resuming_stream(open_stream, request_id, sampling_params.n)
 
     async def _generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                         request_id: str, cache_salt: str | None, routing_key: str | None,
-                        resume_token_ids: list[int] | None) -> AsyncIterator[Any]:
+                        resume_token_ids: list[int] | None,
+                        lora_request: LoRARequest | None) -> AsyncIterator[Any]:
         gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params, request_id,
                                                  cache_salt, routing_key=routing_key,
-                                                 resume_token_ids=resume_token_ids)
+                                                 resume_token_ids=resume_token_ids,
+                                                 lora_request=lora_request)
         finished = False
         try:
             async for packed in gen:
@@ -226,6 +246,20 @@ class HandleEngineClient:
         finally:
             if not finished:  # client gone or error: cancel the replica-side generator
                 gen.cancel()
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Every running replica loads and checks the adapter (a replica started later loads
+        it at its first request under it); the first replica's error if any fails."""
+        await self._on_every_replica("add_lora", lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        await self._on_every_replica("remove_lora", lora_name)
+
+    async def _on_every_replica(self, method: str, *args: Any) -> None:
+        results = await self.handle.broadcast(method, *args).results_async(return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
 
     async def check_health(self) -> None:
         """Healthy while any replica is ready: one lost replica (its requests resume on the
@@ -249,31 +283,47 @@ class HandleEngineClient:
                   graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 @serve.ingress()
 class OpenAIIngress:
-    """HTTP in, SSE out; tokenization and the chat template happen here."""
+    """HTTP in, SSE out; tokenization and the chat template happen here. One OpenAI app per
+    base model (`model_app`, over its LLMServer deployment); with several, `ModelDispatch`
+    picks one by the request's `model` and checks the API key once for all."""
 
-    def __init__(self, llm_server: DeploymentHandle, model: str,
-                 served_model_name: str | None = None, api_key: str | None = None,
-                 max_request_body_bytes: int | None = None,
-                 parsers: tuple[str | None, str | None] = (None, None)) -> None:
-        from transformers import AutoTokenizer
-
-        from workers.tiny_model import resolve_model
-
+    def __init__(self, models: list[tuple[DeploymentHandle, dict[str, Any]]],
+                 api_key: str | None = None) -> None:
         bind_replica_grpc_to_node_ip()
-        self.client = HandleEngineClient(llm_server)
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
-        self.served_model_name = served_model_name
         self.api_key = api_key
-        self.max_request_body_bytes = max_request_body_bytes
-        self.reasoning_parser, self.tool_call_parser = parsers
-        if self.tool_call_parser is not None:
-            import xgrammar  # noqa: F401 — loaded now, not on the first forced tool call (~2 s)
+        self.apps = [model_app(handle, spec, api_key if len(models) == 1 else None)
+                     for handle, spec in models]
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_app(self.client, self.tokenizer, served_model_name=self.served_model_name,
-                          api_key=self.api_key, max_body_bytes=self.max_request_body_bytes,
-                          reasoning_parser=self.reasoning_parser,
-                          tool_call_parser=self.tool_call_parser)
+        return self.apps[0] if len(self.apps) == 1 else ModelDispatch(self.apps, self.api_key)
+
+
+def model_app(llm_server: DeploymentHandle, spec: dict[str, Any], api_key: str | None) -> Any:
+    """One base model's OpenAI app (`ingress_spec`'s keys) over its LLMServer deployment."""
+    from transformers import AutoTokenizer
+
+    from workers.tiny_model import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(spec["model"]))
+    if spec["tool_call_parser"] is not None:
+        import xgrammar  # noqa: F401 — loaded now, not on the first forced tool call (~2 s)
+    return create_app(HandleEngineClient(llm_server), tokenizer,
+                      served_model_name=spec["served_model_name"], api_key=api_key,
+                      max_body_bytes=spec["max_request_body_bytes"],
+                      reasoning_parser=spec["reasoning_parser"],
+                      tool_call_parser=spec["tool_call_parser"], loras=spec["loras"])
+
+
+def ingress_spec(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any]:
+    """What the ingress needs of one model's manifest args (`model_app`)."""
+    name = serving["served_model_name"] or config.model
+    return {"model": config.model, "served_model_name": serving["served_model_name"],
+            "max_request_body_bytes": serving["max_request_body_bytes"],
+            "reasoning_parser": config.reasoning_parser,
+            "tool_call_parser": config.tool_call_parser,
+            "loras": LoRAModels(lora_modules(serving["lora_modules"], name),
+                                serving["dynamic_lora_loading_path"],
+                                serving["allow_runtime_lora_updating"])}
 
 
 def pack_output(out: RequestOutput, replica_id: str | None = None) -> tuple:
@@ -317,6 +367,7 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
         raise ValueError(f"replica_placement must be one of {list(PLACEMENTS)}; got "
                          f"{serving['replica_placement']!r}")
     check_router_args(serving)
+    check_lora_args(serving, config.enable_lora, serving["served_model_name"] or config.model)
     return config, serving
 
 
@@ -333,7 +384,7 @@ def placement_bundles(config: EngineConfig, serving: dict[str, Any],
 def check_args(args: dict[str, Any]) -> None:
     """build_app's checks of a manifest's args, without building the app (nor importing
     torch): `./dev serve` runs them before it starts Ray (scripts/serve_run.py)."""
-    split_args(dict(args or {}))
+    model_entries(dict(args or {}), split_args)
 
 
 def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any]) -> None:
@@ -351,15 +402,33 @@ def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any]) -> Non
 
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve app builder named by the manifests (`cluster.api.serve_app:build_app`)."""
+    entries = model_entries(dict(args or {}), split_args)
+    several = len(entries) > 1
+    models = [(llm_deployment(config, serving, deployment_name(config, serving, several)),
+               ingress_spec(config, serving)) for config, serving in entries]
+    serving = entries[0][1]  # (the ingress's keys are the same in every entry)
+    ingress_actor: dict[str, Any] = {"num_cpus": float(serving["ingress_num_cpus"]),
+                                     "runtime_env": {"env_vars": REPLICA_ENV_VARS}}
+    if serving["ingress_on_head_node"]:  # (Ray gives the head node this resource, amount 1)
+        ingress_actor["resources"] = {HEAD_NODE_RESOURCE: HEAD_NODE_SHARE}
+    return OpenAIIngress.options(
+        num_replicas=serving["ingress_num_replicas"],
+        ray_actor_options=ingress_actor,
+        max_ongoing_requests=serving["ingress_max_ongoing_requests"],
+        graceful_shutdown_timeout_s=float(serving["ingress_graceful_shutdown_timeout_s"]),
+        backpressure_config=BACKPRESSURE,
+    ).bind(models, serving["api_key"] or os.environ.get(API_KEY_ENV) or None)
+
+
+def llm_deployment(config: EngineConfig, serving: dict[str, Any], name: str) -> Application:
+    """One model's LLMServer deployment: its placement group, replicas and router."""
     from cluster.engine.ray_executor import worker_env
 
-    config, serving = split_args(dict(args or {}))
     # The replica may land on any node: ask the cluster (when connected), not this process.
     use_gpu = config.resolve_device(from_ray=ray.is_initialized()) == "cuda"
     bundles = placement_bundles(config, serving, use_gpu)
     if ray.is_initialized():  # (Serve's controller builds the app in a task: always)
         _report_fit(bundles, serving)
-    backpressure = BackpressureConfig(status_code=503, retry_after_s=DEFAULT_RETRY_AFTER_S)
     replicas: dict[str, Any] = {"num_replicas": serving["num_replicas"]}
     if serving["autoscaling_config"]:
         replicas = {"autoscaling_config": serving["autoscaling_config"]}
@@ -371,7 +440,8 @@ def build_app(args: dict[str, Any]) -> Application:
     llm_env = {**REPLICA_ENV_VARS, **worker_env("cuda" if use_gpu else "cpu")}
     if serving["replica_placement"] == "pack":
         replicas.update(placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK")
-    llm = LLMServer.options(
+    return LLMServer.options(
+        name=name,
         ray_actor_options={"num_cpus": bundles[0]["CPU"], "num_gpus": bundles[0].get("GPU", 0.0),
                            "runtime_env": {"env_vars": llm_env}},
         max_ongoing_requests=serving["max_ongoing_requests"],
@@ -379,19 +449,5 @@ def build_app(args: dict[str, Any]) -> Application:
         graceful_shutdown_timeout_s=float(serving["graceful_shutdown_timeout_s"]),
         health_check_period_s=float(serving["health_check_period_s"]),
         health_check_timeout_s=float(serving["health_check_timeout_s"]),
-        backpressure_config=backpressure, **replicas,
+        backpressure_config=BACKPRESSURE, **replicas,
     ).bind(config.to_dict())
-    ingress_actor: dict[str, Any] = {"num_cpus": float(serving["ingress_num_cpus"]),
-                                     "runtime_env": {"env_vars": REPLICA_ENV_VARS}}
-    if serving["ingress_on_head_node"]:  # (Ray gives the head node this resource, amount 1)
-        ingress_actor["resources"] = {HEAD_NODE_RESOURCE: HEAD_NODE_SHARE}
-    ingress = OpenAIIngress.options(
-        num_replicas=serving["ingress_num_replicas"],
-        ray_actor_options=ingress_actor,
-        max_ongoing_requests=serving["ingress_max_ongoing_requests"],
-        graceful_shutdown_timeout_s=float(serving["ingress_graceful_shutdown_timeout_s"]),
-        backpressure_config=backpressure,
-    ).bind(llm, config.model, serving["served_model_name"],
-           serving["api_key"] or os.environ.get(API_KEY_ENV) or None,
-           serving["max_request_body_bytes"], (config.reasoning_parser, config.tool_call_parser))
-    return ingress

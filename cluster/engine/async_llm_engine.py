@@ -30,8 +30,10 @@ from cluster.engine.errors import (
 )
 from cluster.engine.executor import WorkerDiedError
 from cluster.engine.llm_engine import LLMEngine, rebuild_or_raise
+from cluster.engine.lora import lora_metrics
 from kvcache.events import KVEventBatch
 from scheduler import QueueLoad, RequestOutput, SamplingParams
+from scheduler.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class AsyncLLMEngine:
         self._recovering: str | None = None  # why, while the workers are being rebuilt
         # When the loop last made progress (a step applied, work picked up after idling).
         self._last_progress = time.monotonic()
+        self.lora_requests_total: dict[str, int] = {}  # requests admitted per adapter name
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
@@ -73,9 +76,11 @@ class AsyncLLMEngine:
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str | None = None,
                        cache_salt: str | None = None,
-                       resume_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       resume_token_ids: list[int] | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's output deltas. `resume_token_ids`: the tokens it already
-        generated on another replica; the deltas start after them."""
+        generated on another replica; the deltas start after them. `lora_request`: the adapter
+        it runs under (None: the base model), loaded and checked on first use."""
         self.check_health()
         self._ensure_loop()
         request_id = request_id or uuid.uuid4().hex
@@ -90,7 +95,10 @@ class AsyncLLMEngine:
         if not self.engine.has_unfinished():
             self._last_progress = time.monotonic()  # idle until now: not a stall
         self.engine.add_request(request_id, prompt_token_ids, sampling_params, cache_salt,
-                                resume_token_ids)
+                                resume_token_ids, lora_request=lora_request)
+        if lora_request is not None and not resume_token_ids:
+            name = lora_request.lora_name
+            self.lora_requests_total[name] = self.lora_requests_total.get(name, 0) + 1
         self._queues[request_id] = queue
         assert self._wake is not None
         self._wake.set()
@@ -232,7 +240,22 @@ class AsyncLLMEngine:
             raise EngineRecoveringError(f"a worker died; rebuilding: {e}") from e
 
     def metrics(self) -> dict[str, Any]:
-        return self.engine.metrics()
+        """LLMEngine.metrics, plus the adapters' (cluster/engine/lora.py `lora_metrics`)."""
+        return {**self.engine.metrics(),
+                **lora_metrics(self.engine, self.lora_requests_total)}
+
+    def lora_names(self) -> list[str]:
+        """The adapters this engine has loaded and not removed."""
+        return sorted(self.engine.loras.names) if self.engine.loras is not None else []
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter now, not at its first request (ValueError if bad)."""
+        self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forget an adapter (cluster/engine/lora.py `LoRAHostCache.remove`); False if
+        unknown."""
+        return self.engine.loras is not None and self.engine.loras.remove(lora_name)
 
     def kv_events(self, epoch: str | None, seq: int) -> tuple[KVEventBatch, QueueLoad]:
         """What the prefix cache gained and lost since a router's cursor (kvcache/events.py),

@@ -9,10 +9,14 @@ save, embedding or LM-head LoRA, trainable tokens, biases, per-module ranks or a
 above `max_lora_rank`, a module the model lacks, a tensor whose shape is not the base
 model's. So no adapter fails at its first forward pass.
 
-`LoRAHostCache` owns the adapters an engine knows: every `LoRARequest` it was given (id, name
-and path agree for its whole life) and up to `max_cpu_loras` loaded adapters in host memory,
-least recently used evicted first (an evicted one is read again from its path when the
-scheduler places it in a device slot, scheduler/lora.py).
+`LoRAHostCache` owns the adapters an engine knows: every `LoRARequest` it was given (an id
+keeps its name and path for the engine's whole life; a name belongs to one id until it is
+removed, then it may name another adapter) and up to `max_cpu_loras` loaded adapters in host
+memory, least recently used evicted first (an evicted one is read again from its path when the
+scheduler places it in a device slot, scheduler/lora.py). A removed adapter's requests that
+are still queued or running finish under it: removal frees its name, not its id.
+
+`lora_metrics` is what the engine reports of its adapters (vLLM's `lora_requests_info`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from cluster.engine.tiny_lora import resolve_adapter
 from scheduler.lora import LoRARequest
 from scheduler.plan import LoRAWeights
 from workers.model_config import ModelConfig
@@ -106,8 +111,9 @@ def _check_module(path: str, module: str, where: str) -> None:
 
 
 def load_adapter(path: str, mc: ModelConfig, max_lora_rank: int) -> LoRAWeights:
-    """Read and check one PEFT adapter directory against the base model `mc`."""
-    root = Path(path)
+    """Read and check one PEFT adapter directory (or the embedded `qwen3-tiny-lora`,
+    cluster/engine/tiny_lora.py) against the base model `mc`."""
+    root = Path(resolve_adapter(path))
     config_file, tensors_file = root / "adapter_config.json", root / "adapter_model.safetensors"
     if not config_file.is_file():
         raise _fail(path, "no adapter_config.json; pass a directory PEFT's save_pretrained wrote")
@@ -164,6 +170,7 @@ class LoRAHostCache:
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.requests: dict[int, LoRARequest] = {}  # every adapter given, by lora_int_id
+        self.names: dict[str, int] = {}  # the adapters not removed: lora_name -> lora_int_id
         self.loaded: OrderedDict[int, LoRAWeights] = OrderedDict()  # least recently used first
 
     def add(self, request: LoRARequest) -> None:
@@ -177,15 +184,26 @@ class LoRAHostCache:
             raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter "
                              f"{known.lora_name!r} at {known.lora_path!r}; give each adapter its "
                              "own id")
-        same_name = next((r for r in self.requests.values()
-                          if r.lora_name == request.lora_name and r != request), None)
-        if same_name is not None:
+        active = self.names.get(request.lora_name, request.lora_int_id)
+        if active != request.lora_int_id:
+            same_name = self.requests[active]
             raise ValueError(f"lora_name {request.lora_name!r} is already adapter "
                              f"{same_name.lora_int_id} at {same_name.lora_path!r}; give each "
                              "adapter its own name")
         if known is None:
             self._load(request)
             self.requests[request.lora_int_id] = request
+        self.names[request.lora_name] = request.lora_int_id
+
+    def remove(self, lora_name: str) -> bool:
+        """Forget the adapter named `lora_name` (False if none is): its name is free for
+        another adapter and its host copy is dropped; requests already given it finish under it
+        (re-read from its path if they need its tensors again)."""
+        lora_id = self.names.pop(lora_name, None)
+        if lora_id is None:
+            return False
+        self.loaded.pop(lora_id, None)
+        return True
 
     def weights(self, lora_id: int) -> LoRAWeights:
         """A known adapter's tensors, read again from its path if the cache evicted them."""
@@ -201,3 +219,22 @@ class LoRAHostCache:
         while len(self.loaded) > self.max_cpu_loras:
             self.loaded.popitem(last=False)
         return weights
+
+
+def lora_metrics(engine: Any, requests_total: dict[str, int]) -> dict[str, Any]:
+    """What an `LLMEngine` (`engine`) reports of its adapters, by name: `lora_running` /
+    `lora_waiting` (adapters of running requests; of waiting or swapped ones), `lora_loaded`
+    (the adapters it knows and has not removed), `max_lora` (its device slots, 0: LoRA off)
+    and `lora_requests_total` (`requests_total`: requests admitted per adapter)."""
+    loras: LoRAHostCache | None = engine.loras
+    if loras is None:
+        return {"max_lora": 0, "lora_running": [], "lora_waiting": [], "lora_loaded": [],
+                "lora_requests_total": {}}
+    queues = engine.scheduler.queues
+
+    def names(requests: Any) -> list[str]:
+        return sorted({loras.requests[r.lora_id].lora_name for r in requests if r.lora_id})
+
+    return {"max_lora": engine.config.max_loras, "lora_running": names(queues.running),
+            "lora_waiting": names([*queues.waiting, *queues.swapped]),
+            "lora_loaded": sorted(loras.names), "lora_requests_total": dict(requests_total)}

@@ -99,3 +99,14 @@ def test_a_lora_request_with_lora_off_is_refused() -> None:
     core, _, _ = make()
     with pytest.raises(ValueError, match="LoRA is off"):
         core.add_request("r", [1, 2, 3], SamplingParams(), lora_request=_lora(1))
+
+
+def test_an_adapter_reloaded_under_a_name_another_had_hashes_apart() -> None:
+    core, _, _ = make(max_loras=2)
+    old, new = LoRARequest("sql", 1, "/adapters/v1"), LoRARequest("sql", 2, "/adapters/v2")
+    prompt = list(range(1, 17))
+    for rid, lora in (("a", old), ("b", new), ("c", LoRARequest("sql", 1, "/adapters/v1"))):
+        core.add_request(rid, prompt, SamplingParams(max_tokens=1), lora_request=lora)
+    hashes = {rid: core.requests[rid].block_hashes for rid in "abc"}
+    assert hashes["a"] != hashes["b"] and hashes["a"] == hashes["c"]
+    assert old.cache_key != new.cache_key

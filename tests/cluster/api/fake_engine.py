@@ -53,7 +53,8 @@ class FakeEngine:
         return lps
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str, cache_salt: str | None = None):
+                       request_id: str, cache_salt: str | None = None,
+                       lora_request: Any = None):
         sp = sampling_params
         if self.dead:
             raise EngineDeadError(self.dead)

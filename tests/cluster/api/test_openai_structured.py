@@ -47,7 +47,8 @@ class TextEngine:
         self.calls: list[tuple[list[int], SamplingParams]] = []
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str, cache_salt: str | None = None):
+                       request_id: str, cache_salt: str | None = None,
+                       lora_request: Any = None):
         self.calls.append((list(prompt_token_ids), sampling_params))
         ids = self.tokenizer.encode(self.text, add_special_tokens=False)
         for i, tok in enumerate(ids):

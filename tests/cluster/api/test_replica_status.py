@@ -8,6 +8,7 @@ from fake_engine import FakeEngine
 from cluster.api.prometheus import render_prometheus
 from cluster.api.replica_status import (
     format_table,
+    loaded_adapters,
     metrics_url,
     per_replica_metrics,
     replica_rows,
@@ -56,7 +57,7 @@ def test_rows_join_serve_states_with_engine_numbers(engine: FakeEngine) -> None:
     assert by_id["r-a"] == {"app": "qwen3", "deployment": "LLMServer", "replica": "r-a",
                             "state": "RUNNING", "node": "10.0.0.2", "pid": "100",
                             "running": "2", "waiting": "3", "kv_usage": "62.5%",
-                            "prefix_hit": "25.0%"}
+                            "prefix_hit": "25.0%", "loras": "-"}
     # no prefix query yet: no hit rate rather than 0 %
     assert (by_id["r-b"]["running"], by_id["r-b"]["prefix_hit"]) == ("7", "-")
     # a replica that is not serving yet, and the ingress, have no engine numbers
@@ -68,9 +69,9 @@ def test_rows_join_serve_states_with_engine_numbers(engine: FakeEngine) -> None:
 def test_table_has_a_header_and_aligned_columns(engine: FakeEngine) -> None:
     lines = format_table(replica_rows(DETAILS, _metrics(engine))).splitlines()
     assert lines[0].split() == ["APP", "DEPLOYMENT", "REPLICA", "STATE", "NODE", "PID",
-                                "RUNNING", "WAITING", "KV_USAGE", "PREFIX_HIT"]
+                                "RUNNING", "WAITING", "KV_USAGE", "PREFIX_HIT", "LORAS"]
     assert lines[1].split() == ["qwen3", "LLMServer", "r-a", "RUNNING", "10.0.0.2", "100",
-                                "2", "3", "62.5%", "25.0%"]
+                                "2", "3", "62.5%", "25.0%", "-"]
     start = lines[0].index("KV_USAGE")
     assert all(line[start:].split()[0] in ("KV_USAGE", "62.5%", "25.0%", "-")
                for line in lines)
@@ -80,3 +81,21 @@ def test_metrics_url_reaches_a_wildcard_host_on_the_loopback() -> None:
     assert metrics_url(DETAILS) == "http://127.0.0.1:8411/metrics"
     assert metrics_url({"http_options": {"host": "10.1.2.3", "port": 9}}) == \
         "http://10.1.2.3:9/metrics"
+
+
+def _lora_snapshot(engine: FakeEngine, rid: str, loaded: list[str], running: list[str],
+                   waiting: list[str], counts: dict[str, int]) -> dict:
+    return {**engine.metrics(), "replica_id": rid, "max_lora": 4, "lora_loaded": loaded,
+            "lora_running": running, "lora_waiting": waiting, "lora_requests_total": counts}
+
+
+def test_each_replica_lists_the_lora_adapters_it_has_loaded(engine: FakeEngine) -> None:
+    text = render_prometheus([
+        _lora_snapshot(engine, "r-a", ["sql", "chat"], ["sql"], [], {"sql": 3}),
+        _lora_snapshot(engine, "r-b", ["sql"], [], ["sql"], {"sql": 1}),
+        {**engine.metrics(), "replica_id": "r-c"}], "qwen3-tiny")
+    assert loaded_adapters(text) == {"r-a": ["sql", "chat"], "r-b": ["sql"]}
+    by_id = {r["replica"]: r for r in replica_rows(DETAILS, text)}
+    assert (by_id["r-a"]["loras"], by_id["r-b"]["loras"], by_id["r-c"]["loras"]) == (
+        "sql,chat", "sql", "-")
+    assert per_replica_metrics(text)["r-a"]["num_requests_running"] == 2.0

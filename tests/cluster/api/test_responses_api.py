@@ -43,7 +43,7 @@ class ScriptedEngine(FakeEngine):
         return len(ids)
 
     def generate(self, prompt_token_ids: list[int], sampling_params: Any, request_id: str,
-                 cache_salt: str | None = None) -> Any:
+                 cache_salt: str | None = None, lora_request: Any = None) -> Any:
         sampling_params.stop_token_ids = [self.script[-1]]
         return super().generate(prompt_token_ids, sampling_params, request_id, cache_salt)
 

@@ -165,7 +165,7 @@ def test_a_cpu_llm_replica_starts_with_a_passive_openmp_wait_policy(
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     ingress = build_app({"model": "qwen3-tiny", "device": "cpu", "executor": executor})
-    llm = ingress._bound_deployment.init_args[0]._bound_deployment
+    llm = ingress._bound_deployment.init_args[0][0][0]._bound_deployment  # (models[0] handle)
     llm_env = llm.ray_actor_options["runtime_env"]["env_vars"]
     assert llm_env["OMP_WAIT_POLICY"] == "PASSIVE"
     assert llm_env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"

@@ -128,3 +128,44 @@ def test_host_cache_keeps_max_cpu_loras_and_reloads_evicted_ones(
         cache.add(LoRARequest("a", 3, other))
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("z", 0, adapter)
+
+
+def test_a_removed_adapter_frees_its_name_and_keeps_its_id_for_requests_in_flight(
+        adapter: str, tiny_model_path: str, tmp_path: Path, mc) -> None:
+    other = make_adapter(tiny_model_path, tmp_path / "b", seed=6)
+    cache = LoRAHostCache(mc, max_lora_rank=16, max_cpu_loras=2)
+    cache.add(LoRARequest("a", 1, adapter))
+    assert cache.remove("a") and not cache.remove("a")
+    assert (cache.names, list(cache.loaded)) == ({}, [])
+    assert cache.weights(1).tensors.keys() == load_adapter(adapter, mc, 16).tensors.keys()
+    cache.add(LoRARequest("a", 2, other))  # the name is free for another adapter
+    assert cache.names == {"a": 2}
+    with pytest.raises(ValueError, match="lora_name 'a' is already adapter 2"):
+        cache.add(LoRARequest("a", 1, adapter))
+    cache.remove("a")
+    cache.add(LoRARequest("a", 1, adapter))  # the first one again, under its own id
+    assert cache.names == {"a": 1}
+
+
+def test_the_embedded_adapter_is_a_peft_adapter_of_qwen3_tiny(tiny_model_path: str, mc) -> None:
+    """qwen3-tiny-lora (cluster/engine/tiny_lora.py) as peft reads it: the engine's greedy
+    tokens under it equal transformers' with peft's merge."""
+    from lora_adapters import merged_greedy
+
+    from cluster import LLM, SamplingParams
+    from cluster.engine.tiny_lora import TINY_LORA_NAME, resolve_adapter
+
+    path = resolve_adapter(TINY_LORA_NAME)
+    assert resolve_adapter(TINY_LORA_NAME) == path and resolve_adapter("/x") == "/x"
+    weights = load_adapter(TINY_LORA_NAME, mc, max_lora_rank=8)
+    assert weights.rank == 8 and len(weights.tensors) == 7 * mc.num_hidden_layers
+    prompts = [[9707, 11, 1879, 0, 358, 1079], [785, 6722, 315, 9625, 374]]
+    llm = LLM("qwen3-tiny", enable_lora=True, max_lora_rank=8)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False,
+                            lora_request=LoRARequest("tiny", 1, TINY_LORA_NAME))
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == merged_greedy(tiny_model_path, path,
+                                                                   prompts, 8)
