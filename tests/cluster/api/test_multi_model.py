@@ -35,10 +35,10 @@ def test_the_shipped_manifest_has_one_deployment_per_model() -> None:
     args = yaml.safe_load(MANIFEST.read_text())["applications"][0]["args"]
     entries = model_entries(args, split_args)
     assert [(c.model, c.tensor_parallel_size, s["ingress_num_cpus"]) for c, s in entries] == [
-        ("qwen3-tiny", 1, 0.1), ("qwen3-moe-tiny", 2, 0.1)]
+        ("qwen3-tiny", 1, 0.1), ("qwen3-moe-tiny", 2, 0.1), ("qwen3-embedding-tiny", 1, 0.1)]
     assert entries[0][1]["lora_modules"] == [{"name": "tiny-lora", "path": "qwen3-tiny-lora"}]
     assert [deployment_name(c, s, True) for c, s in entries] == [
-        "LLMServer-qwen3-tiny", "LLMServer-qwen3-moe-tiny"]
+        "LLMServer-qwen3-tiny", "LLMServer-qwen3-moe-tiny", "LLMServer-qwen3-embedding-tiny"]
     one = model_entries({"model": "qwen3-tiny"}, split_args)  # one-model args: as before
     assert len(one) == 1 and deployment_name(*one[0], False) == "LLMServer"
 

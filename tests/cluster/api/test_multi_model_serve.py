@@ -1,6 +1,8 @@
-"""Two base models in one Serve app over real HTTP (manifests/qwen3-multi-model.yaml's args with
-an API key): qwen3-tiny at tp 1 and qwen3-moe-tiny at tp 2, each its own LLMServer deployment;
-the ingress routes by `model`, and each model's greedy output equals its offline engine's."""
+"""Three models in one Serve app over real HTTP (manifests/qwen3-multi-model.yaml's args with
+an API key): qwen3-tiny at tp 1, qwen3-moe-tiny at tp 2 and the embedding model
+qwen3-embedding-tiny (the pooling runner), each its own LLMServer deployment; the ingress
+routes by `model`, each chat model's greedy output equals its offline engine's, and the
+embedding model's vectors equal sentence-transformers' on its checkpoint."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 import yaml
 from serve_apps import serve_app
 
@@ -57,7 +60,8 @@ def test_models_lists_every_base_model(base_url: str) -> None:
     assert httpx.get(f"{base_url}/v1/models", timeout=60).status_code == 401
     data = httpx.get(f"{base_url}/v1/models", headers=AUTH, timeout=60).json()["data"]
     assert [(m["id"], m["parent"]) for m in data] == [
-        ("qwen3-tiny", None), ("tiny-lora", "qwen3-tiny"), ("qwen3-moe-tiny", None)]
+        ("qwen3-tiny", None), ("tiny-lora", "qwen3-tiny"), ("qwen3-moe-tiny", None),
+        ("qwen3-embedding-tiny", None)]
     assert httpx.get(f"{base_url}/health", timeout=60).status_code == 200
 
 
@@ -89,6 +93,27 @@ def test_the_manifests_embedded_adapter_is_served_by_its_name(base_url: str) -> 
     assert stream.status_code == 200 and '"model":"qwen3-moe-tiny"' in stream.text
 
 
+def test_a_pooling_model_embeds_beside_the_chat_models(base_url: str) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    from workers.tiny_model import resolve_model
+
+    texts = ["The capital of France is", "Paris"]
+    resp = httpx.post(f"{base_url}/v1/embeddings", headers=AUTH, timeout=120,
+                      json={"model": "qwen3-embedding-tiny", "input": texts})
+    assert resp.status_code == 200, resp.text
+    got = torch.tensor([d["embedding"] for d in resp.json()["data"]])
+    ref = SentenceTransformer(resolve_model("qwen3-embedding-tiny"),
+                              device="cpu").encode(texts, convert_to_tensor=True)
+    assert torch.nn.functional.cosine_similarity(got, ref.float(), dim=1).min() > 0.9999
+    # generation on the pooling model, and embeddings from a chat model: 400s naming `model`
+    gen = complete(base_url, "qwen3-embedding-tiny")
+    emb = httpx.post(f"{base_url}/v1/embeddings", headers=AUTH, timeout=120,
+                     json={"model": "qwen3-tiny", "input": "hi"})
+    assert (gen.status_code, emb.status_code) == (400, 400), (gen.text, emb.text)
+    assert gen.json()["error"]["param"] == emb.json()["error"]["param"] == "model"
+
+
 def test_an_unknown_model_is_a_404_naming_every_served_one(base_url: str) -> None:
     resp = complete(base_url, "qwen3-huge")
     assert resp.status_code == 404 and resp.headers.get("x-request-id")
@@ -112,6 +137,7 @@ def test_metrics_have_each_models_series_once_per_family(base_url: str) -> None:
     text = httpx.get(f"{base_url}/metrics", timeout=60).text
     samples = parse_prometheus(text)
     running = sorted(k for k in samples if k.startswith("vllm:num_requests_running{"))
-    assert running == ['vllm:num_requests_running{model_name="qwen3-moe-tiny"}',
+    assert running == ['vllm:num_requests_running{model_name="qwen3-embedding-tiny"}',
+                       'vllm:num_requests_running{model_name="qwen3-moe-tiny"}',
                        'vllm:num_requests_running{model_name="qwen3-tiny"}']
     assert text.count("# TYPE vllm:num_requests_running gauge") == 1
