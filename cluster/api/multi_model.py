@@ -26,8 +26,8 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
+from cluster.api.front_door import FrontDoor
 from cluster.api.lora_models import is_adapter_dir, resolvable
-from cluster.api.openai_api import FrontDoor
 from cluster.api.openai_errors import error_response
 from cluster.api.protocol import RequestError
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import json
 import logging
 import os
@@ -32,17 +31,17 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.api.async_streams import first_delta, merge_streams, tag_stream
+from cluster.api.engine_client import EngineClient, ModelInfo
+from cluster.api.front_door import FrontDoor
 from cluster.api.lora_models import LoRAModels, request_lora
 from cluster.api.lora_routes import add_lora_routes
 from cluster.api.openai_errors import error_message, error_response, map_exception
@@ -60,7 +59,6 @@ from cluster.api.protocol import (
     validation_error_message,
 )
 from cluster.api.responses_api import create_response
-from cluster.engine.pooling import PoolingInfo
 from scheduler.lora import LoRARequest
 from scheduler.sampling_params import SamplingParams
 
@@ -79,70 +77,6 @@ INLINE_PROMPT_BYTES = 8 << 10
 def default_max_body_bytes(max_model_len: int) -> int:
     """The request-body limit when the manifest sets none: see BODY_BYTES_PER_TOKEN."""
     return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
-
-
-@dataclass(slots=True)
-class ModelInfo:
-    model_name: str
-    max_model_len: int
-    max_num_seqs: int | None = None  # sequences per step: the most samples (n) one prompt may ask
-    # SamplingParams fields a request that leaves them out gets (the engine's generation_config)
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    pooling: PoolingInfo | None = None  # the pooling runner's (cluster/api/pooling_api.py)
-
-    @classmethod
-    def of(cls, engine: Any) -> ModelInfo:
-        """An engine's (AsyncLLMEngine's attributes)."""
-        return cls(engine.model_name, engine.max_model_len, engine.config.max_num_seqs,
-                   dict(engine.default_sampling), engine.pooling)
-
-
-class EngineClient(Protocol):
-    """What the HTTP layer needs from an engine (local object or remote deployment)."""
-
-    async def model_info(self) -> ModelInfo: ...
-
-    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 request_id: str, cache_salt: str | None = None,
-                 routing_key: str | None = None,
-                 lora_request: LoRARequest | None = None) -> AsyncIterator[Any]: ...
-
-    async def add_lora(self, lora_request: LoRARequest) -> None: ...
-
-    async def remove_lora(self, lora_name: str) -> None: ...
-
-    async def check_health(self) -> None: ...
-
-    async def metrics(self) -> list[dict[str, Any]]: ...
-
-
-class LocalEngineClient:
-    """An `EngineClient` over an engine object in this process (AsyncLLMEngine's API)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-
-    async def model_info(self) -> ModelInfo:
-        return ModelInfo.of(self.engine)
-
-    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 request_id: str, cache_salt: str | None = None,
-                 routing_key: str | None = None,
-                 lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
-        return self.engine.generate(prompt_token_ids, sampling_params, request_id,
-                                    cache_salt=cache_salt, lora_request=lora_request)
-
-    async def add_lora(self, lora_request: LoRARequest) -> None:
-        self.engine.add_lora(lora_request)
-
-    async def remove_lora(self, lora_name: str) -> None:
-        self.engine.remove_lora(lora_name)
-
-    async def check_health(self) -> None:
-        self.engine.check_ready()
-
-    async def metrics(self) -> list[dict[str, Any]]:
-        return [self.engine.metrics()]
 
 
 def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str | None = None,
@@ -180,61 +114,6 @@ def create_app(client: EngineClient, tokenizer: Any, *, served_model_name: str |
     app.add_middleware(FrontDoor, api_key=api_key)
     app.state.serving = serving  # (cluster/api/multi_model.py reads its served names)
     return app
-
-
-class FrontDoor:
-    """Pure ASGI, in front of every route: gives each request its id and, when an API key is
-    set, checks it on the model's routes (/v1 and the tokenizer's).
-
-    The id is the request's X-Request-Id when it has one (Serve's own middleware sets it on
-    every request it proxies, and sends it back) and otherwise a new one, sent back as
-    X-Request-Id; handlers read it as `request.state.request_id`. The bearer scheme is matched
-    case-insensitively (RFC 7235), the key in constant time.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        request_id = given.decode("latin-1") if given else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-        if given is None:
-            id_header = (b"x-request-id", request_id.encode())
-            # (so a FrontDoor behind this one, cluster/api/multi_model.py, takes the same id)
-            scope["headers"] = [*scope["headers"], id_header]
-
-            async def send_with_id(message: Message) -> None:
-                if message["type"] == "http.response.start":
-                    message["headers"] = [*message.get("headers", ()), id_header]
-                await send(message)
-        else:
-            send_with_id = send
-
-        if self.api_key and _needs_key(scope["path"]) and not self._authorized(scope):
-            denied = error_response(RequestError(
-                "missing or invalid API key; send 'Authorization: Bearer <key>'",
-                status=401, err_type="invalid_request_error", code="invalid_api_key"))
-            await denied(scope, receive, send_with_id)
-            return
-        await self.app(scope, receive, send_with_id)
-
-    def _authorized(self, scope: Scope) -> bool:
-        assert self.api_key is not None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.strip().partition(b" ")
-                return (scheme.lower() == b"bearer"
-                        and hmac.compare_digest(token.strip(), self.api_key))
-        return False
-
-
-def _needs_key(path: str) -> bool:
-    return path.startswith("/v1") or path in ("/tokenize", "/detokenize")
 
 
 def _request_id(request: Request) -> str:

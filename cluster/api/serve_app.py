@@ -34,10 +34,11 @@ from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
 from cluster.api.drain import HANDOFF, Drain, watch_drain
+from cluster.api.engine_client import ModelInfo
 from cluster.api.failover import ReplicaDrainingError, resuming_stream
 from cluster.api.lora_models import LORA_SERVING_DEFAULTS, LoRAModels, check_lora_args, lora_modules
 from cluster.api.multi_model import ModelDispatch, deployment_name, model_entries
-from cluster.api.openai_api import ModelInfo, create_app
+from cluster.api.openai_api import create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
 from cluster.api.prefix_router import check_router_args, request_router_config
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip

@@ -15,10 +15,8 @@ from typing import Any
 
 import httpx
 
-from cluster.api.openai_api import (
-    LocalEngineClient,
-    create_app,
-)
+from cluster.api.engine_client import LocalEngineClient
+from cluster.api.openai_api import create_app
 from cluster.engine.config import EngineConfig
 from cluster.engine.errors import EngineDeadError, OverloadedError
 from cluster.engine.metrics import Histogram

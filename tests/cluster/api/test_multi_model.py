@@ -14,6 +14,7 @@ import pytest
 import yaml
 from fake_engine import FakeEngine
 
+from cluster.api.engine_client import LocalEngineClient
 from cluster.api.lora_models import LoRAModels
 from cluster.api.multi_model import (
     ModelDispatch,
@@ -21,7 +22,7 @@ from cluster.api.multi_model import (
     merge_metric_texts,
     model_entries,
 )
-from cluster.api.openai_api import LocalEngineClient, create_app
+from cluster.api.openai_api import create_app
 from cluster.api.serve_app import check_args, split_args
 
 MANIFEST = Path(__file__).resolve().parents[3] / "manifests" / "qwen3-multi-model.yaml"

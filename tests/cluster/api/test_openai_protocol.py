@@ -15,7 +15,8 @@ import openai
 from fake_engine import MODEL, FakeEngine, fetch, sse_events
 from starlette.requests import Request
 
-from cluster.api.openai_api import LocalEngineClient, OpenAIServing, create_app
+from cluster.api.engine_client import LocalEngineClient
+from cluster.api.openai_api import OpenAIServing, create_app
 from scheduler import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 

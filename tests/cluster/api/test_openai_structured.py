@@ -17,7 +17,8 @@ import httpx
 import openai
 import pytest
 
-from cluster.api.openai_api import LocalEngineClient, create_app
+from cluster.api.engine_client import LocalEngineClient
+from cluster.api.openai_api import create_app
 from cluster.engine.config import EngineConfig
 from scheduler import CompletionOutput, RequestOutput, SamplingParams
 
@@ -40,6 +41,7 @@ class TextEngine:
     max_model_len = 4096
     config = EngineConfig(max_num_seqs=8)
     default_sampling: dict = {}  # the model recommends no sampling defaults
+    pooling = None  # a generating model (a pooling runner's would be a PoolingInfo)
 
     def __init__(self, tokenizer: Any, text: str = "Hello.") -> None:
         self.tokenizer = tokenizer

@@ -17,7 +17,8 @@ import pytest
 from fake_engine import MODEL, FakeEngine
 from pydantic import BaseModel, Field
 
-from cluster.api.openai_api import LocalEngineClient, create_app
+from cluster.api.engine_client import LocalEngineClient
+from cluster.api.openai_api import create_app
 
 
 def _run(engine: Any, tokenizer: Any, call: Any, **app_kwargs: Any) -> Any:

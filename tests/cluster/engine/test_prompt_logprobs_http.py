@@ -15,7 +15,8 @@ import openai
 import pytest
 import torch
 
-from cluster.api.openai_api import LocalEngineClient, create_app
+from cluster.api.engine_client import LocalEngineClient
+from cluster.api.openai_api import create_app
 from cluster.engine.async_llm_engine import AsyncLLMEngine
 from cluster.engine.config import EngineConfig
 

@@ -20,7 +20,8 @@ import pydantic
 import pytest
 
 from cluster import LLM, SamplingParams, StructuredOutputsParams
-from cluster.api.openai_api import LocalEngineClient, create_app
+from cluster.api.engine_client import LocalEngineClient
+from cluster.api.openai_api import create_app
 from cluster.engine.async_llm_engine import AsyncLLMEngine
 from cluster.engine.config import EngineConfig
 
