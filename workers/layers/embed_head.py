@@ -53,13 +53,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits `[N, vocab_size]` on rank 0 (None elsewhere); may share its weight with the embedding."""
 
     def forward(self, x: Tensor) -> Tensor | None:  # type: ignore[override]
-        if x.device.type == "cpu":
-            # The same product as W x^T: for a few rows (a verify row's k + 1, a small batch)
-            # MKL's sgemm streams the [vocab, hidden] weight 2-3x faster that way than as
-            # x W^T, and no slower for one row or many (docs/benchmarks.md, issue #26).
-            logits = torch.mm(self.weight, x.t()).t().contiguous()
-        else:
-            logits = F.linear(x, self.weight)
+        # Row-major [N, vocab] straight from the GEMM on every device: computing W x^T and
+        # copying its transpose (issue #26's CPU choice) cost a strided copy of every logit,
+        # which on `offline-cpu` took more time than the product (docs/benchmarks.md, #43).
+        logits = F.linear(x, self.weight)
         if self.tp.world_size == 1:
             return logits
         full = self.tp.gather_last_dim(logits)
