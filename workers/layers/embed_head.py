@@ -49,14 +49,22 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(y)
 
 
+# Up to this many rows the CPU LM head computes W x^T (see ParallelLMHead.forward).
+CPU_WXT_MAX_ROWS = 8
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits `[N, vocab_size]` on rank 0 (None elsewhere); may share its weight with the embedding."""
 
     def forward(self, x: Tensor) -> Tensor | None:  # type: ignore[override]
-        # Row-major [N, vocab] straight from the GEMM on every device: computing W x^T and
-        # copying its transpose (issue #26's CPU choice) cost a strided copy of every logit,
-        # which on `offline-cpu` took more time than the product (docs/benchmarks.md, #43).
-        logits = F.linear(x, self.weight)
+        if x.device.type == "cpu" and x.shape[0] <= CPU_WXT_MAX_ROWS:
+            # For a few rows (a verify row's k + 1) MKL's sgemm streams the [vocab, hidden]
+            # weight 2-3x faster as W x^T than as x W^T (issue #26); their transpose is small.
+            logits = torch.mm(self.weight, x.t()).t().contiguous()
+        else:
+            # A batch: x W^T, row-major straight from the GEMM; W x^T's transposed copy of
+            # every logit cost more than the product on `offline-cpu` (docs/benchmarks.md, #43).
+            logits = F.linear(x, self.weight)
         if self.tp.world_size == 1:
             return logits
         full = self.tp.gather_last_dim(logits)
