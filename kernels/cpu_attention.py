@@ -28,8 +28,10 @@ from torch import Tensor
 
 from kernels.reference import dequantize_kv
 
-# Decode rows are attended in chunks of at most this many elements of gathered K, so a big
-# batch of long contexts never gathers gigabytes at once.
+# Decode rows are attended in buckets of similar lengths, of at most this many rows (each
+# bucket is one SDPA call, padded to its longest) and this many elements of gathered K (a big
+# batch of long contexts never gathers gigabytes at once).
+DECODE_BUCKET_ROWS = 16
 DECODE_CHUNK_ELEMENTS = 1 << 24
 
 
@@ -97,13 +99,24 @@ def _sequence(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, 
 def _decode_into(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                  seq_lens: Tensor, lens: list[int], scale: float, k_scale: Tensor | None,
                  v_scale: Tensor | None) -> None:
-    """Single-token queries `[B, Hq, D]` into `out`, in chunks of rows."""
+    """Single-token queries `[B, Hq, D]` into `out`: rows in order of length, in buckets of
+    at most DECODE_BUCKET_ROWS, each padded to its own longest (so a short context is not
+    padded to the batch's longest), and of at most DECODE_CHUNK_ELEMENTS gathered."""
     num_kv_heads, head_dim = k_cache.shape[2:]
-    step = max(1, DECODE_CHUNK_ELEMENTS // max(1, max(lens) * num_kv_heads * head_dim))
-    for lo in range(0, len(lens), step):
-        hi = min(len(lens), lo + step)
-        out[lo:hi] = _decode(q[lo:hi], k_cache, v_cache, block_tables[lo:hi], seq_lens[lo:hi],
-                             max(lens[lo:hi]), scale, k_scale, v_scale)
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    lo = 0
+    while lo < len(order):
+        longest_allowed = max(1, DECODE_CHUNK_ELEMENTS // (num_kv_heads * head_dim))
+        hi = lo + 1
+        while (hi < len(order) and hi - lo < DECODE_BUCKET_ROWS
+               and (hi + 1 - lo) * lens[order[hi]] <= longest_allowed):
+            hi += 1
+        rows = torch.tensor(order[lo:hi], dtype=torch.long)
+        out.index_copy_(0, rows, _decode(q.index_select(0, rows), k_cache, v_cache,
+                                         block_tables.index_select(0, rows),
+                                         seq_lens.index_select(0, rows), lens[order[hi - 1]],
+                                         scale, k_scale, v_scale))
+        lo = hi
 
 
 def _decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
