@@ -12,7 +12,8 @@ the other, `--rounds` times alternating (medians). Served: each server in turn u
 load client (`vllm bench serve`, random dataset, /v1/completions) at each concurrency.
 
     .venv/bin/python bench/peer_vllm.py --offline offline-cpu qwen3-0.6b-bf16 \
-        [--served 1 8 32 --manifest manifests/qwen3-tiny.yaml] [--rounds 3] [--json out.json]
+        [--served 1 8 32 --manifest manifests/qwen3-tiny.yaml manifests/qwen3-tiny-2x.yaml]
+        [--servers vllm ours] [--num-prompts 128] [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
 
 
 def served(server: str, concurrencies: list[int], python: Path, manifest: str,
-           port: int = 8123) -> list[dict[str, Any]]:
+           num_prompts: int = 128, port: int = 8123) -> list[dict[str, Any]]:
     """`vllm bench serve` against one server (`vllm` or `ours`) at each concurrency."""
     from throughput import model_path
 
@@ -162,7 +163,7 @@ def served(server: str, concurrencies: list[int], python: Path, manifest: str,
                             "--endpoint", "/v1/completions", "--base-url",
                             f"http://127.0.0.1:{port}", "--model", "qwen3-tiny", "--tokenizer",
                             path, "--dataset-name", "random", "--random-input-len", "256",
-                            "--random-output-len", "64", "--num-prompts", "128",
+                            "--random-output-len", "64", "--num-prompts", str(num_prompts),
                             "--max-concurrency", str(c), "--ignore-eos", "--save-result",
                             "--result-filename", str(out)],
                            env={**os.environ, **PEER_ENV}, check=True, capture_output=True,
@@ -187,6 +188,8 @@ def main() -> None:
     ap.add_argument("--offline", nargs="*", default=[], choices=sorted(OFFLINE))
     ap.add_argument("--served", nargs="*", type=int, default=[], help="concurrencies")
     ap.add_argument("--manifest", nargs="+", default=["manifests/qwen3-tiny.yaml"])
+    ap.add_argument("--servers", nargs="+", choices=["vllm", "ours"], default=["vllm", "ours"])
+    ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -196,10 +199,10 @@ def main() -> None:
     result: dict[str, Any] = {"machine": machine(), "peer": PEER, "offline": [], "served": []}
     for name in args.offline:
         result["offline"].append(offline(name, args.rounds, python))
-    if args.served:
-        result["served"] += served("vllm", args.served, python, "")
-        for manifest in args.manifest:
-            result["served"] += served("ours", args.served, python, manifest)
+    if args.served and "vllm" in args.servers:
+        result["served"] += served("vllm", args.served, python, "", args.num_prompts)
+    for manifest in args.manifest if args.served and "ours" in args.servers else []:
+        result["served"] += served("ours", args.served, python, manifest, args.num_prompts)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
