@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -275,7 +276,8 @@ def main() -> None:
     ap.add_argument("--no-pending", action="store_true",
                     help="with --host-overhead: name every input token (no async scheduling)")
     args = ap.parse_args()
-    if args.threads:
+    if args.threads:  # (the environment too: a CPU worker then keeps it, workers/cpu_threads.py)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     if args.host_overhead:

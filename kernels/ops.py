@@ -1,6 +1,9 @@
 """The one dispatch point between the model and its kernels.
 
-`backend="auto"` runs Triton when the tensors are on CUDA and the torch reference otherwise.
+`backend="auto"` runs Triton when the tensors are on CUDA and torch otherwise: for paged
+attention the fast CPU path (`kernels/cpu_attention.py`, torch's fused SDPA), for the other ops
+the torch reference. `"torch"` runs the plain-torch reference twins (`kernels/reference.py`),
+the oracle the other backends are tested against.
 `"triton"` also accepts CPU tensors when `TRITON_INTERPRET=1` is set (how the kernel tests run
 without a GPU). `"flash_attn"` exists for `paged_attention` only.
 
@@ -18,7 +21,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kernels import fp8_reference, lora_reference, moe_reference, reference
+from kernels import cpu_attention, fp8_reference, lora_reference, moe_reference, reference
 from kernels.reference import FP8_KV_DTYPE
 from kernels.rotary_tables import compute_cos_sin_cache
 
@@ -121,8 +124,10 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     chosen = _resolve(backend, q, allow_flash=True)
     _check_kv_scales(k_cache, k_scale, v_scale, chosen)
     if chosen == "torch":
-        return reference.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                         seq_lens, scale, k_scale, v_scale)
+        # "auto" on CPU: the fused-SDPA path; "torch" asked for by name: the reference twin.
+        impl = cpu_attention if backend == "auto" else reference
+        return impl.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                    seq_lens, scale, k_scale, v_scale)
     if chosen == "flash_attn":
         from kernels.flash_attn_backend import paged_attention as flash_paged_attention
         return flash_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,

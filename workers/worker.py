@@ -26,6 +26,7 @@ from scheduler.plan import NewSeq, StepPlan, StepResult
 from scheduler.sampling_params import SamplingParams
 from workers.cache_engine import CacheEngine
 from workers.config import WorkerConfig
+from workers.cpu_threads import set_model_threads
 from workers.cuda_graph import capture_step_graphs
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftRunner
@@ -96,6 +97,8 @@ class Worker:
             # Under Ray each rank sees one GPU (index 0); in a bare multi-process run rank r uses GPU r.
             torch.cuda.set_device(cfg.rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
+        else:  # the cores the engine's Python does not need (workers/cpu_threads.py)
+            set_model_threads(cfg.tensor_parallel_size)
         self.tp = TensorParallelGroup.initialize(cfg.tensor_parallel_size, cfg.rank,
                                                  cfg.dist_init_method, cfg.device)
 

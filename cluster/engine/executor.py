@@ -98,8 +98,13 @@ class _Collect(concurrent.futures.Future):
 
 
 class InProcessExecutor(Executor):
-    """tp = 1 in this process, on the caller's thread: on CUDA a submit only enqueues work
-    on the GPU and returns, so no helper thread is needed to overlap steps."""
+    """tp = 1 in this process. On CUDA on the caller's thread: a submit only enqueues work on
+    the GPU and returns, so no helper thread is needed to overlap steps. On CPU the forward
+    pass is the submit, so every call into the worker runs on one helper thread, in order: the
+    caller (a Serve replica's event loop) stays free to stream the last step's tokens while
+    torch computes this one (on the loop itself, a step's chunks went out in bursts: ITL p50
+    1.4 ms, p99 3.2 s, docs/benchmarks.md, issue #43). Only that thread touches the worker
+    while a step is in flight."""
 
     def __init__(self, config: WorkerConfig) -> None:
         from workers.worker import Worker
@@ -110,21 +115,38 @@ class InProcessExecutor(Executor):
         self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks = \
             self.worker.determine_num_blocks()
         self.worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks)
+        self._thread = (concurrent.futures.ThreadPoolExecutor(1, "inprocess-worker")
+                        if config.device == "cpu" else None)
+        self._launches: dict[int, concurrent.futures.Future] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
-        result = self.worker.execute(plan)
-        assert result is not None  # rank 0 always answers
-        return result
+        return self.result(self.submit(plan)).result()
 
     def submit(self, plan: StepPlan) -> int:
-        self.worker.launch(plan)
+        if self._thread is None:
+            self.worker.launch(plan)
+        else:
+            self._launches[plan.step_id] = self._thread.submit(self.worker.launch, plan)
         return plan.step_id
 
     def result(self, handle: int) -> concurrent.futures.Future:
-        return _Collect(self.worker, handle)
+        if self._thread is None:
+            return _Collect(self.worker, handle)
+        return self._thread.submit(self._collect, self._launches.pop(handle), handle)
+
+    def _collect(self, launch: concurrent.futures.Future, step_id: int) -> StepResult:
+        launch.result()  # (a plan the worker refused raises here)
+        result = self.worker.collect(step_id)[0]
+        assert result is not None  # rank 0 always answers
+        return result
 
     def provide_bitmask(self, handle: int, bitmask: np.ndarray) -> None:
-        self.worker.provide_bitmask(handle, bitmask)
+        if self._thread is None:
+            self.worker.provide_bitmask(handle, bitmask)
+        else:
+            self._thread.submit(self.worker.provide_bitmask, handle, bitmask).result()
 
     def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
         self.worker.shutdown()

@@ -115,12 +115,12 @@ def test_paged_prefill_then_decode_is_bit_identical_to_hf_eager_attention() -> N
     kernels.write_kv(k[:7], v[:7], k_cache, v_cache, slots[:7])
     prefill = kernels.paged_attention(q[:7], k_cache, v_cache, block_table,
                                       torch.tensor([0, 7], dtype=torch.int32),
-                                      torch.tensor([7], dtype=torch.int32), scale, 7, 7)
+                                      torch.tensor([7], dtype=torch.int32), scale, 7, 7, backend="torch")
     assert torch.equal(prefill, hf_eager(slice(0, 7), 7))
     kernels.write_kv(k[7:], v[7:], k_cache, v_cache, slots[7:])
     decode = kernels.paged_attention(q[7:], k_cache, v_cache, block_table,
                                      torch.tensor([0, 1], dtype=torch.int32),
-                                     torch.tensor([8], dtype=torch.int32), scale, 1, 8)
+                                     torch.tensor([8], dtype=torch.int32), scale, 1, 8, backend="torch")
     assert torch.equal(decode, hf_eager(slice(7, 8), 8))
 
 
@@ -217,7 +217,7 @@ def test_write_kv_rejects_key_shape_that_does_not_match_cache() -> None:
                          torch.zeros(3, dtype=torch.int64))
 
 
-def test_auto_backend_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_backend_uses_reference_on_cpu_for_small_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(3, 8)
     assert torch.equal(kernels.silu_and_mul(x), reference.silu_and_mul(x))

@@ -90,3 +90,17 @@ def test_shape_mismatch_names_the_tensor() -> None:
     layer = ColumnParallelLinear(4, 6, TensorParallelGroup.single(), F32)
     with pytest.raises(ValueError, match="q_proj"):
         layer.weight.weight_loader(layer.weight, _src("model.layers.0.q_proj.weight", _arange(6, 5)))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 64])
+def test_cpu_lm_head_gives_row_major_logits_of_x_w_t(rows: int) -> None:
+    """Few rows take W x^T, a batch x W^T (embed_head.CPU_WXT_MAX_ROWS): the same product,
+    row-major [rows, vocab] either way."""
+    gen = torch.Generator().manual_seed(rows)
+    head = ParallelLMHead(1000, 16, TensorParallelGroup.single(), F32)
+    head.weight.data.copy_(torch.randn(1000, 16, generator=gen))
+    x = torch.randn(rows, 16, generator=gen)
+    logits = head(x)
+    assert logits.shape == (rows, 1000) and logits.is_contiguous()
+    torch.testing.assert_close(logits, x.double().mm(head.weight.double().t()).float(),
+                               atol=1e-5, rtol=1e-5)

@@ -49,16 +49,21 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(y)
 
 
+# Up to this many rows the CPU LM head computes W x^T (see ParallelLMHead.forward).
+CPU_WXT_MAX_ROWS = 8
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits `[N, vocab_size]` on rank 0 (None elsewhere); may share its weight with the embedding."""
 
     def forward(self, x: Tensor) -> Tensor | None:  # type: ignore[override]
-        if x.device.type == "cpu":
-            # The same product as W x^T: for a few rows (a verify row's k + 1, a small batch)
-            # MKL's sgemm streams the [vocab, hidden] weight 2-3x faster that way than as
-            # x W^T, and no slower for one row or many (docs/benchmarks.md, issue #26).
+        if x.device.type == "cpu" and x.shape[0] <= CPU_WXT_MAX_ROWS:
+            # For a few rows (a verify row's k + 1) MKL's sgemm streams the [vocab, hidden]
+            # weight 2-3x faster as W x^T than as x W^T (issue #26); their transpose is small.
             logits = torch.mm(self.weight, x.t()).t().contiguous()
         else:
+            # A batch: x W^T, row-major straight from the GEMM; W x^T's transposed copy of
+            # every logit cost more than the product on `offline-cpu` (docs/benchmarks.md, #43).
             logits = F.linear(x, self.weight)
         if self.tp.world_size == 1:
             return logits

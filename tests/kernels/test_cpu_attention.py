@@ -1,0 +1,79 @@
+"""The CPU path of paged attention (kernels/cpu_attention.py, torch's fused SDPA) against the
+plain-torch reference twin, on NaN-poisoned caches (padding blocks and the rows past each
+sequence's length hold NaN, so a read of them shows up)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import make_paged_batch
+
+import kernels
+from kernels import cpu_attention, reference
+
+DECODE = [(1, 9), (1, 1), (1, 33), (1, 16), (1, 17)]
+MIXED = [(1, 9), (1, 1), (1, 33), (5, 12), (1, 16), (7, 7), (1, 17), (3, 3)]
+PREFILL = [(6, 6), (4, 19), (1, 1)]
+
+
+def _run(batch, impl, **scales):  # noqa: ANN001, ANN202 — a test helper over PagedBatch
+    return impl.paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                batch.query_start_loc, batch.seq_lens, batch.scale, **scales)
+
+
+@pytest.mark.parametrize("lens", [DECODE, MIXED, PREFILL], ids=["decode", "mixed", "prefill"])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa4", "mha"])
+def test_cpu_attention_matches_the_reference_fp32(lens: list[tuple[int, int]],
+                                                  heads: tuple[int, int]) -> None:
+    batch = make_paged_batch(lens, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=16,
+                             block_size=4, dtype=torch.float32, device="cpu",
+                             share_first_block=True, seed=7)
+    got = _run(batch, cpu_attention)
+    assert got.shape == batch.q.shape and not got.isnan().any()
+    torch.testing.assert_close(got, _run(batch, reference), atol=2e-6, rtol=2e-6)
+
+
+def test_decode_chunks_give_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows attended one per chunk equal the rows attended all at once."""
+    batch = make_paged_batch(DECODE, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
+                             dtype=torch.float32, device="cpu", seed=8)
+    whole = _run(batch, cpu_attention)
+    monkeypatch.setattr(cpu_attention, "DECODE_CHUNK_ELEMENTS", 1)
+    torch.testing.assert_close(_run(batch, cpu_attention), whole, atol=1e-6, rtol=1e-6)
+
+
+def test_bf16_attends_within_bf16_rounding_of_the_float32_reference() -> None:
+    batch = make_paged_batch(MIXED, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                             dtype=torch.bfloat16, device="cpu", seed=9)
+    got = _run(batch, cpu_attention)
+    assert got.dtype == torch.bfloat16 and not got.isnan().any()
+    torch.testing.assert_close(got, _run(batch, reference), atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_cache_is_read_times_its_scales() -> None:
+    batch = make_paged_batch(MIXED, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
+                             dtype=torch.float32, device="cpu", seed=10)
+    k_scale, v_scale = torch.tensor([0.5]), torch.tensor([2.0])
+    fp8 = dict(k_scale=k_scale, v_scale=v_scale)
+    batch.k_cache = reference.quantize_kv(batch.k_cache, reference.FP8_KV_DTYPE, k_scale)
+    batch.v_cache = reference.quantize_kv(batch.v_cache, reference.FP8_KV_DTYPE, v_scale)
+    got = _run(batch, cpu_attention, **fp8)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, _run(batch, reference, **fp8), atol=2e-6, rtol=2e-6)
+
+
+def test_dispatch_auto_runs_the_cpu_path_and_torch_the_reference(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = make_paged_batch(MIXED, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
+                             dtype=torch.float32, device="cpu", seed=11)
+    calls: list[str] = []
+    for name, module in (("cpu", cpu_attention), ("reference", reference)):
+        real = module.paged_attention
+        monkeypatch.setattr(module, "paged_attention",
+                            lambda *a, _real=real, _name=name, **k: calls.append(_name)
+                            or _real(*a, **k))
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc,
+            batch.seq_lens, batch.scale, batch.max_query_len, batch.max_seq_len)
+    kernels.paged_attention(*args)
+    kernels.paged_attention(*args, backend="torch")
+    assert calls == ["cpu", "reference"]
