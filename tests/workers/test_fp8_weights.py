@@ -7,10 +7,13 @@ values times their scales, exactly):
   moves a logit by up to ~0.3 (dense) or ~0.75 (MoE: a router choice can flip): logits within
   W8A8_BOUND = 1.0, greedy tokens equal wherever the oracle's top-2 gap exceeds twice it;
 * W8A8: the same model with each projection's input quantized and dequantized as the FP8
-  layers do (fp8_testlib.fake_quantize_activations): the same arithmetic, so every greedy token
-  equal and at least half of the steps' logits within EXACT = 1e-4 (fp32 summation order); the
-  others within FLIP_BOUND = 0.25, where that order moved an activation across an e4m3
-  rounding boundary (one step of 1/8 of its binade), and the cached K/V keep the difference.
+  layers do (fp8_testlib.fake_quantize_activations): the same arithmetic up to fp32 summation
+  order (the CPU attention path sums in another order than transformers' eager attention), so
+  at least half of the steps' logits within EXACT = 1e-4 and every one within FLIP_BOUND =
+  0.25, where that order moved an activation across an e4m3 rounding boundary (one step of 1/8
+  of its binade) and the cached K/V keep the difference; greedy tokens equal wherever the
+  oracle's top-2 gap exceeds twice FLIP_BOUND (a smaller gap can flip: seen at a first token
+  whose logits moved by 0.12).
 """
 
 from __future__ import annotations
@@ -97,12 +100,25 @@ def _check_against_oracle(got: list[tuple[list[int], np.ndarray]], oracle: list,
 
 def _check_both_oracles(got: list, m: dict) -> None:
     _check_against_oracle(got, m["oracle"], W8A8_BOUND)
-    diffs = []
+    assert _check_against_oracle(got, m["w8a8_oracle"], FLIP_BOUND) >= len(got)
+    diffs = []  # over the steps whose contexts agree
     for (tokens, logits), (ref_tokens, ref_logits) in zip(got, m["w8a8_oracle"]):
-        assert tokens == ref_tokens
-        diffs += [float(np.abs(row - ref).max()) for row, ref in zip(logits, ref_logits)]
-    assert max(diffs) <= FLIP_BOUND
+        for t, (row, ref) in enumerate(zip(logits, ref_logits)):
+            diffs.append(float(np.abs(row - ref).max()))
+            if tokens[t] != ref_tokens[t]:
+                break
     assert sum(d <= EXACT for d in diffs) >= len(diffs) // 2
+
+
+def _decided_tokens_equal(got: list[list[int]], oracle: list, bound: float) -> None:
+    """Each sequence's tokens equal the oracle's up to where they part, and they part only at
+    a step whose oracle top-2 gap is within 2 x `bound` (a flip the error allows)."""
+    for tokens, (ref_tokens, ref_logits) in zip(got, oracle):
+        for t, (tok, ref_tok) in enumerate(zip(tokens, ref_tokens)):
+            if tok != ref_tok:
+                second, first = np.sort(ref_logits[t])[-2:]
+                assert first - second <= 2 * bound, f"step {t}: {tok} != {ref_tok}"
+                break
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])
@@ -218,14 +234,16 @@ def test_lora_adds_its_product_over_an_fp8_base_layer() -> None:
 
 def test_engine_serves_an_fp8_checkpoint_and_quantizes_at_load(dense) -> None:
     """Through `LLM.generate` (the engine's wiring of `quantization` and the checkpoint's
-    config): the W8A8 oracle's greedy tokens, from the FP8 checkpoint and from the float one
-    with `quantization: fp8`."""
+    config): the same greedy tokens from the FP8 checkpoint and from the float one with
+    `quantization: fp8`, the W8A8 oracle's wherever its top-2 gap is beyond a flip."""
     from cluster import LLM
 
     prompts = [{"prompt_token_ids": p} for p in dense["prompts"][:2]]
-    want = [tokens for tokens, _ in dense["w8a8_oracle"][:2]]
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    runs = []
     for model, quantization in ((dense["fp8"], None), (dense["float"], "fp8")):
         with LLM(model, device="cpu", max_model_len=512, quantization=quantization) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        runs.append([list(o.outputs[0].token_ids) for o in outs])
+    assert runs[0] == runs[1]  # quantized at load: the checkpoint's exact bytes
+    _decided_tokens_equal(runs[0], dense["w8a8_oracle"][:2], FLIP_BOUND)
