@@ -134,8 +134,12 @@ def bench_engine(args: argparse.Namespace) -> list[dict]:
     common = dict(device=args.device, max_num_seqs=max(args.batch, 32), max_model_len=512,
                   enable_prefix_caching=False, num_gpu_blocks_override=blocks)
     cases: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory() as tmp, LLM(path, **common) as base, \
-            LLM(path, enable_lora=True, max_loras=16, max_lora_rank=args.rank, **common) as llm:
+    engines = [lambda: LLM(path, **common),
+               lambda: LLM(path, enable_lora=True, max_loras=16, max_lora_rank=args.rank, **common)]
+    if args.lora_first:  # (construction order: to tell an order effect from LoRA's cost)
+        engines.reverse()
+    with tempfile.TemporaryDirectory() as tmp, engines[0]() as first, engines[1]() as second:
+        base, llm = (second, first) if args.lora_first else (first, second)
         adapters = [LoRARequest(f"a{i}", i + 1, write_adapter(Path(tmp) / f"a{i}", path,
                                                                args.rank, i)) for i in range(16)]
         _decode_step(base, prompts[:2], [], 4)  # (warm-up)
@@ -143,7 +147,7 @@ def bench_engine(args: argparse.Namespace) -> list[dict]:
         for _ in range(args.rounds):  # interleaved: the VM's speed drifts
             cases.setdefault("base", []).append(
                 _decode_step(base, prompts, [], args.max_tokens))
-            for n in (0, 1, 4, 16):
+            for n in args.adapters:
                 cases.setdefault(f"{n} adapters", []).append(
                     _decode_step(llm, prompts, adapters[:n], args.max_tokens))
     rows = [{"case": case, "runs": len(runs),
@@ -168,6 +172,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 4, 16],
+                        help="distinct adapters in the batch, one case each (<= 16)")
+    parser.add_argument("--lora-first", action="store_true",
+                        help="build the LoRA engine before the base one")
     args = parser.parse_args()
     if args.engine:
         rows = bench_engine(args)
