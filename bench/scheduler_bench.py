@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.engine.llm_engine import freeze_startup_heap  # noqa: E402
+from cluster.engine.engine_setup import freeze_startup_heap  # noqa: E402
 from cluster.engine.output_processor import OutputProcessor  # noqa: E402
 from kvcache import KVCacheManager  # noqa: E402
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, StepPlan, StepResult  # noqa: E402

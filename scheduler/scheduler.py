@@ -16,12 +16,8 @@ yet scheduled in this step is preempted (scheduler/preemption.py). With nobody l
 preempt the request preempts itself, or, when it is the only running request, the sequence
 that cannot grow finishes with "length": the cache itself is its length limit.
 
-n > 1 (parallel sampling): the parent sequence prefills the prompt except its last token; then
-the n - 1 children are forked from it (sharing every block) and all n compute that last token
-in the same step, each sampling its own first token with its own seq_index. The shared,
-partially filled last block is copied on write for each child (`copies`, children first, so
-the parent keeps its block). A one-token prompt has nothing to share: its n sequences start
-independent.
+n > 1 (parallel sampling): the parent prefills the prompt but its last token, then its n - 1
+children are forked from it (scheduler/fork.py says how).
 
 Prompt logprobs (SamplingParams.prompt_logprobs): such a request never reads the prefix cache
 (nor the offload tier), as in vLLM: a cached position has no logits, and recomputing it is
@@ -38,7 +34,8 @@ attending). The scheduler deals in token ids and finish decisions only: text, st
 and output objects are the output processor's (cluster/engine/output_processor.py).
 
 The Scheduler composes objects that each own their state: RequestQueues (scheduler/queues.py),
-DecodeLane, Preemptor, ResultApplier (scheduler/results.py) and PlansInFlight (ahead.py).
+DecodeLane, Preemptor, Forker (scheduler/fork.py), ResultApplier (scheduler/results.py) and
+PlansInFlight (ahead.py).
 """
 
 from __future__ import annotations
@@ -53,6 +50,7 @@ from scheduler import ahead
 from scheduler.ahead import PlansInFlight
 from scheduler.config import SchedulerConfig
 from scheduler.decode_lane import DecodeLane
+from scheduler.fork import Forker
 from scheduler.lora import LoRARequest, LoRASlots
 from scheduler.outputs import SchedulerStats, StepOutcome
 from scheduler.plan import StepPlan, StepResult
@@ -89,6 +87,7 @@ class Scheduler:
         self.preemptor = Preemptor(mode, kv, self.queues)
         self.results = ResultApplier(self.queues, self.lane, self.inflight, self.spec)
         self._seq_ids = itertools.count()
+        self.forker = Forker(kv, self.queues, self.preemptor, self._seq_ids)
         self._step_id = 0
         self.prompt_tokens_total = 0
 
@@ -307,7 +306,7 @@ class Scheduler:
             if not req.forked:
                 parent = req.seqs[0]
                 if parent.num_computed == parent.prompt_len - 1:
-                    self._schedule_fork(req, step, may_preempt=True)
+                    self.forker.schedule(req, step, may_preempt=True)
                 else:
                     prefill_reqs.append(req)
                 continue
@@ -345,7 +344,7 @@ class Scheduler:
         if not req.forked:
             parent = req.seqs[0]
             if parent.num_computed == parent.prompt_len - 1:
-                self._schedule_fork(req, step, may_preempt=False)
+                self.forker.schedule(req, step, may_preempt=False)
                 return
         for seq in req.seqs:
             if seq.status is _RUNNING and req.target_len(seq) > seq.num_computed:
@@ -405,44 +404,6 @@ class Scheduler:
             req.num_cached_tokens = computed
         step.add(req, seq, alloc, computed, chunk, kv)
         return chunk
-
-    def _schedule_fork(self, req: Request, step: StepBuilder, may_preempt: bool) -> None:
-        """Fork the n - 1 children from the parent (whose prompt is computed but for its last
-        token) and schedule that token for all n sequences, all or nothing."""
-        n = req.n
-        if step.budget < n or step.seq_slots < n:
-            return
-        kv = self.kv
-        parent = req.seqs[0]
-        # Children copy the parent's partial last block on write; a full one means a new block each.
-        need = n - 1 + kv.num_blocks_needed(parent.seq_id, 1)
-        while kv.num_free_gpu_blocks < need:
-            if not (may_preempt and self.preemptor.make_room(req, step)):
-                if may_preempt and len(self.queues.running) > 1:
-                    self.preemptor.preempt(req, step)
-                return
-        children = []
-        for i in range(1, n):
-            child = Seq(next(self._seq_ids), i, list(parent.token_ids), parent.prompt_len,
-                        _RUNNING)
-            child.num_computed = parent.num_computed
-            child.max_len = parent.max_len
-            kv.fork(parent.seq_id, child.seq_id)
-            children.append(child)
-        req.seqs += children
-        self.queues.add_seqs(req, children)
-        req.forked = True
-        start = parent.num_computed
-        allocs = {}
-        for seq in children + [parent]:  # children first: the parent keeps its block
-            alloc = kv.allocate_slots(seq.seq_id, seq.token_ids, 1)
-            if alloc is None:
-                raise RuntimeError(f"KV cache refused the fork of request {req.request_id!r} "
-                                   f"after reporting {need} blocks needed and "
-                                   f"{kv.num_free_gpu_blocks} free")
-            allocs[seq.seq_id] = alloc
-        for seq in req.seqs:
-            step.add(req, seq, allocs[seq.seq_id], start, 1, kv)
 
     def _finish_for_capacity(self, req: Request, seq: Seq) -> None:
         """The only running request cannot grow: the cache is its length limit."""

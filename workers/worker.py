@@ -12,19 +12,18 @@ whose KV layers follow the target's in the same cache.
 from __future__ import annotations
 
 import gc
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
 import kernels
-from scheduler.plan import NewSeq, StepPlan, StepResult
-from scheduler.sampling_params import SamplingParams
+from scheduler.plan import StepPlan, StepResult
 from workers.cache_engine import CacheEngine
+from workers.cache_sizing import KVCacheSizing, dtype_bytes, loaded
 from workers.config import WorkerConfig
 from workers.cpu_threads import set_model_threads
 from workers.cuda_graph import capture_step_graphs
@@ -43,11 +42,6 @@ from workers.step_outputs import StepOutputs
 from workers.warmup import warmup_plans
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# KV cache budget on CPU without num_gpu_blocks_override: the host is shared by every rank,
-# the tests and Ray, so each rank takes at most this much.
-CPU_KV_CACHE_BYTES = 1 << 30
-_GIB = 1 << 30
-_T = TypeVar("_T")
 _EMPTY = np.zeros(0, dtype=np.int64)
 # Steps launched ahead of their collection: the one running and the one after it.
 MAX_LAUNCHED = 2
@@ -66,7 +60,7 @@ class _Launched:
     has_output: bool = False
 
 
-class Worker:
+class Worker(KVCacheSizing):
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.rank = config.rank
@@ -122,7 +116,7 @@ class Worker:
             self._free_before_load = torch.cuda.mem_get_info()[0]
             draft = (None if cfg.speculative_model is None
                      else load_model_config(cfg.speculative_model, cfg.tensor_parallel_size))
-            check_weights_fit(mc, self.tp.world_size, _itemsize(self.dtype),
+            check_weights_fit(mc, self.tp.world_size, dtype_bytes(self.dtype),
                               torch.cuda.mem_get_info()[1], cfg.gpu_memory_utilization, draft)
         with torch.device(self.device):
             model = Qwen3ForCausalLM(mc, self.tp, self.dtype, cfg.attention_backend,
@@ -148,110 +142,11 @@ class Worker:
                                         pooler)
         self._outputs = StepOutputs(self.device, rows, MAX_LAUNCHED + 1)
 
-    def kv_block_bytes(self) -> int:
-        """Bytes of one KV block on this rank: the target's layers and the draft's."""
-        mc, itemsize = _loaded(self.model_config), _itemsize(self.kv_dtype)
-        draft = (0 if self.drafter is None
-                 else self.drafter.kv_block_bytes(self.tp.world_size, itemsize))
-        return mc.kv_block_bytes(self.config.block_size, self.tp.world_size, itemsize) + draft
-
-    def determine_num_blocks(self) -> tuple[int, int, int]:
-        """(num_gpu_blocks, num_cpu_blocks, num_offload_blocks) this rank can hold.
-
-        GPU blocks: `num_gpu_blocks_override` when set; on CUDA otherwise a profiling run at
-        the largest batch measures peak activation memory and `gpu_memory_utilization` of the
-        device minus what is in use and that peak becomes KV blocks; on CPU enough blocks
-        for max_num_seqs full-length sequences, capped at `CPU_KV_CACHE_BYTES` (1 GiB) less
-        the LoRA slots (on CUDA the profiling run finds them in use).
-        CPU swap blocks: `swap_space` GiB. Offload-tier blocks: this rank's share of
-        `kv_offloading_size` GiB (split evenly over the ranks).
-        """
-        cfg = self.config
-        block_bytes = self.kv_block_bytes()
-        num_cpu = int(cfg.swap_space * _GIB) // block_bytes
-        num_offload = int(cfg.kv_offloading_size * _GIB / cfg.tensor_parallel_size) // block_bytes
-        if cfg.num_gpu_blocks_override is not None:
-            return cfg.num_gpu_blocks_override, num_cpu, num_offload
-        if self.device.type == "cpu":
-            wanted = cfg.max_num_seqs * math.ceil(cfg.max_model_len / cfg.block_size)
-            lora_bytes = 0 if self.lora is None else self.lora.nbytes
-            num = min(wanted, (CPU_KV_CACHE_BYTES - lora_bytes) // block_bytes)
-            needed = math.ceil(cfg.max_model_len / cfg.block_size)
-            if lora_bytes and num < needed:
-                raise ValueError(
-                    f"the LoRA slots (max_loras={cfg.max_loras}, max_lora_rank="
-                    f"{cfg.max_lora_rank}) take {lora_bytes / _GIB:.2f} GiB of the "
-                    f"{CPU_KV_CACHE_BYTES / _GIB:.0f} GiB CPU KV budget, leaving {max(num, 0)} KV "
-                    f"blocks (one max_model_len={cfg.max_model_len} sequence needs {needed}); "
-                    "lower max_loras or max_lora_rank, or set num_gpu_blocks_override")
-            return max(1, num), num_cpu, num_offload
-        return self._profile_num_gpu_blocks(block_bytes), num_cpu, num_offload
-
-    def _profile_num_gpu_blocks(self, block_bytes: int) -> int:
-        cfg = self.config
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        peak_extra = self._profile_run()
-        gc.collect()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        # This engine's weights and workspaces; another process freeing memory meanwhile must
-        # not make it look negative (and the share larger than gpu_memory_utilization).
-        own = max(0, self._free_before_load - free)
-        # Its share of the device, and never more than is free beside the activations' peak.
-        available = min(int(total * cfg.gpu_memory_utilization) - own, free) - peak_extra
-        num_blocks = available // block_bytes
-        needed = math.ceil(cfg.max_model_len / cfg.block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"only {max(num_blocks, 0)} KV blocks fit on rank {self.rank} (one "
-                f"max_model_len={cfg.max_model_len} sequence needs {needed}); raise "
-                "gpu_memory_utilization, lower max_num_batched_tokens/max_num_seqs/max_model_len, "
-                f"or use more tensor-parallel ranks ({free / _GIB:.1f} GiB of "
-                f"{total / _GIB:.1f} GiB free after loading; this engine took "
-                f"{own / _GIB:.1f} GiB)")
-        return int(num_blocks)
-
-    def _profile_run(self) -> int:
-        """Peak bytes allocated above the baseline by a forward + sampling at the largest batch."""
-        cfg, mc = self.config, _loaded(self.model_config)
-        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
-        num_seqs = min(cfg.max_num_seqs, num_tokens)
-        lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
-        lens[: num_tokens % num_seqs] += 1
-        blocks_per_seq = -(-lens // cfg.block_size)
-        # A scratch cache just big enough for the dummy batch; freed before the real one.
-        scratch = CacheEngine(self._num_cache_layers(), mc.num_kv_heads_per_rank(self.tp.world_size),
-                              mc.head_dim, cfg.block_size, int(blocks_per_seq.sum()), 0,
-                              self.kv_dtype, self.device)
-        self._bind_cache(scratch)
-        baseline = torch.cuda.memory_allocated()
-        # (prompt logprobs too: their slices of logits are part of the peak)
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=5,
-                                prompt_logprobs=5)
-        starts = np.concatenate([[0], np.cumsum(blocks_per_seq)[:-1]])
-        plan = StepPlan(
-            step_id=-1, seq_ids=np.arange(num_seqs, dtype=np.int64), query_lens=lens,
-            start_pos=np.zeros(num_seqs, dtype=np.int32),
-            input_ids=np.zeros(num_tokens, dtype=np.int64), do_sample=np.ones(num_seqs, bool),
-            new_seqs=[NewSeq(i, "profile", 0, int(lens[i]), [],
-                             list(range(int(starts[i]), int(starts[i] + blocks_per_seq[i]))),
-                             params, [0] * int(lens[i])) for i in range(num_seqs)])
-        self.execute(plan)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        _loaded(self.model_runner).table.drop(list(range(num_seqs)))
-        _loaded(self.model_runner).pending.reset()
-        self._bind_cache(None)
-        del scratch
-        return max(0, peak - baseline)
-
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int,
                    num_offload_blocks: int = 0) -> None:
         """Allocate the KV cache, swap space and offload tier, then capture decode CUDA graphs
         (CUDA, not eager)."""
-        cfg, mc = self.config, _loaded(self.model_config)
+        cfg, mc = self.config, loaded(self.model_config)
         self.cache_engine = CacheEngine(
             self._num_cache_layers(), mc.num_kv_heads_per_rank(self.tp.world_size), mc.head_dim,
             cfg.block_size, num_gpu_blocks, num_cpu_blocks, self.kv_dtype, self.device,
@@ -269,11 +164,11 @@ class Worker:
     def capture_graphs(self, graph_factory: Callable[[], Any] | None = None) -> None:
         """Capture the decode and verify graphs, with the draft's (workers/cuda_graph.py);
         `graph_factory` EagerGraph runs the graph path on CPU."""
-        cfg, runner = self.config, _loaded(self.model_runner)
+        cfg, runner = self.config, loaded(self.model_runner)
         if self.lora is not None:  # the graphs always hold the LoRA products
             self.lora.batch.active = True
         runner.graph_runner, runner.verify_graph_runners = capture_step_graphs(
-            _loaded(self.model), self.drafter, self.tp, cfg.max_num_seqs,
+            loaded(self.model), self.drafter, self.tp, cfg.max_num_seqs,
             runner.table.max_blocks_per_seq, cfg.max_model_len, self.device,
             cfg.num_speculative_tokens, cfg.speculative_max_num_seqs, graph_factory)
 
@@ -281,7 +176,7 @@ class Worker:
         """Run the start-up warm-up's plans (workers/warmup.py) on the real cache; the worker
         holds no sequence afterwards."""
         cfg = self.config
-        runner = _loaded(self.model_runner)
+        runner = loaded(self.model_runner)
         for plan in warmup_plans(cfg.block_size, runner.num_gpu_blocks, cfg.max_model_len,
                                  cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                  eager_decode=runner.graph_runner is None):
@@ -298,11 +193,11 @@ class Worker:
                 attn.k_cache = attn.v_cache = torch.tensor([])
             return
         cache.bind(self._attention_layers())
-        _loaded(self.model_runner).num_gpu_blocks = cache.num_gpu_blocks
+        loaded(self.model_runner).num_gpu_blocks = cache.num_gpu_blocks
 
     def _attention_layers(self) -> list:
         """The target's attention layers, then the draft's: the cache's layers, in order."""
-        layers = _loaded(self.model).attention_layers()
+        layers = loaded(self.model).attention_layers()
         return layers if self.drafter is None else layers + self.drafter.attention_layers()
 
     def _num_cache_layers(self) -> int:
@@ -350,7 +245,7 @@ class Worker:
         if len(self._launched) >= MAX_LAUNCHED:
             raise RuntimeError(f"{len(self._launched)} steps launched and not collected; "
                                "collect the oldest first")
-        runner = _loaded(self.model_runner)
+        runner = loaded(self.model_runner)
         step = _Launched(plan.step_id, self._outputs.begin(), keep_logits)
         runner.table.drop(plan.dropped_seq_ids)
         # On the copy stream, after all compute so far (so offloads read the evicted blocks
@@ -413,7 +308,7 @@ class Worker:
                 return
             raise ValueError(f"step {step_id} has no constrained rows waiting for a bitmask")
         step.awaiting_bitmask = False
-        runner = _loaded(self.model_runner)
+        runner = loaded(self.model_runner)
         assert step.batch is not None and step.logits is not None
         mask = runner.bitmask_for(step.batch, bitmask)
         self._sampled(step, runner.sample(step.batch, step.logits, mask))
@@ -434,7 +329,7 @@ class Worker:
         """The step's tokens: kept on the device for the next step's pending tokens, and
         copied to pinned memory for collect."""
         assert step.batch is not None
-        _loaded(self.model_runner).pending.sampled(out.token_ids)
+        loaded(self.model_runner).pending.sampled(out.token_ids)
         verify = step.batch.verify
         num_tokens = None if verify is None else num_accepted(out.token_ids, *verify) + 1
         self._outputs.put(step.slot, out, step.batch.num_sampled, num_tokens)
@@ -470,13 +365,3 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-def _loaded(value: _T | None) -> _T:
-    """`value`, one of the attributes `load_model()` sets; a clear error where it is still None."""
-    if value is None:
-        raise RuntimeError("the worker has no model loaded; call load_model() first")
-    return value

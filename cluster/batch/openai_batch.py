@@ -52,7 +52,7 @@ class ModelFacts:
 
     @classmethod
     def of(cls, config: EngineConfig) -> ModelFacts:
-        from cluster.engine.llm_engine import default_sampling
+        from cluster.engine.engine_setup import default_sampling
         from workers.model_config import load_model_config
         from workers.tiny_model import resolve_model
 

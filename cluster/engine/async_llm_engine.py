@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.engine.config import EngineConfig
+from cluster.engine.engine_setup import rebuild_or_raise
 from cluster.engine.errors import (
     EngineDeadError,
     EngineRecoveringError,
@@ -29,7 +30,7 @@ from cluster.engine.errors import (
     OverloadedError,
 )
 from cluster.engine.executor import WorkerDiedError
-from cluster.engine.llm_engine import LLMEngine, rebuild_or_raise
+from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.lora import lora_metrics
 from kvcache.events import KVEventBatch
 from scheduler import QueueLoad, RequestOutput, SamplingParams

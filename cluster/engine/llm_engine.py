@@ -24,13 +24,20 @@ from collections import deque
 from typing import Any
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.executor import Executor, InProcessExecutor, WorkerDiedError
+from cluster.engine.engine_setup import (
+    MIN_BATCHED_TOKENS,
+    build_executor,
+    build_worker_config,
+    default_sampling,
+    freeze_startup_heap,
+    rebuild_or_raise,
+)
+from cluster.engine.executor import Executor, WorkerDiedError
 from cluster.engine.fast_detokenizer import detokenizer_factory
 from cluster.engine.lora import LoRAHostCache
 from cluster.engine.metrics import LatencyMetrics, RequestTimes
 from cluster.engine.output_processor import OutputProcessor
 from cluster.engine.pooling import resolve_pooling
-from cluster.engine.ray_executor import RayExecutor
 from cluster.engine.structured_output import StructuredOutputManager
 from kvcache import KVCacheManager
 from scheduler import (
@@ -44,57 +51,11 @@ from scheduler import (
 from scheduler.lora import LoRARequest
 from scheduler.speculative import SpeculativeConfig
 from workers.checkpoint import checkpoint_files
-from workers.config import WorkerConfig
-from workers.distributed import get_free_port
 from workers.draft_runner import check_draft_fits
-from workers.model_config import load_generation_defaults, load_model_config
+from workers.model_config import load_model_config
 from workers.tiny_model import resolve_model
 
 logger = logging.getLogger(__name__)
-
-# Below this many tokens per step, chunked prefill would starve long prompts of progress.
-_MIN_BATCHED_TOKENS = 8192
-
-# How many times the engine tries to rebuild its workers after a rank died before it gives
-# up (then it is dead, and Serve replaces the replica).
-MAX_REBUILD_ATTEMPTS = 2
-
-
-def rebuild_or_raise(executor: Executor, error: WorkerDiedError) -> None:
-    """Rebuild the executor's workers; WorkerDiedError once MAX_REBUILD_ATTEMPTS failed."""
-    last: BaseException = error
-    for _ in range(MAX_REBUILD_ATTEMPTS):
-        try:
-            executor.rebuild()
-            return
-        except Exception as e:  # noqa: BLE001 — any failure counts as one attempt
-            last = e
-    raise WorkerDiedError(f"{error}; rebuilding the workers failed "
-                          f"{MAX_REBUILD_ATTEMPTS} times: {type(last).__name__}: {last}") from last
-
-
-# Allocations of container objects between two young-generation collections (CPython's
-# default is 700). A decode step of 256 sequences allocates ~1000 (an output delta, its
-# completion and their two lists per sequence), so at 700 the collector runs inside every
-# step while that step's outputs are alive, walks them and promotes them to older
-# generations, to be walked again. At 50,000 it runs every ~50 steps, when nearly all of those
-# objects have been freed by reference counting already (bench/scheduler_bench.py,
-# docs/benchmarks.md). Cyclic garbage waits a little longer; nothing else changes.
-GC_GEN0_THRESHOLD = 50_000
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive now (model, tokenizer, one KVCacheBlock per KV block: 10^5 of
-    them on a large GPU) out of the garbage collector's reach, as vLLM does after start-up.
-    The cyclic collector otherwise walks them all on each full collection, which the
-    per-token objects of every step trigger regularly: milliseconds taken out of a step.
-    Also raises the young generation's threshold to GC_GEN0_THRESHOLD (see there)."""
-    gc.collect()
-    gc.freeze()
-    gen0, gen1, gen2 = gc.get_threshold()
-    if 0 < gen0 < GC_GEN0_THRESHOLD:
-        gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
-
 
 class LLMEngine:
     """Owns one model replica: every request, every KV block, every step."""
@@ -111,7 +72,7 @@ class LLMEngine:
                                  os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         self.max_model_len = config.max_model_len or self.model_config.max_context_len
         self.model_config.check_max_model_len(self.max_model_len)
-        batched = config.max_num_batched_tokens or max(self.max_model_len, _MIN_BATCHED_TOKENS)
+        batched = config.max_num_batched_tokens or max(self.max_model_len, MIN_BATCHED_TOKENS)
         self.default_sampling = default_sampling(self.model_path, config.generation_config)
         spec = (SpeculativeConfig.from_dict(config.speculative_config)
                 if config.speculative_config is not None else None)
@@ -131,27 +92,9 @@ class LLMEngine:
                 ray.init(ignore_reinit_error=True, log_to_driver=False)
         # Ray workers run where Ray places them; an in-process worker runs here.
         self.device = config.resolve_device(from_ray=config.uses_ray)
-        worker_config = WorkerConfig(
-            model=self.model_path, dtype=config.dtype, device=self.device,
-            tensor_parallel_size=config.tensor_parallel_size,
-            dist_init_method=(f"tcp://127.0.0.1:{get_free_port()}"
-                              if config.tensor_parallel_size > 1 else None),
-            block_size=config.block_size,
-            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=batched,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            num_gpu_blocks_override=config.num_gpu_blocks_override, swap_space=config.swap_space,
-            kv_offloading_size=config.kv_offloading_size,
-            enforce_eager=config.enforce_eager or self.pooling is not None,
-            attention_backend=config.attention_backend, seed=config.seed,
-            enable_expert_parallel=config.enable_expert_parallel, speculative_model=draft_path,
-            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
-            speculative_max_num_seqs=0 if spec is None else spec.disable_by_batch_size,
-            hf_overrides=config.hf_overrides, kv_cache_dtype=config.kv_cache_dtype,
-            quantization=config.quantization, calculate_kv_scales=config.calculate_kv_scales,
-            max_loras=config.max_loras if config.enable_lora else 0,
-            max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
-            pooler=None if self.pooling is None else self.pooling.pooler)
+        worker_config = build_worker_config(config, self.model_path, self.device,
+                                            self.max_model_len, batched, spec, draft_path,
+                                            self.pooling)
         # LoRA adapters this engine knows and the host copies it keeps (cluster/engine/lora.py)
         self.loras = (LoRAHostCache(self.model_config, config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras)
@@ -163,14 +106,8 @@ class LLMEngine:
             logger.info("speculative decoding is on: async scheduling is turned off (a verify "
                         "step's token count is known only once its result is in)")
             self.async_scheduling = False
-        self.executor: Executor
-        if config.uses_ray:
-            self.executor = RayExecutor(
-                worker_config, num_cpus=config.worker_num_cpus, use_gpu=self.device == "cuda",
-                placement_group=placement_group, bundle_offset=1 if placement_group else 0,
-                compiled_graph=config.compiled_graph, lagged=self.async_scheduling)
-        else:
-            self.executor = InProcessExecutor(worker_config)
+        self.executor: Executor = build_executor(config, worker_config, self.device,
+                                                 placement_group, self.async_scheduling)
         kv = KVCacheManager(self.executor.num_gpu_blocks, self.executor.num_cpu_blocks,
                             config.block_size, enable_prefix_caching=config.enable_prefix_caching
                             and not (self.pooling and self.pooling.pooler.accumulates),
@@ -438,21 +375,3 @@ class LLMEngine:
         gc.unfreeze()
         self.executor.shutdown()
 
-
-def default_sampling(model_path: str, generation_config: str) -> dict[str, Any]:
-    """The SamplingParams fields a request that leaves them out gets (EngineConfig's
-    `generation_config`): the model's recommended ones under "auto", checked here so a bad
-    generation_config.json fails at start, not on the first request."""
-    if generation_config == "vllm":
-        return {}
-    defaults = load_generation_defaults(model_path)
-    try:
-        SamplingParams(**defaults)
-    except ValueError as e:
-        raise ValueError(f"{model_path}/generation_config.json recommends sampling settings "
-                         f"SamplingParams refuses ({e}); fix the file or set generation_config: "
-                         "vllm to ignore them") from None
-    if defaults:
-        logger.info("sampling defaults from %s/generation_config.json: %s (generation_config: "
-                    "vllm ignores them)", model_path, defaults)
-    return defaults

@@ -1,7 +1,7 @@
 """Acceptance of proposed tokens keeps the target's distribution exactly (chi-square).
 
 A batch of verify rows, each the same context with one proposal x that the target often
-disagrees with, goes through what the model runner does (`_verify_rows`: one sampled position
+disagrees with, goes through what the model runner does (`step_batch.verify_rows`: one sampled position
 per proposal plus the bonus position, each with the random stream of its own output index),
 the Sampler and `num_accepted`. The first emitted token must follow the target's processed
 distribution p (at temperature 1, and with top_p 0.9), x must be accepted at rate p(x), and
@@ -14,9 +14,9 @@ import pytest
 import torch
 from test_sampler_distributions import BASE, chi2, chi2_bound, oracle
 
-from workers.model_runner import _verify_rows
 from workers.rejection_sampler import num_accepted
 from workers.sampler import Sampler, SamplingMetadata, stream_key
+from workers.step_batch import verify_rows as _verify_rows
 
 N = 12000
 X = 1  # the proposal: p(x) = 0.244 at temperature 1 (the target's second token)

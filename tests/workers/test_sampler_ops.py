@@ -138,7 +138,7 @@ def test_masks_ordering_max_top_k_values_keep_what_the_definition_does(dtype) ->
 
 
 def test_max_top_k_is_the_largest_top_k_of_the_random_rows() -> None:
-    from workers.model_runner import _max_top_k
+    from workers.step_batch import max_top_k as _max_top_k
 
     table = SimpleNamespace(temperature=np.array([0.7, 0.0, 1.0, 0.5], dtype=np.float32),
                             top_k=np.array([20, 0, 50, 5], dtype=np.int32))

@@ -11,7 +11,7 @@ import pytest
 
 from cluster import LLM, SamplingParams
 from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import default_sampling
+from cluster.engine.engine_setup import default_sampling
 from workers.model_config import load_generation_defaults
 
 # Qwen3's generation_config.json, as its checkpoints ship it.

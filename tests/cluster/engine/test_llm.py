@@ -372,7 +372,7 @@ def test_a_rebuild_that_keeps_failing_ends_the_engine(ray_cluster: None) -> None
     dead (Serve replaces the replica), and streams end with EngineDeadError."""
     import ray
 
-    from cluster.engine.llm_engine import MAX_REBUILD_ATTEMPTS
+    from cluster.engine.engine_setup import MAX_REBUILD_ATTEMPTS
     from cluster.engine.ray_executor import RayExecutor
 
     engine = AsyncLLMEngine(EngineConfig(model="qwen3-tiny", tensor_parallel_size=2,

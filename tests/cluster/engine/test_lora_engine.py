@@ -251,8 +251,9 @@ def merged_greedy_b(adapters: dict, requests: dict) -> list[int]:
 
 def test_lora_slots_are_counted_before_the_kv_cache_is_sized(
         tiny_model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.cache_sizing import CPU_KV_CACHE_BYTES
     from workers.config import WorkerConfig
-    from workers.worker import CPU_KV_CACHE_BYTES, Worker
+    from workers.worker import Worker
 
     def blocks(max_loras: int) -> tuple[int, int, int]:
         worker = Worker(WorkerConfig(model=tiny_model_path, max_num_seqs=256, max_model_len=4096,
