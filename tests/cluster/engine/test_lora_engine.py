@@ -268,7 +268,7 @@ def test_lora_slots_are_counted_before_the_kv_cache_is_sized(
     assert lora_bytes > 0 and with_lora == (CPU_KV_CACHE_BYTES - lora_bytes) // block_bytes
     assert np.isclose(plain - with_lora, lora_bytes / block_bytes, atol=1)
     # slots that leave less than one max_model_len sequence of KV are refused at start
-    monkeypatch.setattr("workers.worker.CPU_KV_CACHE_BYTES", lora_bytes + 100 * block_bytes)
+    monkeypatch.setattr("workers.cache_sizing.CPU_KV_CACHE_BYTES", lora_bytes + 100 * block_bytes)
     with pytest.raises(ValueError, match=r"leaving 100 KV blocks \(one max_model_len=4096 "
                                          r"sequence needs 256\); lower max_loras"):
         blocks(4)
