@@ -12,7 +12,13 @@ while waves of every prompt stream back to back until the new version is RUNNING
 p50/p99 during it against the run before.
 Fixed prompts; greedy outputs are checked against a run before any failure.
 
+`--placement spread|pack --node-cpus 1,3` (issue #40) runs the same loss with each
+`replica_placement` on worker nodes of those sizes (1,3: the 3-CPU node has room for both
+replicas, so `pack` puts both there and `spread` one on each) and kills the node holding the
+most replicas (ties: the bigger node); `--no-rolling-update` skips the rolling update.
+
     source /work/bin/wt-env && python bench/node_loss.py --requests 16 --max-tokens 64 --json out.json
+    python bench/node_loss.py --placement pack --node-cpus 1,3 --no-rolling-update
 """
 
 from __future__ import annotations
@@ -33,7 +39,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--placement", choices=("spread", "pack"), default=None,
+                    help="replica_placement (default: the manifest default, spread)")
+    ap.add_argument("--node-cpus", default="1,1",
+                    help="CPUs of each simulated worker node, comma-separated")
+    ap.add_argument("--no-rolling-update", action="store_true")
     args = ap.parse_args()
+    node_cpus = tuple(int(c) for c in args.node_cpus.split(","))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     import httpx
@@ -42,9 +54,12 @@ def main() -> None:
 
     t.PROMPTS[:] = [f"Request {i}: the quick brown fox" for i in range(args.requests)]
     t.MAX_TOKENS = args.max_tokens
-    with t.simulated_cluster() as sim:
+    deploy_args = dict(t.ARGS)
+    if args.placement is not None:
+        deploy_args["replica_placement"] = args.placement
+    with t.simulated_cluster(node_cpus) as sim:
         cluster, url = sim.cluster, sim.url
-        t._deploy(t.ARGS)
+        t._deploy(deploy_args)
 
         async def timed(client: httpx.AsyncClient, prompt: str, started: asyncio.Event):
             start = time.perf_counter()
@@ -63,18 +78,23 @@ def main() -> None:
             return done
 
         reference = asyncio.run(run(None))
-        victim_replica = t._actors(t.REPLICA_CLASS)[0]
-        victim_id = victim_replica["Name"].rsplit("#", 1)[-1]
-        victim = t._node_of(victim_replica)
+        replicas = t._actors(t.REPLICA_CLASS)
+        by_node = [t._node_of(r) for r in replicas]
+        sizes = {n.node_id: c for n, c in zip(cluster.worker_nodes, node_cpus)}
+        # the node holding the most replicas (ties: the bigger node)
+        victim = max(set(by_node), key=lambda n: (by_node.count(n), sizes.get(n, 0)))
+        lost_replicas = [r for r, n in zip(replicas, by_node) if n == victim]
+        lost_ids = {r["Name"].rsplit("#", 1)[-1] for r in lost_replicas}
         node = next(n for n in cluster.worker_nodes if n.node_id == victim)
         before = t._resumes_logged()
         killed_at = time.monotonic()
         got = asyncio.run(run(lambda: t.kill_node(cluster, node)))
-        affected = [t.SERVED_BY.get(p) == victim_id for p in t.PROMPTS]
+        affected = [t.SERVED_BY.get(p) in lost_ids for p in t.PROMPTS]
         resumed = t._resumes_logged() - before
-        t.add_node(cluster)  # (from the main thread: see sim_cluster.py)
+        t.add_node(cluster, num_cpus=sizes[victim])  # (from the main thread: sim_cluster.py)
         # (Serve counts the lost replica RUNNING until the GCS declares its node dead.)
-        t._wait_for_replicas(2, gone_pid=victim_replica["Pid"])
+        for lost in lost_replicas:
+            t._wait_for_replicas(2, gone_pid=lost["Pid"])
         capacity_s = time.monotonic() - killed_at
         # A rolling update under the same load: a changed engine config replaces the replicas
         # one at a time (each hands its unfinished requests over as it stops).
@@ -95,7 +115,7 @@ def main() -> None:
             return results, expected
 
         update_before = t._losses_logged()
-        updated, update_reference = asyncio.run(rolling())
+        updated, update_reference = ([], []) if args.no_rolling_update else asyncio.run(rolling())
         update_cut = t._losses_logged() - update_before
 
         def failed(results: list) -> int:
@@ -111,7 +131,11 @@ def main() -> None:
             return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
         unaffected = [not a for a in affected]
-        out = {"requests": args.requests, "max_tokens": args.max_tokens, "lost": failed(got),
+        out = {"placement": deploy_args.get("replica_placement", "spread"),
+               "node_cpus": list(node_cpus), "replicas_per_node": sorted(
+                   (by_node.count(n) for n in set(by_node)), reverse=True),
+               "replicas_lost": len(lost_replicas),
+               "requests": args.requests, "max_tokens": args.max_tokens, "lost": failed(got),
                "outputs_differing": differing(got), "resumed": resumed,
                "affected": sum(affected),
                "p50_s_with_node_loss": pct(got, 0.5), "p99_s_with_node_loss": pct(got, 0.99),
