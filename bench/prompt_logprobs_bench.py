@@ -210,8 +210,9 @@ def main() -> None:
     depths: dict[int, list[dict[str, float]]] = {}
     heads: dict[int, dict[str, float]] = {}
     for depth, model in models.items():
+        # (a random checkpoint runs in the dtype it was written in: on a CPU "auto" is float32)
         with LLM(model, device=args.device, max_num_seqs=1, enable_prefix_caching=False,
-                 dtype="auto", max_model_len=max(lengths) + 16,
+                 dtype=dtype if shape else "auto", max_model_len=max(lengths) + 16,
                  max_num_batched_tokens=args.batch_tokens) as llm:
             depths[depth] = measure(llm, lengths, args.repeats, rng, args.device)
             if layers and not heads:  # at the engine's thread count

@@ -77,13 +77,16 @@ class PoolingInfo:
             raise ValueError(f"dimensions={dimensions} is not one this model allows: "
                              f"{list(allowed) if allowed else f'1 to {self.hidden_size}'}")
 
-    def embedding(self, pooled: np.ndarray, dimensions: int | None = None) -> list[float]:
-        """The pooled vector as a list, truncated to `dimensions` (and re-normalized)."""
+    def embedding(self, pooled: np.ndarray, dimensions: int | None = None,
+                  normalize: bool = False) -> list[float]:
+        """The pooled vector as a list, truncated to `dimensions` (and re-normalized);
+        `normalize`: normalized even where the pooler does not (vLLM's use_activation)."""
         vec = np.asarray(pooled, dtype=np.float32)
-        if dimensions is not None and dimensions < vec.shape[0]:
+        truncated = dimensions is not None and dimensions < vec.shape[0]
+        if truncated:
             vec = vec[:dimensions]
-            if self.pooler.normalize:
-                vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
+        if normalize or (truncated and self.pooler.normalize):
+            vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
         return vec.tolist()
 
 
