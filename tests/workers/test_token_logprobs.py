@@ -48,3 +48,16 @@ def test_token_logprobs_of_a_uniform_row_is_minus_log_vocab() -> None:
     got = token_logprobs(logits, torch.tensor([3, 7]), 1)
     assert torch.allclose(got.logprobs, torch.full((2,), -torch.log(torch.tensor(8.0))))
     assert got.ranks.tolist() == [1, 1]  # nothing lies strictly above a tie
+
+
+@pytest.mark.parametrize("vocab", [997, 1000, 151936 // 64])
+def test_top1_is_max_with_its_first_column(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 4, (6, vocab), generator=gen).float()  # many ties at the top
+    x[1, vocab - 1] = 9.0  # the last column
+    x[2, 0] = 9.0  # the first column
+    top, ids = sampler.top1(x)
+    want_top, _ = x.max(dim=1, keepdim=True)
+    first = (x == want_top).float().argmax(dim=1, keepdim=True)  # first maximal column
+    assert torch.equal(top, want_top) and torch.equal(ids, first)
+    assert ids[1, 0] == vocab - 1 and ids[2, 0] == 0
