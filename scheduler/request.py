@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 
 from scheduler.config import SchedulerConfig
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import PoolingSamplingParams, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -211,10 +211,10 @@ def check_prompt(request_id: str, prompt: list[int], sp: SamplingParams,
                          f"[0, {vocab_size if vocab_size is not None else 'vocab size'}); got "
                          f"min {min(prompt)}, max {max(prompt)}")
     max_len = config.max_model_len
-    if len(prompt) >= max_len:
+    if len(prompt) > sp.max_prompt_len(max_len):
         raise ValueError(f"request {request_id!r}: prompt has {len(prompt)} tokens; "
-                         f"max_model_len is {max_len} (the prompt must be shorter to leave "
-                         "room for output)")
+                         f"max_model_len is {max_len} (a generation request's prompt must be "
+                         "shorter to leave room for output; a pooling request's may fill it)")
     if sp.n > config.max_num_seqs:
         raise ValueError(f"request {request_id!r}: n={sp.n} exceeds max_num_seqs="
                          f"{config.max_num_seqs}")
@@ -224,6 +224,24 @@ def check_prompt(request_id: str, prompt: list[int], sp: SamplingParams,
             f"request {request_id!r}: a prompt of {len(prompt)} tokens with n={sp.n} needs "
             f"{need} KV blocks of {block_size} tokens, but the GPU cache has only "
             f"{num_gpu_blocks}; shorten the prompt, lower n, or give the cache more memory")
+
+
+def check_prompt_fits(n: int, sp: SamplingParams, max_model_len: int) -> None:
+    """ValueError unless a prompt of `n` tokens and `sp.max_tokens` fit max_model_len (the
+    engine's check before a request reaches the scheduler): a generation request's prompt
+    leaves room for at least one output token, and for all of max_tokens; a pooling request's
+    (PoolingSamplingParams: its one output is a placeholder) may fill max_model_len."""
+    if isinstance(sp, PoolingSamplingParams):
+        if n > max_model_len:
+            raise ValueError(f"the input has {n} tokens; max_model_len is {max_model_len}")
+        return
+    if n >= max_model_len:
+        raise ValueError(f"the prompt has {n} tokens; max_model_len is {max_model_len}, "
+                         "and at least one token must be generated")
+    if sp.max_tokens is not None and n + sp.max_tokens > max_model_len:
+        raise ValueError(f"prompt ({n} tokens) + max_tokens ({sp.max_tokens}) = "
+                         f"{n + sp.max_tokens} exceeds max_model_len ({max_model_len}); "
+                         "shorten the prompt or lower max_tokens")
 
 
 def check_resumable(req: Request, outputs: list[int], vocab_size: int | None) -> None:

@@ -171,12 +171,28 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    def max_prompt_len(self, max_model_len: int) -> int:
+        """The longest prompt this request may have: a generation request's leaves room for
+        one output token within max_model_len (scheduler/request.py `check_prompt_fits`)."""
+        return max_model_len - 1
+
     @property
     def uses_penalties(self) -> bool:
         """Whether the sampler adjusts this request's logits per token: a penalty or a logit
         bias (they are applied together, from one per-sequence slot on the worker)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0 or self.logit_bias is not None)
+
+
+@dataclass(slots=True)
+class PoolingSamplingParams(SamplingParams):
+    """A pooling request's parameters (cluster/engine/pooling.py `pooling_params`): a prefill
+    with max_tokens 1 whose one output is a placeholder, never computed (the workers' pooler
+    returns a vector instead). No token is generated, so its prompt may fill max_model_len,
+    as vLLM allows for pooling."""
+
+    def max_prompt_len(self, max_model_len: int) -> int:
+        return max_model_len
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

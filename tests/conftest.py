@@ -59,7 +59,9 @@ def rerank_card_scores() -> Any:
     from cluster.engine.pooling import RERANK_INSTRUCTION, RERANK_PREFIX, RERANK_SUFFIX
 
     def scores(path: str, pairs: list[tuple[str, str]],
-               instruction: str = RERANK_INSTRUCTION) -> list[float]:
+               instruction: str = RERANK_INSTRUCTION, keep_last: int | None = None
+               ) -> list[float]:
+        """(`keep_last`: each prompt's last that many tokens, vLLM's truncate_prompt_tokens)"""
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         yes, no = tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
@@ -69,6 +71,7 @@ def rerank_card_scores() -> Any:
         for query, doc in pairs:
             text = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
             ids = prefix + tok(text)["input_ids"] + suffix
+            ids = ids[-keep_last:] if keep_last else ids
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, -1]
             pair = torch.stack([logits[no], logits[yes]]).log_softmax(-1)

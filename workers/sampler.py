@@ -28,6 +28,7 @@ decode CUDA graph.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,17 +103,48 @@ class TokenLogprobs:
     top_logprobs: Tensor  # float32 [M, K]
 
 
+# Float32 logits that token_logprobs reads per block of rows on a CPU (one row at a 152k
+# vocabulary): with its temporaries a block stays in a core's L2, so the passes after the
+# first read cache, not memory. On a GPU one block is the whole slice (each pass one kernel
+# over every row). docs/benchmarks.md, "Prompt logprobs", has what each choice saved.
+CPU_LOGPROB_BLOCK_BYTES = 1 << 20
+# Columns per segment of top1's two-level argmax (a divisor of the vocabulary: gcd with it)
+_TOP1_SEGMENT = 128
+
+
 def token_logprobs(logits: Tensor, targets: Tensor, k: int) -> TokenLogprobs:
-    """The raw distribution's view of `targets` (int64 [M]) under `logits` `[M, V]`: each
-    one's log-softmax value and rank, and the top k ids and values (prompt logprobs).
-    log_softmax is logits - logsumexp: it is never materialized, only the values read."""
-    logits = logits.to(torch.float32)
-    lse = logits.logsumexp(dim=-1, keepdim=True)
-    chosen = logits.gather(1, targets.unsqueeze(1))
-    # (an int32 count: ~3x faster on a CPU than the default int64 one)
-    ranks = (logits > chosen).sum(dim=1, dtype=torch.int32).to(torch.int64) + 1
-    top, top_ids = logits.topk(k, dim=-1)
-    return TokenLogprobs((chosen - lse).squeeze(1), ranks, top_ids, top - lse)
+    """The raw distribution's view of `targets` (int64 [M]) under `logits` `[M, V]` (any float
+    dtype, left unchanged): each one's log-softmax value and rank, and the top k ids and values
+    (prompt logprobs). log_softmax is logits - logsumexp, with the top value as the shift: it
+    is never materialized, only the values read, in float32 blocks of rows."""
+    m, vocab = logits.shape
+    block = m if logits.is_cuda else max(1, CPU_LOGPROB_BLOCK_BYTES // (4 * vocab))
+    parts = []
+    for lo in range(0, m, block):
+        x = logits[lo:lo + block].to(torch.float32)
+        top, top_ids = top1(x) if k <= 1 else x.topk(k, dim=1)
+        shift = top[:, :1]
+        chosen = x.gather(1, targets[lo:lo + block].unsqueeze(1))
+        # rank - 1: the values above the token's, counted as a float32 sum of 0/1 (exact below
+        # 2^24 columns; a third of a bool tensor's int32 sum on a CPU)
+        ranks = (x - chosen).gt_(0).sum(dim=1).to(torch.int64) + 1
+        lse = shift + torch.exp(x - shift).sum(dim=1, keepdim=True).log_()
+        parts.append(((chosen - lse).squeeze(1), ranks, top_ids[:, :k], (top - lse)[:, :k]))
+    return TokenLogprobs(*(torch.cat(column) for column in zip(*parts)))
+
+
+def top1(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's largest value and its first column, `[R, 1]` each, as `x.max(dim=1)` gives
+    them, by a two-level argmax: the segments' maxima (amax: vectorized, where max with its
+    index and argmax are not, ~4x faster on a CPU), then the argmax inside the first segment
+    holding the row's maximum."""
+    rows, vocab = x.shape
+    seg = math.gcd(vocab, _TOP1_SEGMENT)
+    segments = x.reshape(rows, vocab // seg, seg)
+    top, which = segments.amax(dim=2).max(dim=1, keepdim=True)
+    inner = segments[torch.arange(rows, device=x.device), which.squeeze(1)].argmax(dim=1,
+                                                                                  keepdim=True)
+    return top, which * seg + inner
 
 
 def apply_penalties(logits: Tensor, output_counts: Tensor, prompt_mask: Tensor,

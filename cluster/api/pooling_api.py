@@ -8,12 +8,15 @@ the engine batches them; the answer comes when every vector is in. Tokenizing a 
 off the event loop, as the generation routes do. A route asked of the other kind of model (an embedding of a reranker, a score of a chat
 model, a generation of a pooling model) is a 400 naming `model`; every other client mistake a
 400 naming its field: an empty input list or input, an input longer than a pooling request
-may be, token ids outside the vocabulary, `dimensions` the model does not declare.
+may be (max_model_len tokens, after `truncate_prompt_tokens`), token ids outside the
+vocabulary, `dimensions` the model does not declare. The bodies and what vLLM's options do
+are cluster/api/pooling_protocol.py's.
 
 Embeddings: `input` is a string, a list of strings, a list of token ids or a list of such
-lists; strings are tokenized with the tokenizer's special tokens, as vLLM does for pooling.
-`encoding_format` "base64" is each vector's float32 little-endian bytes in base64 (what the
-openai client sends by default and decodes). Scores: Qwen3-Reranker's prompt template is
+lists; strings are tokenized with the tokenizer's special tokens (`add_special_tokens`, true
+by default), as vLLM does for pooling. `encoding_format` "base64" is each vector's float32
+bytes in base64 (little-endian unless `endianness` asks otherwise: what the openai client
+sends by default and decodes). Scores: Qwen3-Reranker's prompt template is
 applied here (`rerank_prompt_ids`), `instruction` (vLLM has none; an extension) replacing its
 default task line.
 """
@@ -23,15 +26,21 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
 
 from cluster.api.async_streams import aclose
 from cluster.api.openai_errors import error_response, map_exception
+from cluster.api.pooling_protocol import (
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+    check_score_activation,
+)
 from cluster.api.protocol import RequestError
 from cluster.engine.pooling import (
     PoolingInfo,
@@ -40,36 +49,6 @@ from cluster.engine.pooling import (
     rerank_prompt_ids,
     score_pairs,
 )
-
-
-class _PoolingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str | None = None
-    user: str | None = None  # (cannot change the output)
-
-
-class EmbeddingRequest(_PoolingRequest):
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-
-
-class ScoreRequest(_PoolingRequest):
-    """vLLM's /v1/score: `text_1` against each of `text_2`, or two lists pairwise."""
-
-    text_1: str | list[str]
-    text_2: str | list[str]
-    instruction: str | None = None
-
-
-class RerankRequest(_PoolingRequest):
-    """vLLM's (Jina's, Cohere's) /v1/rerank."""
-
-    query: str
-    documents: list[str]
-    top_n: int | None = None  # None or 0: every document
-    instruction: str | None = None
 
 
 def add_pooling_routes(app: FastAPI, serving: Any) -> None:
@@ -90,20 +69,23 @@ class PoolingRoutes:
         rid = f"embd-{uuid.uuid4().hex}"
         try:
             info, pooling, size, req = await self._read(request, EmbeddingRequest, "embed")
+            req.check_embedding(pooling.pooler.normalize)
             try:
                 pooling.check_dimensions(req.dimensions)
             except ValueError as e:
                 raise RequestError(str(e), param="dimensions") from None
-            inputs = await self.serving._off_loop(size, self._embedding_inputs, req.input)
-            prompts = [self._check(p, info.max_model_len, "input") for p in inputs]
-            vectors = await self._pool(prompts, info, rid)
+            inputs = await self.serving._off_loop(size, self._embedding_inputs, req.input,
+                                                  req.add_special_tokens)
+            prompts = [self._check(p, req, info.max_model_len, "input") for p in inputs]
+            vectors = await self._pool(prompts, req, info, rid)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return error_response(map_exception(e, rid))
         data = []
         for i, vec in enumerate(vectors):
-            emb = pooling.embedding(vec, req.dimensions)
+            emb = pooling.embedding(vec, req.dimensions, normalize=req.use_activation is True)
             if req.encoding_format == "base64":
-                emb = base64.b64encode(np.asarray(emb, dtype="<f4").tobytes()).decode()
+                raw = np.asarray(emb, dtype=req.base64_dtype()).tobytes()
+                emb = base64.b64encode(raw).decode()
             data.append({"object": "embedding", "index": i, "embedding": emb})
         return JSONResponse({"object": "list", "id": rid, "created": int(time.time()),
                              "model": self.serving.served_model_name, "data": data,
@@ -113,12 +95,12 @@ class PoolingRoutes:
         rid = f"score-{uuid.uuid4().hex}"
         try:
             info, _, size, req = await self._read(request, ScoreRequest, "score")
+            check_score_activation(req)
             try:
                 pairs = score_pairs(req.text_1, req.text_2)
             except ValueError as e:
                 raise RequestError(str(e), param="text_2") from None
-            prompts, scores = await self._scores(pairs, req.instruction, info, size, "text_2",
-                                                 rid)
+            prompts, scores = await self._scores(pairs, req, info, size, "text_2", rid)
         except Exception as e:  # noqa: BLE001
             return error_response(map_exception(e, rid))
         return JSONResponse({"id": rid, "object": "list", "created": int(time.time()),
@@ -131,16 +113,18 @@ class PoolingRoutes:
         rid = f"rerank-{uuid.uuid4().hex}"
         try:
             info, _, size, req = await self._read(request, RerankRequest, "score")
+            check_score_activation(req)
             if req.top_n is not None and req.top_n < 0:
                 raise RequestError(f"top_n must be >= 0 (0: every document); got {req.top_n}",
                                    param="top_n")
-            prompts, scores = await self._scores([(req.query, d) for d in req.documents],
-                                                 req.instruction, info, size, "documents", rid)
+            query, documents = req.texts()
+            prompts, scores = await self._scores([(query, d) for d in documents], req, info,
+                                                 size, "documents", rid)
         except Exception as e:  # noqa: BLE001
             return error_response(map_exception(e, rid))
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
         return JSONResponse({"id": rid, "model": self.serving.served_model_name,
-                             "results": [{"index": i, "document": {"text": req.documents[i]},
+                             "results": [{"index": i, "document": req.document(i),
                                           "relevance_score": scores[i]} for i in order],
                              "usage": _usage(prompts)})
 
@@ -149,7 +133,7 @@ class PoolingRoutes:
     async def _read(self, request: Request, kind: type, task: str
                     ) -> tuple[Any, PoolingInfo, int, Any]:
         """The model's info, its PoolingInfo (400 unless it serves `task`), the body's size
-        and the parsed body."""
+        and the parsed body, its common options checked."""
         info, body, req = await self.serving._read(request, lambda _: kind)
         pooling = info.pooling
         if pooling is None or pooling.task != task:
@@ -158,9 +142,10 @@ class PoolingRoutes:
             raise RequestError(f"{route} needs a pooling model serving the {task!r} task; "
                                f"`{self.serving.served_model_name}` serves {serves}",
                                param="model")
+        req.check_options(info.max_model_len)
         return info, pooling, len(body), req
 
-    def _embedding_inputs(self, value: Any) -> list[list[int]]:
+    def _embedding_inputs(self, value: Any, add_special_tokens: bool) -> list[list[int]]:
         if isinstance(value, str):
             value = [value]
         if not value:
@@ -168,9 +153,13 @@ class PoolingRoutes:
         if isinstance(value[0], int):
             return [list(value)]
         encode = self.serving.prompts.tokenizer
-        return [encode(v)["input_ids"] if isinstance(v, str) else list(v) for v in value]
+        return [encode(v, add_special_tokens=add_special_tokens)["input_ids"]
+                if isinstance(v, str) else list(v) for v in value]
 
-    def _check(self, ids: list[int], max_model_len: int, param: str) -> list[int]:
+    def _check(self, ids: list[int], req: PoolingRequest, max_model_len: int,
+               param: str) -> list[int]:
+        """`ids` truncated as the request asks, then checked as a pooling input."""
+        ids = req.truncate(ids, max_model_len)
         self.serving.prompts.check_ids(ids, param)
         try:
             check_pooling_input(ids, max_model_len, param)
@@ -178,28 +167,30 @@ class PoolingRoutes:
             raise RequestError(str(e), param=param) from None
         return ids
 
-    async def _scores(self, pairs: list[tuple[str, str]], instruction: str | None, info: Any,
-                      size: int, param: str, rid: str) -> tuple[list[list[int]], list[float]]:
+    async def _scores(self, pairs: list[tuple[str, str]], req: ScoreRequest | RerankRequest,
+                      info: Any, size: int, param: str, rid: str
+                      ) -> tuple[list[list[int]], list[float]]:
         if not pairs:
             raise RequestError(f"{param} is an empty list; send at least one document",
                                param=param)
         tok = self.serving.prompts.tokenizer
 
         def encode() -> list[list[int]]:
-            return [rerank_prompt_ids(tok, q, d, instruction) for q, d in pairs]
+            return [rerank_prompt_ids(tok, q, d, req.instruction) for q, d in pairs]
 
-        prompts = [self._check(p, info.max_model_len, param)
+        prompts = [self._check(p, req, info.max_model_len, param)
                    for p in await self.serving._off_loop(size, encode)]
-        return prompts, [float(v[0]) for v in await self._pool(prompts, info, rid)]
+        return prompts, [float(v[0]) for v in await self._pool(prompts, req, info, rid)]
 
-    async def _pool(self, prompts: list[list[int]], info: Any, rid: str) -> list[np.ndarray]:
+    async def _pool(self, prompts: list[list[int]], req: PoolingRequest, info: Any,
+                    rid: str) -> list[np.ndarray]:
         """Every prompt's pooled vector, sent to the engine max_num_seqs at a time."""
         wave = info.max_num_seqs or len(prompts)
         vectors: list[np.ndarray | None] = [None] * len(prompts)
         for lo in range(0, len(prompts), wave):
             part = prompts[lo:lo + wave]
             stream = self.serving._start(part, [pooling_params()] * len(part), f"{rid}-{lo}",
-                                         None, pooling=True)
+                                         req.cache_salt, pooling=True)
             try:
                 async for idx, out in stream:
                     if out.pooled is not None:

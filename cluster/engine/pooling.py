@@ -13,8 +13,8 @@ return.
 - A pooling request is a prefill that finishes with its last chunk: SamplingParams with
   max_tokens 1 (the scheduler needs no other mode); the workers' pooler replaces sampling, and
   the request's vector arrives on its last output (`RequestOutput.pooled`). Its input may hold
-  up to max_model_len - 1 tokens (the finishing row takes one position in the scheduler's
-  length check).
+  up to max_model_len tokens, as vLLM allows: its SamplingParams are PoolingSamplingParams,
+  whose placeholder output takes no position (scheduler/request.py `check_prompt_fits`).
 - Prefix caching stays on for last-token pooling (the last position is always computed); for
   mean and CLS pooling, which need every position, the engine turns it off.
 - Matryoshka `dimensions`: allowed where the config declares `is_matryoshka` (any size up to
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from cluster.engine.config import EngineConfig
-from scheduler import SamplingParams
+from scheduler.sampling_params import PoolingSamplingParams
 from workers.config import PoolerConfig
 from workers.hf_config import read_hf_config
 from workers.pooling_checkpoints import read_pooling_files
@@ -77,13 +77,16 @@ class PoolingInfo:
             raise ValueError(f"dimensions={dimensions} is not one this model allows: "
                              f"{list(allowed) if allowed else f'1 to {self.hidden_size}'}")
 
-    def embedding(self, pooled: np.ndarray, dimensions: int | None = None) -> list[float]:
-        """The pooled vector as a list, truncated to `dimensions` (and re-normalized)."""
+    def embedding(self, pooled: np.ndarray, dimensions: int | None = None,
+                  normalize: bool = False) -> list[float]:
+        """The pooled vector as a list, truncated to `dimensions` (and re-normalized);
+        `normalize`: normalized even where the pooler does not (vLLM's use_activation)."""
         vec = np.asarray(pooled, dtype=np.float32)
-        if dimensions is not None and dimensions < vec.shape[0]:
+        truncated = dimensions is not None and dimensions < vec.shape[0]
+        if truncated:
             vec = vec[:dimensions]
-            if self.pooler.normalize:
-                vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
+        if normalize or (truncated and self.pooler.normalize):
+            vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
         return vec.tolist()
 
 
@@ -153,20 +156,21 @@ def _matryoshka(raw: dict[str, Any]) -> tuple[int, ...] | None:
     return () if raw.get("is_matryoshka") else None
 
 
-def pooling_params() -> SamplingParams:
+def pooling_params() -> PoolingSamplingParams:
     """A pooling request's SamplingParams: finished by the step of its last prompt chunk."""
-    return SamplingParams(max_tokens=1, temperature=0.0)
+    return PoolingSamplingParams(max_tokens=1, temperature=0.0)
 
 
 def check_pooling_input(prompt_token_ids: list[int], max_model_len: int, field: str) -> None:
     """ValueError (naming `field`) for an empty input or one longer than a pooling request
-    may be."""
+    may be: max_model_len tokens, since none is generated (vLLM's rule)."""
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError(f"{field}: an input is empty; send at least one token")
-    if n > max_model_len - 1:
+    limit = pooling_params().max_prompt_len(max_model_len)
+    if n > limit:
         raise ValueError(f"{field}: an input has {n} tokens; this server's max_model_len is "
-                         f"{max_model_len}, so a pooling input may hold {max_model_len - 1}")
+                         f"{max_model_len}, so a pooling input may hold {limit}")
 
 
 def rerank_prompt_ids(tokenizer: Any, query: str, document: str,

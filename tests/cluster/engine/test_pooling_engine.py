@@ -151,8 +151,29 @@ def test_pooling_misuse_is_a_clear_error(embedder: LLM) -> None:
         embedder.score("q", ["d"], use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         embedder.embed([{"prompt_token_ids": []}], use_tqdm=False)
-    with pytest.raises(ValueError, match="max_model_len is 512"):
-        embedder.embed([{"prompt_token_ids": [100] * 512}], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts: an input has 513 tokens; this server's "
+                                         "max_model_len is 512, so a pooling input may hold 512"):
+        embedder.embed([{"prompt_token_ids": [100] * 513}], use_tqdm=False)
+
+
+# HOOK: LLMEngine.validate (cluster/engine/llm_engine.py, being split by the lead) still refuses
+# every prompt of max_model_len tokens; its two length checks become one call of
+# scheduler.request.check_prompt_fits(n, params, self.max_model_len). Then this passes, and
+# strict=True makes the marker's removal due.
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="needs LLMEngine.validate to call scheduler.request.check_prompt_fits")
+def test_an_input_of_exactly_max_model_len_tokens_is_embedded(embedder: LLM,
+                                                              embed_path: str) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    ids = [100 + (7919 * i) % 150000 for i in range(SMALL["max_model_len"])]
+    out = embedder.embed([{"prompt_token_ids": ids}], use_tqdm=False)[0]
+    model = SentenceTransformer(embed_path, device="cpu")
+    with torch.no_grad():
+        ref = model({"input_ids": torch.tensor([ids]),
+                     "attention_mask": torch.ones(1, len(ids), dtype=torch.long)})
+    assert len(out.prompt_token_ids) == 512
+    assert _cos(out.outputs.embedding, ref["sentence_embedding"][0]) > COS
 
 
 def test_runner_choice_and_bad_reranker_overrides() -> None:
