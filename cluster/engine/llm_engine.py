@@ -49,6 +49,7 @@ from scheduler import (
     StepResult,
 )
 from scheduler.lora import LoRARequest
+from scheduler.request import check_prompt_fits
 from scheduler.speculative import SpeculativeConfig
 from workers.checkpoint import checkpoint_files
 from workers.draft_runner import check_draft_fits
@@ -166,13 +167,7 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the "
                              f"vocabulary [0, {vocab})")
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len}, "
-                             "and at least one token must be generated")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{n + params.max_tokens} exceeds max_model_len "
-                             f"({self.max_model_len}); shorten the prompt or lower max_tokens")
+        check_prompt_fits(n, params, self.max_model_len)
         self.output_processor.validate(params)
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # cached for add_request

@@ -248,10 +248,6 @@ def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(base_url: str,
     assert short["usage"]["prompt_tokens"] == 50  # shorter inputs stay whole
 
 
-# HOOK: as tests/cluster/engine/test_pooling_engine.py's exact-length test: LLMEngine.validate
-# must call scheduler.request.check_prompt_fits before an input of max_model_len tokens runs.
-@pytest.mark.xfail(strict=True, reason="needs LLMEngine.validate to call "
-                                       "scheduler.request.check_prompt_fits")
 def test_an_input_of_max_model_len_tokens_and_truncation_to_it(base_url: str,
                                                                st_model: Any) -> None:
     ids = [100 + (7919 * i) % 150000 for i in range(600)]

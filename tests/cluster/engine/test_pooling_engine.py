@@ -156,12 +156,6 @@ def test_pooling_misuse_is_a_clear_error(embedder: LLM) -> None:
         embedder.embed([{"prompt_token_ids": [100] * 513}], use_tqdm=False)
 
 
-# HOOK: LLMEngine.validate (cluster/engine/llm_engine.py, being split by the lead) still refuses
-# every prompt of max_model_len tokens; its two length checks become one call of
-# scheduler.request.check_prompt_fits(n, params, self.max_model_len). Then this passes, and
-# strict=True makes the marker's removal due.
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="needs LLMEngine.validate to call scheduler.request.check_prompt_fits")
 def test_an_input_of_exactly_max_model_len_tokens_is_embedded(embedder: LLM,
                                                               embed_path: str) -> None:
     from sentence_transformers import SentenceTransformer
