@@ -127,9 +127,12 @@ class ModelConfig:
         """KV heads one rank holds: a shard, or one replicated head when tp > num_kv_heads."""
         return max(1, self.num_key_value_heads // tensor_parallel_size)
 
-    def kv_block_bytes(self, block_size: int, tensor_parallel_size: int, itemsize: int) -> int:
-        """Bytes of one KV block on one rank, K and V of every layer."""
-        return (2 * self.num_hidden_layers * block_size
+    def kv_block_bytes(self, block_size: int, tensor_parallel_size: int, itemsize: int,
+                       num_layers: int | None = None) -> int:
+        """Bytes of one KV block on one rank, K and V of every layer (of `num_layers`: a
+        pipeline stage's)."""
+        layers = self.num_hidden_layers if num_layers is None else num_layers
+        return (2 * layers * block_size
                 * self.num_kv_heads_per_rank(tensor_parallel_size) * self.head_dim * itemsize)
 
     def verify_tensor_parallel_size(self, tensor_parallel_size: int) -> None:

@@ -84,11 +84,11 @@ def test_ranks_without_room_fail_the_engine_naming_what_they_need(
     """`spread` (the default): the replica reserves its ranks' group itself; when no node has
     room for them together, its engine fails to start saying what they need (then Serve
     retries the replica) instead of waiting forever."""
-    from cluster.engine import ray_executor
+    from cluster.engine import stage_placement
     from cluster.engine.ray_executor import RayExecutor
     from workers.config import WorkerConfig
 
-    monkeypatch.setattr(ray_executor, "_PLACEMENT_TIMEOUT_S", 2)
+    monkeypatch.setattr(stage_placement, "PLACEMENT_TIMEOUT_S", 2)
     config = WorkerConfig(model="unused: never loaded", tensor_parallel_size=2,
                           dist_init_method="tcp://127.0.0.1:1")
     with pytest.raises(RuntimeError, match=r"the 2 rank\(s\) of this engine found no node with "
