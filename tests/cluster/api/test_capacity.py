@@ -37,6 +37,27 @@ def test_what_fits_on_what() -> None:
     assert "0 fit" in fit_report([{"CPU": 1.5}, {"CPU": 1.0}], 1, {}, [{"CPU": 2.0}] * 3)
 
 
+def test_pipeline_stages_fit_on_several_nodes() -> None:
+    """pp 2 x tp 2 of 1-CPU ranks: the first group (replica + stage 0) on one node, stage 1 on
+    any node with 2 CPUs; two 2.5-CPU nodes hold one replica, not two."""
+    from cluster.api.serve_app import placement_bundles, stage_bundles
+    from cluster.engine.config import EngineConfig
+
+    config = EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2, worker_num_cpus=1.0)
+    first = placement_bundles(config, {"replica_num_cpus": 0.5}, use_gpu=False)
+    stages = stage_bundles(config, use_gpu=False)
+    assert first == [{"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 1.0}]
+    assert stages == [[{"CPU": 1.0}, {"CPU": 1.0}]]
+    nodes = [{"CPU": 2.5}, {"CPU": 2.5}]
+    assert fit_report(first, 1, {}, nodes, stages) is None
+    report = fit_report(first, 2, {}, nodes, stages)
+    assert report.startswith("LLMServer: 2 replica(s) asked, 1 fit this cluster")
+    assert "and 1 more pipeline stage(s) of 2 CPU each on one node, any" in report
+    # one node of 4.5 CPUs holds both groups of one replica; stages need not be apart
+    assert fit_report(first, 1, {}, [{"CPU": 4.5}], stages) is None
+    assert "0 fit" in fit_report(first, 1, {}, [{"CPU": 2.5}, {"CPU": 1.5}], stages)
+
+
 @pytest.mark.slow
 def test_unplaceable_replica_is_in_serve_status_within_serves_wait(ray_cluster: None) -> None:
     from ray import serve
