@@ -2,7 +2,9 @@
 nodes, a head with none): each stage's ranks fill one node, so the stages sit on different
 nodes and hidden states cross between them over gloo; greedy tokens are transformers' (fp32)
 at pp 2 x tp 1 and pp 2 x tp 2, with an uneven partition, chunked prefill, prefix caching,
-swap preemption, n-gram speculation and the MoE model.
+swap preemption, n-gram speculation and the MoE model; and a stage's node killed mid-run:
+the engine rebuilds the replica's ranks (the lost stage's group moves to a spare node) and
+every request ends with transformers' tokens.
 
 The offline `LLM` runs in this process (the driver, on the head) with the Ray executor; each
 test starts its own engine, as two cannot fit the two nodes at once. Async scheduling and
@@ -19,7 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from sim_cluster import simulated_cluster
+from sim_cluster import Sim, add_node, kill_node, simulated_cluster
 
 from cluster import LLM, SamplingParams
 from workers.tiny_model import TINY_MODEL_NAME, TINY_MOE_MODEL_NAME, resolve_model
@@ -46,15 +48,15 @@ def _repetitive() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def sim() -> Iterator[None]:
+def sim() -> Iterator[Sim]:
     import ray
     from ray import serve
 
     if ray.is_initialized():  # the session's one-node cluster (tests/cluster/conftest.py)
         serve.shutdown()
         ray.shutdown()
-    with simulated_cluster():
-        yield
+    with simulated_cluster() as sim:
+        yield sim
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +125,32 @@ def test_pp2_moe(sim, hf) -> None:
     with LLM(TINY_MOE_MODEL_NAME, pipeline_parallel_size=2, worker_num_cpus=1.0,
              max_num_batched_tokens=32, **ENGINE) as llm:
         assert _greedy(llm, _prompts()) == hf(TINY_MOE_MODEL_NAME, _prompts())
+
+
+def test_stage_node_killed_mid_run_every_request_ends_with_the_reference_tokens(
+        sim: Sim, hf) -> None:
+    """Last in the module: it kills a node (a spare one is added first, for the lost stage's
+    placement group to move to)."""
+    add_node(sim.cluster)
+    want = hf(TINY_MODEL_NAME, _prompts(), 24)
+    with LLM(TINY_MODEL_NAME, pipeline_parallel_size=2, worker_num_cpus=1.0,
+             max_num_batched_tokens=32, **ENGINE) as llm:
+        engine = llm.engine
+        first, (victim,) = _stage_nodes(llm)
+        assert victim not in first
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        for i, p in enumerate(_prompts()):
+            engine.add_request(str(i), p, params)
+        got: dict[str, list[int]] = {str(i): [] for i in range(len(want))}  # (deltas)
+        steps = 0
+        while engine.has_unfinished():
+            if steps == 6:  # prompts prefilled, decodes under way
+                kill_node(sim.cluster, next(n for n in sim.cluster.worker_nodes
+                                            if n.node_id == victim))
+            for out in engine.step():
+                got[out.request_id] += [t for c in out.outputs for t in c.token_ids]
+            steps += 1
+        assert engine.recoveries == 1
+        assert [got[str(i)] for i in range(len(want))] == want
+        first_after, last_after = _stage_nodes(llm)
+        assert victim not in first_after | last_after
