@@ -18,6 +18,7 @@ replica's. Async scheduling's pending tokens are broadcast from it to every rank
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,9 @@ class PipelineStage:
     end_layer: int = -1  # -1: every layer (a single stage)
     global_rank: int = 0
     tp_size: int = 1
+    # seconds this stage spent running its layers (not waiting on send/recv): what
+    # bench/pp_bench.py's bubble is measured from (host time: synchronous on CPU only)
+    busy_s: float = 0.0
 
     @classmethod
     def single(cls) -> PipelineStage:
@@ -115,7 +119,9 @@ class PipelineStage:
         if not self.is_first:
             intermediate = self.recv(input_ids.shape[0], model.config.hidden_size, model.dtype,
                                      input_ids.device)
+        start = time.perf_counter()
         out = model(input_ids, positions, attn_metadata, intermediate)
+        self.busy_s += time.perf_counter() - start
         if self.is_last:
             return out
         self.send(*out)
