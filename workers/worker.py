@@ -124,14 +124,15 @@ class Worker(KVCacheSizing):
             # whatever other engines in this process or other processes hold.
             torch.cuda.empty_cache()
             self._free_before_load = torch.cuda.mem_get_info()[0]
-            draft = (None if cfg.speculative_model is None
-                     else load_model_config(cfg.speculative_model, cfg.tensor_parallel_size))
-            if cfg.pipeline_parallel_size == 1:  # (it counts every layer's weights)
-                check_weights_fit(mc, self.tp.world_size, dtype_bytes(self.dtype),
-                                  torch.cuda.mem_get_info()[1], cfg.gpu_memory_utilization, draft)
         stage = self.stage
         stage.start_layer, stage.end_layer = get_pp_indices(
             mc.num_hidden_layers, stage.rank, stage.size, cfg.pp_layer_partition)
+        if self.device.type == "cuda":
+            draft = (None if cfg.speculative_model is None
+                     else load_model_config(cfg.speculative_model, cfg.tensor_parallel_size))
+            check_weights_fit(mc, self.tp.world_size, dtype_bytes(self.dtype),
+                              torch.cuda.mem_get_info()[1], cfg.gpu_memory_utilization, draft,
+                              stage)
         with torch.device(self.device):
             model = Qwen3ForCausalLM(mc, self.tp, self.dtype, cfg.attention_backend,
                                      max_position=cfg.max_model_len,

@@ -104,3 +104,18 @@ def test_stage_kv_block_bytes_count_its_layers(tiny_dir: str) -> None:
     whole = mc.kv_block_bytes(16, 1, 4)
     assert mc.kv_block_bytes(16, 1, 4, 1) * 4 == whole
     assert mc.kv_block_bytes(16, 1, 4, 3) * 4 == 3 * whole
+
+
+def test_stage_weight_bytes_count_its_layers_embedding_and_head(tiny_dir: str) -> None:
+    """qwen3-tiny (tied): stage 0 holds the table and 3 layers, stage 1 one layer, the final
+    norm and its own copy of the table; together one table more than the whole model."""
+    mc = load_model_config(tiny_dir, 1)
+    whole = mc.weight_bytes_per_rank(1, 4)
+    first = PipelineStage(0, 2, 0, 3, global_rank=0, tp_size=1)
+    last = PipelineStage(1, 2, 3, 4, global_rank=1, tp_size=1)
+    table = mc.vocab_size * mc.hidden_size * 4
+    parts = [mc.weight_bytes_per_rank(1, 4, s) for s in (first, last)]
+    assert sum(parts) == whole + table
+    # 3 layers against 1 and the final norm, beside the tables
+    assert parts[0] - table == 3 * (parts[1] - table - mc.hidden_size * 4)
+    assert mc.weight_bytes_per_rank(1, 4, PipelineStage.single()) == whole
