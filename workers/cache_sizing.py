@@ -31,11 +31,13 @@ class KVCacheSizing:
     """The worker's KV-cache sizing (see the module docstring)."""
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block on this rank: the target's layers and the draft's."""
+        """Bytes of one KV block on this rank: the target's layers (its pipeline stage's) and
+        the draft's."""
         mc, itemsize = loaded(self.model_config), dtype_bytes(self.kv_dtype)
         draft = (0 if self.drafter is None
                  else self.drafter.kv_block_bytes(self.tp.world_size, itemsize))
-        return mc.kv_block_bytes(self.config.block_size, self.tp.world_size, itemsize) + draft
+        return mc.kv_block_bytes(self.config.block_size, self.tp.world_size, itemsize,
+                                 len(loaded(self.model).attention_layers())) + draft
 
     def determine_num_blocks(self) -> tuple[int, int, int]:
         """(num_gpu_blocks, num_cpu_blocks, num_offload_blocks) this rank can hold.
@@ -51,7 +53,7 @@ class KVCacheSizing:
         cfg = self.config
         block_bytes = self.kv_block_bytes()
         num_cpu = int(cfg.swap_space * _GIB) // block_bytes
-        num_offload = int(cfg.kv_offloading_size * _GIB / cfg.tensor_parallel_size) // block_bytes
+        num_offload = int(cfg.kv_offloading_size * _GIB / cfg.world_size) // block_bytes
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override, num_cpu, num_offload
         if self.device.type == "cpu":

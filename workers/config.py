@@ -65,6 +65,10 @@ class WorkerConfig:
     dtype: str = "auto"
     device: str = "cpu"
     tensor_parallel_size: int = 1
+    # pipeline parallelism (workers/pipeline.py): stages of tensor_parallel_size ranks each;
+    # `rank` is the global one, in [0, pp x tp); the layers per stage ("3,1"; None: even)
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | None = None
     rank: int = 0
     dist_init_method: str | None = None
     block_size: int = 16
@@ -98,6 +102,29 @@ class WorkerConfig:
     # the pooling runner's pooler (workers/pooler.py); None: the generate runner
     pooler: PoolerConfig | None = None
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of the replica: pipeline_parallel_size x tensor_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank that samples and returns the StepResult: the last stage's first."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+    def _check_pipeline(self) -> None:
+        """ValueError for what pipeline parallelism does not run (yet), naming it."""
+        refused = {"a draft-model speculative_config (its draft runs beside every target "
+                   "layer)": self.speculative_model is not None,
+                   "enable_lora": self.max_loras > 0,
+                   "the pooling runner": self.pooler is not None,
+                   "CUDA graphs (set enforce_eager)": self.device == "cuda"
+                   and not self.enforce_eager}
+        for what, on in refused.items():
+            if on:
+                raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} does "
+                                 f"not support {what}; use pipeline_parallel_size 1")
+
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}; got {self.dtype!r}")
@@ -109,10 +136,13 @@ class WorkerConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be an integer >= 1; "
                              f"got {self.tensor_parallel_size!r}")
-        if not 0 <= self.rank < self.tensor_parallel_size:
-            raise ValueError(f"rank must be in [0, tensor_parallel_size={self.tensor_parallel_size}); "
-                             f"got {self.rank}")
-        if self.tensor_parallel_size > 1 and not self.dist_init_method:
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise ValueError("pipeline_parallel_size must be an integer >= 1; "
+                             f"got {self.pipeline_parallel_size!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, tensor_parallel_size x pipeline_parallel_size"
+                             f"={self.world_size}); got {self.rank}")
+        if self.world_size > 1 and not self.dist_init_method:
             raise ValueError("tensor_parallel_size > 1 needs dist_init_method "
                              "(e.g. 'tcp://127.0.0.1:29500' with a free port)")
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -133,5 +163,7 @@ class WorkerConfig:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
         check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend)
+        if self.pipeline_parallel_size > 1:
+            self._check_pipeline()
         if self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB; got {self.kv_offloading_size}")

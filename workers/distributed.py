@@ -1,4 +1,6 @@
-"""The tensor-parallel group: one torch.distributed group per engine, passed to every layer.
+"""The tensor-parallel group: one torch.distributed group per engine (per pipeline stage at
+pp > 1: a new_group of the stage's ranks inside the engine's world group), passed to every
+layer.
 
 Layers never read a global rank: each holds the `TensorParallelGroup` it was built with.
 Each rank of an engine is its own process (a Ray actor, or a spawned test process), so the
@@ -50,14 +52,38 @@ def _tcp_store(host: str, port: int, world_size: int, is_master: bool) -> dist.T
                          master_listen_fd=listener.detach())
 
 
+def _init_world(world_size: int, rank: int, init_method: str | None, device: str) -> None:
+    """This process's default process group: `world_size` ranks at `init_method`."""
+    if not init_method:
+        raise ValueError("tensor_parallel_size x pipeline_parallel_size > 1 needs "
+                         "dist_init_method ('tcp://127.0.0.1:PORT' with a free port)")
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group; "
+                           "every rank must run in its own process")
+    backend = "nccl" if device == "cuda" else "gloo"
+    kwargs: dict = {}
+    if device == "cuda":
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    host, port = _tcp_address(init_method)
+    if host is not None:
+        # Our own store, so rank 0's server listens on `host` only (torch's tcp:// init
+        # binds it to every interface: the rendezvous would be open to the network).
+        kwargs["store"] = _tcp_store(host, port, world_size, rank == 0)
+    else:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(backend, world_size=world_size, rank=rank,
+                            timeout=_INIT_TIMEOUT, **kwargs)
+
+
 class TensorParallelGroup:
     """Rank, size and the collectives the parallel layers use; a no-op group when size == 1."""
 
     def __init__(self, rank: int = 0, world_size: int = 1,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, owns_world: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.owns_world = owns_world  # this process joined the world group (destroy leaves it)
 
     @classmethod
     def single(cls) -> TensorParallelGroup:
@@ -65,30 +91,22 @@ class TensorParallelGroup:
 
     @classmethod
     def initialize(cls, world_size: int, rank: int, init_method: str | None,
-                   device: str) -> TensorParallelGroup:
-        """Join the `world_size` ranks at `init_method`: NCCL on CUDA, gloo on CPU."""
-        if world_size == 1:
+                   device: str, pipeline_parallel_size: int = 1) -> TensorParallelGroup:
+        """Join the engine's ranks at `init_method`: NCCL on CUDA, gloo on CPU. `world_size` is
+        the tensor-parallel size; with pipeline_parallel_size pp > 1 the process group holds
+        pp x world_size ranks (`rank` is the global one) and each stage of `world_size`
+        consecutive ranks is its own tensor-parallel group (workers/pipeline.py)."""
+        total = world_size * pipeline_parallel_size
+        if total == 1:
             return cls.single()
-        if not init_method:
-            raise ValueError("tensor_parallel_size > 1 needs dist_init_method "
-                             "('tcp://127.0.0.1:PORT' with a free port)")
-        if dist.is_initialized():
-            raise RuntimeError("this process already belongs to a torch.distributed group; "
-                               "every tensor-parallel rank must run in its own process")
-        backend = "nccl" if device == "cuda" else "gloo"
-        kwargs: dict = {}
-        if device == "cuda":
-            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-        host, port = _tcp_address(init_method)
-        if host is not None:
-            # Our own store, so rank 0's server listens on `host` only (torch's tcp:// init
-            # binds it to every interface: the rendezvous would be open to the network).
-            kwargs["store"] = _tcp_store(host, port, world_size, rank == 0)
-        else:
-            kwargs["init_method"] = init_method
-        dist.init_process_group(backend, world_size=world_size, rank=rank,
-                                timeout=_INIT_TIMEOUT, **kwargs)
-        return cls(rank, world_size, dist.group.WORLD)
+        _init_world(total, rank, init_method, device)
+        if pipeline_parallel_size == 1:
+            return cls(rank, world_size, dist.group.WORLD, owns_world=True)
+        # Every rank creates every stage's group, in the same order (new_group's contract).
+        groups = [dist.new_group(list(range(s * world_size, (s + 1) * world_size)))
+                  for s in range(pipeline_parallel_size)] if world_size > 1 else []
+        group = groups[rank // world_size] if groups else None
+        return cls(rank % world_size, world_size, group, owns_world=True)
 
     @property
     def is_first(self) -> bool:
@@ -106,13 +124,13 @@ class TensorParallelGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
-        dist.gather(x, parts, dst=0, group=self.group)
+        dist.gather(x, parts, group=self.group, group_dst=0)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def broadcast_from_first(self, x: Tensor) -> Tensor:
         """Every rank gets rank 0's `x` (same shape and dtype on every rank), in place."""
         if self.world_size > 1:
-            dist.broadcast(x, src=0, group=self.group)
+            dist.broadcast(x, group=self.group, group_src=0)
         return x
 
     def barrier(self) -> None:
@@ -129,7 +147,8 @@ class TensorParallelGroup:
         return int(t.item())
 
     def destroy(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
+        if self.owns_world and dist.is_initialized():
             dist.destroy_process_group()
+        self.owns_world = False
         self.group = None
         self.world_size = 1

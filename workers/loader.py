@@ -39,17 +39,21 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
     seen_experts: set[str] = set()
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     kv_scales = {}  # llm-compressor's FP8 KV-cache scales (workers/kv_scales.py)
+    # a pipeline stage's: which tensors are its own (workers/pipeline.py)
+    stage_name = getattr(model, "stage_name", lambda n: n)
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            for ckpt_name in f.keys():
+                name = stage_name(ckpt_name)
+                if name is None or name.endswith(_IGNORED_SUFFIXES) \
+                        or (tied and ckpt_name == "lm_head.weight"):
                     continue
                 if KV_SCALE_TENSOR.match(name):
-                    kv_scales[name] = f.get_tensor(name)
+                    kv_scales[name] = f.get_tensor(ckpt_name)
                     continue
                 param_name, shard_id = _target(name, packed)
                 if isinstance(shard_id, tuple):
-                    seen_experts.add(name)
+                    seen_experts.add(ckpt_name)
                 param = params.get(param_name)
                 if param is None and ("model." + param_name) in params:
                     # a base model saved alone (Qwen3-Embedding): its names lack `model.`
@@ -59,7 +63,7 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
                     raise ValueError(f"{file.name} holds {name!r}, which this Qwen3 model has no "
                                      "parameter for: does config.json (dense or MoE, its layer "
                                      "and expert counts) match the weights?")
-                source = WeightSource(name, safe_slice=f.get_slice(name))
+                source = WeightSource(name, safe_slice=f.get_slice(ckpt_name))
                 loader = getattr(param, "weight_loader", None)
                 if loader is None:
                     default_weight_loader(param, source)

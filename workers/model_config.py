@@ -98,17 +98,25 @@ class ModelConfig:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
-    def weight_bytes_per_rank(self, tensor_parallel_size: int, itemsize: int) -> int:
+    def weight_bytes_per_rank(self, tensor_parallel_size: int, itemsize: int,
+                              stage: Any = None) -> int:
         """Bytes of one rank's weights (embedding and head split over the ranks, norms
         replicated, experts split whether by TP or EP: each rank holds 1/tp of them); an FP8
         checkpoint's linear layers and experts take one byte a weight plus a float32 scale per
         block, the rest `itemsize`. `quantization: fp8` over a float checkpoint counts the float
-        bytes: loading holds them all before it quantizes."""
+        bytes: loading holds them all before it quantizes. `stage` (workers/pipeline.py's
+        PipelineStage; None: the whole model): its layers, the embedding on the first, the
+        final norm and LM head on the last (its own copy of a tied table at pp > 1)."""
         tp, h = tensor_parallel_size, self.hidden_size
         nq, d = self.num_attention_heads, self.head_dim
         kv_per_rank = self.num_kv_heads_per_rank(tp)
+        layers = range(self.num_hidden_layers)
+        first = last = True
+        if stage is not None and stage.size > 1:
+            layers = range(stage.start_layer, stage.end_layer)
+            first, last = stage.is_first, stage.is_last
         linear, other = 0, 0
-        for i in range(self.num_hidden_layers):
+        for i in layers:
             linear += h * (nq // tp) * d * 2 + 2 * h * kv_per_rank * d
             if self.is_sparse_layer(i):
                 linear += self.num_experts * 3 * h * self.moe_intermediate_size // tp
@@ -117,7 +125,8 @@ class ModelConfig:
                 linear += 3 * h * self.intermediate_size // tp
             other += 2 * d + 2 * h
         vocab = -(-self.vocab_size // tp) * h
-        other += vocab * (1 if self.tie_word_embeddings else 2) + h
+        tables = first + last - (first and last and self.tie_word_embeddings)
+        other += vocab * tables + h * last
         if self.quantization is None or not self.quantization.from_checkpoint:
             return (linear + other) * itemsize
         bn, bk = self.quantization.weight_block_size
@@ -127,9 +136,12 @@ class ModelConfig:
         """KV heads one rank holds: a shard, or one replicated head when tp > num_kv_heads."""
         return max(1, self.num_key_value_heads // tensor_parallel_size)
 
-    def kv_block_bytes(self, block_size: int, tensor_parallel_size: int, itemsize: int) -> int:
-        """Bytes of one KV block on one rank, K and V of every layer."""
-        return (2 * self.num_hidden_layers * block_size
+    def kv_block_bytes(self, block_size: int, tensor_parallel_size: int, itemsize: int,
+                       num_layers: int | None = None) -> int:
+        """Bytes of one KV block on one rank, K and V of every layer (of `num_layers`: a
+        pipeline stage's)."""
+        layers = self.num_hidden_layers if num_layers is None else num_layers
+        return (2 * layers * block_size
                 * self.num_kv_heads_per_rank(tensor_parallel_size) * self.head_dim * itemsize)
 
     def verify_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
@@ -280,10 +292,11 @@ def _generation_config(path: Path) -> dict[str, Any]:
 
 def check_weights_fit(mc: ModelConfig, tensor_parallel_size: int, itemsize: int,
                       device_bytes: int, gpu_memory_utilization: float,
-                      draft: ModelConfig | None = None) -> None:
-    """ValueError, before any allocation, when one rank's weights (the target's, and a
-    speculative draft's shard beside them) exceed its share of the device."""
-    need = mc.weight_bytes_per_rank(tensor_parallel_size, itemsize)
+                      draft: ModelConfig | None = None, stage: Any = None) -> None:
+    """ValueError, before any allocation, when one rank's weights (the target's, of its
+    pipeline `stage` when given, and a speculative draft's shard beside them) exceed its share
+    of the device."""
+    need = mc.weight_bytes_per_rank(tensor_parallel_size, itemsize, stage)
     if draft is not None:
         need += draft.weight_bytes_per_rank(tensor_parallel_size, itemsize)
     budget = int(device_bytes * gpu_memory_utilization)

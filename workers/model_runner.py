@@ -35,6 +35,7 @@ from workers.draft_runner import DraftBatch, DraftRunner
 from workers.layers.attention import AttentionMetadata
 from workers.lora import LoRAModel
 from workers.pending import PendingTokens
+from workers.pipeline import OutputBroadcast, PipelineStage
 from workers.pooler import Pooler
 from workers.prompt_logprobs import compute_prompt_logprobs, select_prompt_rows
 from workers.qwen3 import Qwen3ForCausalLM
@@ -54,15 +55,15 @@ from workers.step_batch import (
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-
-
 class ModelRunner:
     """Runs the model for a plan over the persistent batch; no scheduling decisions."""
 
     def __init__(self, model: Qwen3ForCausalLM, device: torch.device, block_size: int,
                  max_model_len: int, max_num_seqs: int, vocab_size: int, seed: int,
-                 lora: LoRAModel | None = None, pooler: Pooler | None = None) -> None:
+                 lora: LoRAModel | None = None, pooler: Pooler | None = None,
+                 stage: PipelineStage | None = None) -> None:
         self.model = model
+        self.stage = stage or PipelineStage.single()  # a pipeline stage runs its layers only
         self.lora = lora
         self.pooler = pooler  # the pooling runner's (no sampling); None: generate
         self.device = device
@@ -293,7 +294,7 @@ class ModelRunner:
 
     # ---- device: forward, logits, sampling ------------------------------------------------
 
-    def fill_pending(self, batch: StepBatch, tp: TensorParallelGroup) -> None:
+    def fill_pending(self, batch: StepBatch, tp: TensorParallelGroup | OutputBroadcast) -> None:
         """Gather the step's pending tokens on the device (workers/pending.py)."""
         if batch.pending_pos is not None:
             self.pending.fill(batch.input_ids, batch.pending_pos, batch.pending_src, tp)
@@ -316,7 +317,10 @@ class ModelRunner:
             if logits is None:
                 return None, None
             return logits[:n], tokens[:n] if batch.simple else None
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        hidden = self.stage.forward(self.model, batch.input_ids, batch.positions,
+                                    batch.attn_metadata)
+        if hidden is None:  # a pipeline stage before the last: its output went on
+            return None, None
         if self.pooler is not None:
             batch.pooled = self.pooler.pool(self.model, hidden, batch.attn_metadata,
                                             batch.positions, batch.rows, batch.logits_indices,

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from scheduler.plan import PENDING_TOKEN, StepPlan
 from workers.distributed import TensorParallelGroup
+from workers.pipeline import OutputBroadcast
 
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -93,7 +94,7 @@ class PendingTokens:
         return filled, src
 
     def fill(self, input_ids: Tensor, positions: Tensor, sources: Tensor,
-             tp: TensorParallelGroup) -> None:
+             tp: TensorParallelGroup | OutputBroadcast) -> None:
         """input_ids[positions] = the last step's sampled ids at `sources` (on the device)."""
         n = positions.shape[0]
         if n > self._values.shape[0]:

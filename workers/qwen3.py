@@ -33,6 +33,7 @@ from workers.layers import (
     VocabParallelEmbedding,
 )
 from workers.model_config import ModelConfig
+from workers.pipeline import PipelineStage, PPMissingLayer
 
 
 def ops_backend(backend: str) -> str:
@@ -122,24 +123,41 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
+    """One pipeline stage's part (all of it on a single stage): the embedding on the first,
+    its layers (the others `PPMissingLayer`, so the indices stay the checkpoint's), the final
+    norm on the last."""
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
-                 backend: str, max_position: int, expert_parallel: bool = False) -> None:
+                 backend: str, max_position: int, expert_parallel: bool = False,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         ops = ops_backend(backend)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        stage = stage or PipelineStage.single()
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+                             if stage.is_first else None)
         # One cos/sin table shared by every layer.
         rotary_emb = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.yarn)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(cfg, tp, rotary_emb, dtype, backend, i, expert_parallel)
+            if stage.holds_layer(i) else PPMissingLayer()
             for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops) if stage.is_last else None
 
-    def forward(self, input_ids: Tensor, positions: Tensor,
-                attn_metadata: AttentionMetadata) -> Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
+    def forward(self, input_ids: Tensor, positions: Tensor, attn_metadata: AttentionMetadata,
+                intermediate: tuple[Tensor, Tensor] | None = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
+        """Final hidden states on the last stage; (hidden states, residual) before it.
+        `intermediate`: the previous stage's, on every stage but the first."""
+        if intermediate is None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+            if not isinstance(layer, PPMissingLayer):
+                hidden_states, residual = layer(positions, hidden_states, residual,
+                                                attn_metadata)
+        if self.norm is None:
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -158,22 +176,34 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, dtype: torch.dtype,
                  backend: str = "auto", max_position: int | None = None,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Qwen3Model(cfg, tp, dtype, backend,
-                                max_position or cfg.max_context_len, expert_parallel)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        if cfg.tie_word_embeddings:
+        self.dtype = dtype  # (the activations'; a quantized layer's weights may differ)
+        self.stage = stage or PipelineStage.single()
+        self.model = Qwen3Model(cfg, tp, dtype, backend, max_position or cfg.max_context_len,
+                                expert_parallel, self.stage)
+        self.lm_head = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+                        if self.stage.is_last else None)
+        if cfg.tie_word_embeddings and self.stage.size == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: Tensor, positions: Tensor,
-                attn_metadata: AttentionMetadata) -> Tensor:
-        return self.model(input_ids, positions, attn_metadata)
+    def forward(self, input_ids: Tensor, positions: Tensor, attn_metadata: AttentionMetadata,
+                intermediate: tuple[Tensor, Tensor] | None = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
+        """Qwen3Model.forward (a Tensor unless pipeline-parallel, before the last stage)."""
+        return self.model(input_ids, positions, attn_metadata, intermediate)
+
+    def stage_name(self, name: str) -> str | None:
+        """The parameter checkpoint tensor `name` fills on this stage (None: another stage's).
+        Tied embeddings at pp > 1: the last stage's LM head loads the embedding's table."""
+        return self.stage.checkpoint_target(name, self.config.tie_word_embeddings)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor | None:
         """Logits `[N, vocab_size]` on rank 0; None on the other ranks."""
         return self.lm_head(hidden_states)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's attention layers, in order (its KV cache's layers)."""
+        return [layer.self_attn.attn for layer in self.model.layers
+                if not isinstance(layer, PPMissingLayer)]

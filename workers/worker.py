@@ -1,9 +1,11 @@
-"""One tensor-parallel rank: process group, model shard, KV cache, runner and sampler.
+"""One rank: process group, model shard, KV cache, runner and sampler.
 
 The engine drives every rank through the same calls in the same order:
 `init_distributed` -> `load_model` -> `determine_num_blocks` (the engine takes the minimum
 over ranks) -> `init_cache` -> `execute(plan)` per step -> `shutdown`.
-Every rank runs the whole forward (the collectives need all of them); only rank 0 holds the
+Every rank runs the whole forward of its pipeline stage (the collectives need all of them;
+workers/pipeline.py: a stage of a pp > 1 replica holds only its layers and KV and passes its
+hidden states on); only the output rank (rank 0; the last stage's first at pp > 1) holds the
 gathered logits, samples, and returns a StepResult. With a speculative draft model
 (`speculative_model`, workers/draft_runner.py) every rank also holds its shard of the draft,
 whose KV layers follow the target's in the same cache.
@@ -34,6 +36,7 @@ from workers.loader import load_model
 from workers.lora import LoRAModel, check_lora_plan
 from workers.model_config import ModelConfig, check_weights_fit, load_model_config
 from workers.model_runner import ModelRunner, StepBatch
+from workers.pipeline import OutputBroadcast, PipelineStage, get_pp_indices
 from workers.pooler import Pooler
 from workers.qwen3 import Qwen3ForCausalLM, ops_backend
 from workers.rejection_sampler import num_accepted
@@ -65,6 +68,10 @@ class Worker(KVCacheSizing):
         self.config = config
         self.rank = config.rank
         self.tp = TensorParallelGroup.single()
+        self.stage = PipelineStage.single()  # this rank's pipeline stage (workers/pipeline.py)
+        # whose sampled ids async scheduling's pending tokens are (the output rank's)
+        self.sampled_from: TensorParallelGroup | OutputBroadcast = self.tp
+        self.is_output_rank = config.rank == config.output_rank  # samples, returns results
         self.model_config: ModelConfig | None = None
         self.model: Qwen3ForCausalLM | None = None
         self.model_runner: ModelRunner | None = None
@@ -93,8 +100,11 @@ class Worker(KVCacheSizing):
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:  # the cores the engine's Python does not need (workers/cpu_threads.py)
             set_model_threads(cfg.tensor_parallel_size)
-        self.tp = TensorParallelGroup.initialize(cfg.tensor_parallel_size, cfg.rank,
-                                                 cfg.dist_init_method, cfg.device)
+        tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+        self.tp = TensorParallelGroup.initialize(tp, cfg.rank, cfg.dist_init_method, cfg.device,
+                                                 pp)
+        self.stage = PipelineStage(cfg.rank // tp, pp, global_rank=cfg.rank, tp_size=tp)
+        self.sampled_from = self.tp if pp == 1 else OutputBroadcast(cfg.rank, cfg.output_rank)
 
     def load_model(self) -> None:
         """Read config.json, build this rank's Qwen3 shard and fill it from the safetensors."""
@@ -114,14 +124,19 @@ class Worker(KVCacheSizing):
             # whatever other engines in this process or other processes hold.
             torch.cuda.empty_cache()
             self._free_before_load = torch.cuda.mem_get_info()[0]
+        stage = self.stage
+        stage.start_layer, stage.end_layer = get_pp_indices(
+            mc.num_hidden_layers, stage.rank, stage.size, cfg.pp_layer_partition)
+        if self.device.type == "cuda":
             draft = (None if cfg.speculative_model is None
                      else load_model_config(cfg.speculative_model, cfg.tensor_parallel_size))
             check_weights_fit(mc, self.tp.world_size, dtype_bytes(self.dtype),
-                              torch.cuda.mem_get_info()[1], cfg.gpu_memory_utilization, draft)
+                              torch.cuda.mem_get_info()[1], cfg.gpu_memory_utilization, draft,
+                              stage)
         with torch.device(self.device):
             model = Qwen3ForCausalLM(mc, self.tp, self.dtype, cfg.attention_backend,
                                      max_position=cfg.max_model_len,
-                                     expert_parallel=cfg.enable_expert_parallel)
+                                     expert_parallel=cfg.enable_expert_parallel, stage=stage)
         load_model(model, cfg.model)
         model.eval()
         self.model_config = mc
@@ -139,7 +154,7 @@ class Worker(KVCacheSizing):
             cfg.pooler, cfg.max_num_seqs, mc.hidden_size, self.device, self.tp.is_first)
         self.model_runner = ModelRunner(model, self.device, cfg.block_size, cfg.max_model_len,
                                         cfg.max_num_seqs, mc.vocab_size, cfg.seed, self.lora,
-                                        pooler)
+                                        pooler, stage)
         self._outputs = StepOutputs(self.device, rows, MAX_LAUNCHED + 1)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int,
@@ -268,7 +283,7 @@ class Worker(KVCacheSizing):
                              "has no draft model (WorkerConfig.speculative_model)")
         step.batch = batch
         self._launched.append(step)
-        runner.fill_pending(batch, self.tp)
+        runner.fill_pending(batch, self.sampled_from)
         # The forwards (the draft's, then the target's) read loaded blocks, write offloaded ones.
         cache.wait_transfers()
         # the draft's proposals into the verify rows, on device (a graph step: in its replay)
@@ -304,7 +319,7 @@ class Worker(KVCacheSizing):
         if step is None:
             raise ValueError(f"step {step_id} is not launched (or already collected)")
         if not step.awaiting_bitmask:
-            if not self.tp.is_first:
+            if not self.is_output_rank:
                 return
             raise ValueError(f"step {step_id} has no constrained rows waiting for a bitmask")
         step.awaiting_bitmask = False
@@ -336,7 +351,8 @@ class Worker(KVCacheSizing):
         step.has_output = True
 
     def collect(self, step_id: int) -> tuple[StepResult | None, torch.Tensor | None]:
-        """Wait for a launched step; rank 0's StepResult (None on other ranks) and, when it
+        """Wait for a launched step; the output rank's StepResult (None on other ranks; rank 0
+        unless pipeline-parallel: the last stage's first) and, when it
         was launched with keep_logits, its logits."""
         oldest = self._launched[0].step_id if self._launched else None
         if oldest != step_id:
@@ -345,7 +361,7 @@ class Worker(KVCacheSizing):
             raise ValueError(f"step {step_id} needs its grammar bitmask (provide_bitmask) "
                              "before it can be collected")
         step = self._launched.popleft()
-        if not self.tp.is_first:
+        if not self.is_output_rank:
             return None, None
         seq_ids = _EMPTY if step.batch is None else step.batch.sampled_seq_ids
         if step.has_output:

@@ -374,12 +374,24 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
 
 def placement_bundles(config: EngineConfig, serving: dict[str, Any],
                       use_gpu: bool) -> list[dict[str, float]]:
-    """Bundle 0 for the replica actor, then one per rank (or the replica's GPU in-process)."""
+    """Bundle 0 for the replica actor, then one per rank of the first pipeline stage (or the
+    replica's GPU in-process); `stage_bundles` are the later stages'."""
     replica = {"CPU": float(serving["replica_num_cpus"])}
     if not config.uses_ray:
         return [{**replica, "GPU": 1.0}] if use_gpu else [replica]
-    rank = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": float(config.worker_num_cpus)}
-    return [replica] + [dict(rank) for _ in range(config.tensor_parallel_size)]
+    return [replica] + [_rank_bundle(config, use_gpu)
+                        for _ in range(config.tensor_parallel_size)]
+
+
+def _rank_bundle(config: EngineConfig, use_gpu: bool) -> dict[str, float]:
+    return {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": float(config.worker_num_cpus)}
+
+
+def stage_bundles(config: EngineConfig, use_gpu: bool) -> list[list[dict[str, float]]]:
+    """Each later pipeline stage's bundles, one per rank: its own STRICT_PACK group, on any
+    node (cluster/engine/stage_placement.py); none at pipeline_parallel_size 1."""
+    return [[_rank_bundle(config, use_gpu) for _ in range(config.tensor_parallel_size)]
+            for _ in range(config.pipeline_parallel_size - 1)]
 
 
 def check_args(args: dict[str, Any]) -> None:
@@ -388,7 +400,8 @@ def check_args(args: dict[str, Any]) -> None:
     model_entries(dict(args or {}), split_args)
 
 
-def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any]) -> None:
+def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any],
+                stages: list[list[dict[str, float]]]) -> None:
     """Log, in the `serve run` console, when the replicas asked for cannot all be placed."""
     from cluster.api.capacity import cluster_nodes, fit_report
 
@@ -396,7 +409,7 @@ def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any]) -> Non
     replicas = (auto.get("initial_replicas") or auto.get("min_replicas") or 1 if auto
                 else serving["num_replicas"])
     ingress = {"CPU": float(serving["ingress_num_cpus"]) * serving["ingress_num_replicas"]}
-    report = fit_report(bundles, int(replicas), ingress, cluster_nodes())
+    report = fit_report(bundles, int(replicas), ingress, cluster_nodes(), stages)
     if report is not None:
         logger.warning(report)
 
@@ -429,7 +442,7 @@ def llm_deployment(config: EngineConfig, serving: dict[str, Any], name: str) -> 
     use_gpu = config.resolve_device(from_ray=ray.is_initialized()) == "cuda"
     bundles = placement_bundles(config, serving, use_gpu)
     if ray.is_initialized():  # (Serve's controller builds the app in a task: always)
-        _report_fit(bundles, serving)
+        _report_fit(bundles, serving, stage_bundles(config, use_gpu))
     replicas: dict[str, Any] = {"num_replicas": serving["num_replicas"]}
     if serving["autoscaling_config"]:
         replicas = {"autoscaling_config": serving["autoscaling_config"]}

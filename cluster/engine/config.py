@@ -29,6 +29,12 @@ class EngineConfig:
 
     model: str = "qwen3-tiny"
     tensor_parallel_size: int = 1
+    # vLLM's key: stages of tensor_parallel_size ranks each, the layers split between them
+    # (workers/pipeline.py); each stage's ranks on one node, the stages on any (Ray executor).
+    pipeline_parallel_size: int = 1
+    # layers per stage, "3,1" (vLLM's VLLM_PP_LAYER_PARTITION, which is read when this is
+    # None); None and no variable: an even split, a remainder to the stages before the last
+    pp_layer_partition: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -122,6 +128,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _int_at_least(self, "tensor_parallel_size", 1)
+        _int_at_least(self, "pipeline_parallel_size", 1)
+        if self.pp_layer_partition is not None and not isinstance(self.pp_layer_partition, str):
+            raise ValueError("pp_layer_partition must be a string of layer counts per stage "
+                             f"such as '3,1'; got {self.pp_layer_partition!r}")
         _int_at_least(self, "max_num_seqs", 1)
         _int_at_least(self, "seed", 0)
         _choice(self, "dtype", _DTYPES)
@@ -190,9 +200,10 @@ class EngineConfig:
                 and self.engine_stall_timeout_s > 0):
             raise ValueError("engine_stall_timeout_s must be > 0 seconds; "
                              f"got {self.engine_stall_timeout_s!r}")
-        if self.executor == "inprocess" and self.tensor_parallel_size > 1:
+        if self.executor == "inprocess" and self.world_size > 1:
             raise ValueError("executor 'inprocess' runs one worker; use executor 'ray' (or 'auto') "
-                             f"for tensor_parallel_size {self.tensor_parallel_size}")
+                             f"for tensor_parallel_size {self.tensor_parallel_size} x "
+                             f"pipeline_parallel_size {self.pipeline_parallel_size}")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
         if self.preemption_mode == "swap" and self.swap_space == 0:
@@ -204,7 +215,7 @@ class EngineConfig:
         if not self.kv_offloading_size:
             return
         gib = float(1 << 30)
-        tp = self.tensor_parallel_size
+        tp = self.world_size
         need = self.kv_offloading_size + self.swap_space * tp + weights_bytes / gib
         if need > host_bytes / gib:
             raise ValueError(
@@ -214,8 +225,13 @@ class EngineConfig:
                 "lower kv_offloading_size or swap_space")
 
     @property
+    def world_size(self) -> int:
+        """Worker ranks of one replica: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def uses_ray(self) -> bool:
-        return self.executor == "ray" or (self.executor == "auto" and self.tensor_parallel_size > 1)
+        return self.executor == "ray" or (self.executor == "auto" and self.world_size > 1)
 
     def resolve_device(self, *, from_ray: bool) -> str:
         """`device`, with "auto" made "cuda" or "cpu".

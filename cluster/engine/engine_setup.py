@@ -23,6 +23,7 @@ from scheduler.speculative import SpeculativeConfig
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
 from workers.model_config import load_generation_defaults
+from workers.pipeline import layer_partition
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +75,26 @@ def build_worker_config(config: EngineConfig, model_path: str, device: str, max_
                         batched: int, spec: SpeculativeConfig | None, draft_path: str | None,
                         pooling: PoolingInfo | None) -> WorkerConfig:
     """The workers' config for this engine config (every rank gets it, with its own rank)."""
+    eager = config.enforce_eager or pooling is not None
+    if config.pipeline_parallel_size > 1 and device == "cuda" and not eager:
+        logger.info("pipeline_parallel_size %d: the stages run eager (no CUDA graphs: a graph "
+                    "holds the whole model's forward, logits and sampling)",
+                    config.pipeline_parallel_size)
+        eager = True
     return WorkerConfig(
         model=model_path, dtype=config.dtype, device=device,
         tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
+        pp_layer_partition=config.pp_layer_partition,
         dist_init_method=(f"tcp://127.0.0.1:{get_free_port()}"
-                          if config.tensor_parallel_size > 1 else None),
+                          if config.world_size > 1 else None),
         block_size=config.block_size,
         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=batched,
         gpu_memory_utilization=config.gpu_memory_utilization,
         num_gpu_blocks_override=config.num_gpu_blocks_override, swap_space=config.swap_space,
         kv_offloading_size=config.kv_offloading_size,
-        enforce_eager=config.enforce_eager or pooling is not None,
+        enforce_eager=eager,
         attention_backend=config.attention_backend, seed=config.seed,
         enable_expert_parallel=config.enable_expert_parallel, speculative_model=draft_path,
         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
@@ -95,6 +104,13 @@ def build_worker_config(config: EngineConfig, model_path: str, device: str, max_
         max_loras=config.max_loras if config.enable_lora else 0,
         max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
         pooler=None if pooling is None else pooling.pooler)
+
+
+def check_layer_partition(config: EngineConfig, num_layers: int) -> None:
+    """ValueError at start for a pp_layer_partition (or VLLM_PP_LAYER_PARTITION) that does not
+    split the model's layers over the stages (workers/pipeline.py)."""
+    if config.pipeline_parallel_size > 1:
+        layer_partition(num_layers, config.pipeline_parallel_size, config.pp_layer_partition)
 
 
 def build_executor(config: EngineConfig, worker_config: WorkerConfig, device: str,

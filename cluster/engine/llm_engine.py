@@ -28,6 +28,7 @@ from cluster.engine.engine_setup import (
     MIN_BATCHED_TOKENS,
     build_executor,
     build_worker_config,
+    check_layer_partition,
     default_sampling,
     freeze_startup_heap,
     rebuild_or_raise,
@@ -73,6 +74,7 @@ class LLMEngine:
                                  os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         self.max_model_len = config.max_model_len or self.model_config.max_context_len
         self.model_config.check_max_model_len(self.max_model_len)
+        check_layer_partition(config, self.model_config.num_hidden_layers)
         batched = config.max_num_batched_tokens or max(self.max_model_len, MIN_BATCHED_TOKENS)
         self.default_sampling = default_sampling(self.model_path, config.generation_config)
         spec = (SpeculativeConfig.from_dict(config.speculative_config)

@@ -1,5 +1,5 @@
-"""`RayExecutor`: one Ray actor per tensor-parallel rank, in a placement group, one bundle per
-rank.
+"""`RayExecutor`: one Ray actor per rank (pipeline_parallel_size x tensor_parallel_size), in
+one placement group per pipeline stage, one bundle per rank (stage_placement.py).
 
 Per step the plan goes to every rank through a Ray Compiled Graph (shared-memory channels,
 one write read by every rank; its cost against one actor call per rank is in
@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from cluster.engine.executor import Executor, WorkerDiedError
+from cluster.engine.stage_placement import place_stages
 from cluster.engine.wakeup import Park, WakeSockets
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
@@ -28,10 +29,6 @@ from workers.distributed import get_free_port
 # Environment the worker processes need to behave like this one (offline hub, shared cache).
 _FORWARDED_ENV = ("HF_HUB_OFFLINE", "QWEN3_SERVE_CACHE", "TOKENIZERS_PARALLELISM",
                   "TRITON_INTERPRET", "CUDA_LAUNCH_BLOCKING", "OMP_WAIT_POLICY")
-
-
-# How long an engine waits for its ranks' placement group before it fails to start.
-_PLACEMENT_TIMEOUT_S = 120
 
 
 def worker_env(device: str) -> dict[str, str]:
@@ -48,9 +45,11 @@ def worker_env(device: str) -> dict[str, str]:
 
 
 class RayExecutor(Executor):
-    """`tensor_parallel_size` worker actors, rank i in bundle `bundle_offset + i` of a placement group.
+    """pp x tp worker actors; rank i in its stage's placement group (stage 0: from
+    `bundle_offset` of the replica's, when it has one).
 
-    Invariant: every rank receives every plan, in order; only rank 0's reply carries tokens.
+    Invariant: every rank receives every plan, in order; only the output rank's reply
+    carries tokens (rank 0; with pipeline parallelism the last stage's first).
     A step completes when all ranks reply. If any rank fails, every rank is stopped and
     WorkerDiedError raised; `rebuild()` then starts a fresh set in the same bundles (the
     engine's recovery), or `shutdown()` ends the executor.
@@ -59,34 +58,14 @@ class RayExecutor(Executor):
     def __init__(self, config: WorkerConfig, *, num_cpus: float, use_gpu: bool,
                  placement_group: Any = None, bundle_offset: int = 0,
                  compiled_graph: bool = True, lagged: bool = False) -> None:
-        import ray
-        from ray.util.placement_group import placement_group as make_pg
-
-        tp = config.tensor_parallel_size
-        self._owns_pg = placement_group is None
-        if placement_group is None:
-            bundle = {"GPU": 1, "CPU": num_cpus} if use_gpu else {"CPU": num_cpus}
-            # On this process's node when it has room (a Serve replica placed by SPREAD keeps
-            # its ranks beside it), elsewhere when it has not; the ranks stay on one node.
-            placement_group = make_pg([bundle] * tp, strategy="STRICT_PACK",
-                                      _soft_target_node_id=ray.get_runtime_context().get_node_id())
-            bundle_offset = 0
-        self._pg = placement_group
-        try:
-            ray.get(placement_group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            if self._owns_pg:  # (a pending group would take the room once some is freed)
-                from ray.util.placement_group import remove_placement_group
-
-                remove_placement_group(placement_group)
-            raise RuntimeError(
-                f"the {tp} rank(s) of this engine found no node with room for them together "
-                f"within {_PLACEMENT_TIMEOUT_S} s (bundles {placement_group.bundle_specs}, "
-                "STRICT_PACK: all on one node); free or add a node, or lower worker_num_cpus"
-            ) from None
+        bundle = {"GPU": 1, "CPU": num_cpus} if use_gpu else {"CPU": num_cpus}
+        # One STRICT_PACK group per pipeline stage (stage_placement.py)
+        self._placement = place_stages(config.pipeline_parallel_size,
+                                       config.tensor_parallel_size, bundle, placement_group,
+                                       bundle_offset)
+        self._output_rank = config.output_rank  # whose reply carries the tokens
         self._config = config
         self._actor_options = dict(num_cpus=num_cpus, num_gpus=1 if use_gpu else 0)
-        self._bundle_offset = bundle_offset
         self._compiled_graph = compiled_graph
         # Lagged (async scheduling on a compiled graph): each call launches its plan and
         # returns the result of the plan launched by the call before, so the workers start
@@ -101,21 +80,17 @@ class RayExecutor(Executor):
     def _start(self, blocks: tuple[int, int, int] | None) -> None:
         """Actors for every rank, loaded, with caches of `blocks` (GPU, CPU) blocks (None:
         the most every rank can hold), a compiled graph and wake sockets."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         from cluster.engine.ray_worker import RayWorker
 
         env = worker_env(self._config.device)
         self._dead: str | None = None
         self.workers = []
-        for rank in range(self._config.tensor_parallel_size):
+        for rank in range(self._config.world_size):
             cfg = dataclasses.replace(self._config, rank=rank)
             # Two threads: the compiled graph's loop holds one, health pings use the other.
             actor = RayWorker.options(
                 **self._actor_options, max_concurrency=2, runtime_env={"env_vars": env},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg,
-                    placement_group_bundle_index=self._bundle_offset + rank),
+                scheduling_strategy=self._placement.strategy(rank),
             ).remote(cfg)
             self.workers.append(actor)
         # Rendezvous happens inside init: all ranks must be called before any is waited on.
@@ -146,7 +121,7 @@ class RayExecutor(Executor):
         """After a rank died: new actors for every rank in the same bundles, weights reloaded,
         empty KV caches of the sizes the engine's scheduler already has."""
         self._stop()
-        if self._config.tensor_parallel_size > 1:  # a fresh rendezvous port
+        if self._config.world_size > 1:  # a fresh rendezvous port
             self._config = dataclasses.replace(
                 self._config, dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")
         self._start((self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks))
@@ -243,7 +218,8 @@ class RayExecutor(Executor):
                 return result
 
     def provide_bitmask(self, handle: int, bitmask: np.ndarray) -> None:
-        """Rank 0 takes it on its second thread; its step loop samples once it is there."""
+        """The output rank (rank 0 unless pipeline-parallel) takes it on its second thread;
+        its step loop samples once it is there."""
         import ray
 
         if self._bitmask_refs:  # the earlier hand-overs that are done: did they fail?
@@ -253,10 +229,11 @@ class RayExecutor(Executor):
                 ray.get(done)
             except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
                 self._fail(e)
-        self._bitmask_refs.append(self.workers[0].provide_bitmask.remote(handle, bitmask))
+        self._bitmask_refs.append(
+            self.workers[self._output_rank].provide_bitmask.remote(handle, bitmask))
 
     def _call_all(self, plan: StepPlan) -> StepResult:
-        return self._wait_all([w.execute.remote(plan) for w in self.workers])[0]
+        return self._wait_all([w.execute.remote(plan) for w in self.workers])[self._output_rank]
 
     def _dag_submit(self, plan: StepPlan) -> Any:
         self.check_health()
@@ -274,7 +251,7 @@ class RayExecutor(Executor):
         try:
             # Ray tears the graph down when an actor dies, which wakes this get with an error.
             # (Copied out of the channel's buffer: see StepResult.owned.)
-            result = ray.get(ref)[0]
+            result = ray.get(ref)[self._output_rank]
             return None if result is None else result.owned()
         except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
             self._fail(e)
@@ -323,10 +300,5 @@ class RayExecutor(Executor):
             sockets.close()
 
     def shutdown(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
         self._stop()
-        if self._owns_pg and self._pg is not None:
-            with contextlib.suppress(Exception):  # removed with its job already
-                remove_placement_group(self._pg)
-            self._pg = None
+        self._placement.remove()

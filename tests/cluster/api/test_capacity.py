@@ -37,6 +37,27 @@ def test_what_fits_on_what() -> None:
     assert "0 fit" in fit_report([{"CPU": 1.5}, {"CPU": 1.0}], 1, {}, [{"CPU": 2.0}] * 3)
 
 
+def test_pipeline_stages_fit_on_several_nodes() -> None:
+    """pp 2 x tp 2 of 1-CPU ranks: the first group (replica + stage 0) on one node, stage 1 on
+    any node with 2 CPUs; two 2.5-CPU nodes hold one replica, not two."""
+    from cluster.api.serve_app import placement_bundles, stage_bundles
+    from cluster.engine.config import EngineConfig
+
+    config = EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2, worker_num_cpus=1.0)
+    first = placement_bundles(config, {"replica_num_cpus": 0.5}, use_gpu=False)
+    stages = stage_bundles(config, use_gpu=False)
+    assert first == [{"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 1.0}]
+    assert stages == [[{"CPU": 1.0}, {"CPU": 1.0}]]
+    nodes = [{"CPU": 2.5}, {"CPU": 2.5}]
+    assert fit_report(first, 1, {}, nodes, stages) is None
+    report = fit_report(first, 2, {}, nodes, stages)
+    assert report.startswith("LLMServer: 2 replica(s) asked, 1 fit this cluster")
+    assert "and 1 more pipeline stage(s) of 2 CPU each on one node, any" in report
+    # one node of 4.5 CPUs holds both groups of one replica; stages need not be apart
+    assert fit_report(first, 1, {}, [{"CPU": 4.5}], stages) is None
+    assert "0 fit" in fit_report(first, 1, {}, [{"CPU": 2.5}, {"CPU": 1.5}], stages)
+
+
 @pytest.mark.slow
 def test_unplaceable_replica_is_in_serve_status_within_serves_wait(ray_cluster: None) -> None:
     from ray import serve
@@ -84,11 +105,11 @@ def test_ranks_without_room_fail_the_engine_naming_what_they_need(
     """`spread` (the default): the replica reserves its ranks' group itself; when no node has
     room for them together, its engine fails to start saying what they need (then Serve
     retries the replica) instead of waiting forever."""
-    from cluster.engine import ray_executor
+    from cluster.engine import stage_placement
     from cluster.engine.ray_executor import RayExecutor
     from workers.config import WorkerConfig
 
-    monkeypatch.setattr(ray_executor, "_PLACEMENT_TIMEOUT_S", 2)
+    monkeypatch.setattr(stage_placement, "PLACEMENT_TIMEOUT_S", 2)
     config = WorkerConfig(model="unused: never loaded", tensor_parallel_size=2,
                           dist_init_method="tcp://127.0.0.1:1")
     with pytest.raises(RuntimeError, match=r"the 2 rank\(s\) of this engine found no node with "

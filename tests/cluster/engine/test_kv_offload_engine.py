@@ -65,10 +65,13 @@ def test_tier_on_gives_the_tier_off_tokens(tier_off, async_scheduling: bool,
 
 
 @pytest.mark.slow
-def test_tier_on_tp2_on_ray_gives_the_tier_off_tokens(ray_cluster: None, tier_off) -> None:
-    """Each rank offloads and loads its own shard of the KV heads; the scheduler decides."""
-    with LLM(**ENGINE, tensor_parallel_size=2, worker_num_cpus=0.5, kv_offloading_size=TIER_GIB,
-             async_scheduling=False) as llm:
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_tier_on_tp2_or_pp2_on_ray_gives_the_tier_off_tokens(ray_cluster: None, tier_off,
+                                                            tp: int, pp: int) -> None:
+    """Each rank offloads and loads its own shard of the KV heads (tp 2) or its stage's
+    layers (pp 2); the scheduler decides."""
+    with LLM(**ENGINE, tensor_parallel_size=tp, pipeline_parallel_size=pp, worker_num_cpus=0.5,
+             kv_offloading_size=TIER_GIB, async_scheduling=False) as llm:
         assert _multi_turn(llm, turns=3) == tier_off[:3]
         assert llm.engine.metrics()["kv_offload_blocks_loaded"] > 0
 

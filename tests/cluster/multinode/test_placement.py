@@ -6,7 +6,9 @@ that only the placement policy (`replica_placement`, cluster/api/serve_app.py) d
   replica's rank actors on its own node (their STRICT_PACK group soft-targets it);
 - `pack`: Serve's per-replica STRICT_PACK groups, which Ray's placement-group scheduler puts
   where the most room is left: both replicas on the bigger node (the issue's "a node has room
-  for both, both land there").
+  for both, both land there");
+- a pipeline-parallel replica (pp 2): stage 0's rank in the replica's group, stage 1's in a
+  group of its own, on the other node when the first is full; it serves transformers' tokens.
 
 Each deploy replaces the one before (one app); every replica serves a request.
 """
@@ -100,6 +102,32 @@ def test_spread_keeps_each_tp2_group_beside_its_replica(sim: Sim) -> None:
 def test_pack_puts_both_replicas_on_one_node(sim: Sim) -> None:
     nodes = _deploy(sim, {**ARGS, "replica_placement": "pack"}, 2)
     assert len(set(nodes)) == 1, nodes
+
+
+def test_pp2_replica_serves_transformers_tokens_with_its_stages_on_two_nodes(sim: Sim) -> None:
+    """`pack` at pipeline_parallel_size 2: the replica's group (the replica and stage 0's rank,
+    3 CPUs) fills the 3-CPU node, so stage 1's own group goes to the other node; the
+    replica answers over HTTP with transformers' greedy tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.tiny_model import resolve_model
+
+    args = {**ARGS, "executor": "ray", "pipeline_parallel_size": 2, "replica_placement": "pack",
+            "replica_num_cpus": 2.0, "worker_num_cpus": 1.0}
+    (node,) = _deploy(sim, args, 1)
+    workers = [a["Address"]["NodeID"] for a in _actors("RayWorker")]
+    assert len(workers) == 2 and node in workers and len(set(workers)) == 2, (node, workers)
+    prompt = [151, 2000, 30000, 42, 7, 99999, 1234]
+    path = resolve_model("qwen3-tiny")
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path).generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
+    body = {"model": "qwen3-tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+            "ignore_eos": True}
+    r = httpx.post(f"{sim.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == AutoTokenizer.from_pretrained(path).decode(ref)
 
 
 def test_an_unknown_placement_is_refused_naming_the_choices() -> None:

@@ -1,0 +1,81 @@
+"""Where a replica's worker ranks go: one STRICT_PACK placement group per pipeline stage.
+
+A stage's `tensor_parallel_size` ranks share one node (their collectives are the chatty
+ones); the stages of a pipeline-parallel replica may land on different nodes (they exchange
+one step's hidden states). Stage 0 is the Serve replica's own placement group from
+`bundle_offset` when it has one (`replica_placement: pack`), else a group soft-targeting the
+node of this process (the replica's), as with a single stage; the later stages' groups go
+wherever Ray finds room. Groups this module made are removed with `remove()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+# How long an engine waits for its ranks' placement groups before it fails to start.
+PLACEMENT_TIMEOUT_S = 120
+
+
+@dataclass(slots=True)
+class StagePlacement:
+    """Each stage's placement group, the bundle index of its first rank, and whether it is
+    this executor's to remove."""
+
+    groups: list[Any]
+    offsets: list[int]
+    owned: list[bool]
+    tp: int
+
+    def strategy(self, rank: int) -> Any:
+        """The scheduling strategy of global rank `rank` (stage rank // tp, bundle rank % tp)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        stage = rank // self.tp
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.groups[stage],
+            placement_group_bundle_index=self.offsets[stage] + rank % self.tp)
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for group, owned in zip(self.groups, self.owned):
+            if owned:
+                with contextlib.suppress(Exception):  # removed with its job already
+                    remove_placement_group(group)
+        self.groups, self.offsets, self.owned = [], [], []
+
+
+def place_stages(pp: int, tp: int, bundle: dict[str, float], placement_group: Any = None,
+                 bundle_offset: int = 0) -> StagePlacement:
+    """Placement groups for `pp` stages of `tp` ranks of `bundle` each, ready; RuntimeError
+    naming the bundles when they find no room within PLACEMENT_TIMEOUT_S."""
+    import ray
+    from ray.util.placement_group import placement_group as make_pg
+
+    here = ray.get_runtime_context().get_node_id()
+    placement = StagePlacement([], [], [], tp)
+    for stage in range(pp):
+        if stage == 0 and placement_group is not None:
+            group, offset, owned = placement_group, bundle_offset, False
+        else:
+            # (stage 0: on this process's node when it has room, elsewhere when it has not)
+            group = make_pg([bundle] * tp, strategy="STRICT_PACK",
+                            _soft_target_node_id=here if stage == 0 else None)
+            offset, owned = 0, True
+        placement.groups.append(group)
+        placement.offsets.append(offset)
+        placement.owned.append(owned)
+    try:
+        ray.get([g.ready() for g in placement.groups], timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        bundles = placement.groups[0].bundle_specs if pp == 1 else [bundle] * tp
+        placement.remove()  # (a pending group would take the room once some is freed)
+        where = ("STRICT_PACK: all on one node" if pp == 1 else
+                 f"per stage, STRICT_PACK: each of the {pp} stages on one node")
+        raise RuntimeError(
+            f"the {pp * tp} rank(s) of this engine found no node with room for them together "
+            f"within {PLACEMENT_TIMEOUT_S} s (bundles {bundles}, {where}); free or add a node, "
+            "or lower worker_num_cpus") from None
+    return placement
