@@ -6,9 +6,9 @@ the one dispatch point every unquantized linear product goes through (the parall
 (MKL's sgemm on CPU, cuBLAS on CUDA) otherwise.
 
 What is packed, measured on this project's CPU (AVX-512 BF16 / AMX, one torch thread,
-docs/benchmarks.md "CPU path", issue #43): bf16 weights. `F.linear` in bf16 reorders the
-weight into oneDNN's blocked layout on every call; `torch.ops.mkldnn._reorder_linear_weight`
-does it once, and `_linear_pointwise` on the packed weight is faster at every batch size
+docs/benchmarks.md "CPU path", issue #43): bf16 weights. `F.linear` in bf16 hands oneDNN
+the plain `[out, in]` weight on every call; `torch.ops.mkldnn._reorder_linear_weight` puts it
+in oneDNN's own layout once, and `_linear_pointwise` on that is faster at every batch size
 measured (1 to 256 rows) for every Qwen3-0.6B projection and its LM head. fp32 weights stay
 on MKL: oneDNN's packed fp32 GEMM won at some batch sizes and lost at one row and on small
 (qwen3-tiny) layers, where its per-call set-up outweighs the product.
