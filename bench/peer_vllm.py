@@ -65,7 +65,7 @@ import json, sys
 sys.path.insert(0, "bench")
 from throughput import run_engine
 job = json.load(sys.stdin)
-row = run_engine(job["model"], [tuple(r) for r in job["reqs"]], 0.0, 1)
+row = run_engine(job["model"], [tuple(r) for r in job["reqs"]], 0.0, 1, dtype=job["dtype"])
 print("RESULT " + json.dumps({k: row[k] for k in ("tok_per_s", "wall_s", "tokens")}))
 """
 

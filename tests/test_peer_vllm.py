@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from peer_vllm import OFFLINE, write_vllm_dist_info  # noqa: E402
+from peer_vllm import _OURS_OFFLINE, _PEER_OFFLINE, OFFLINE, write_vllm_dist_info  # noqa: E402
 
 
 def test_vllm_dist_info_is_found_by_importlib_metadata(tmp_path: Path) -> None:
@@ -26,3 +26,10 @@ def test_vllm_dist_info_is_found_by_importlib_metadata(tmp_path: Path) -> None:
 def test_offline_workloads_are_the_issues() -> None:
     assert OFFLINE["offline-cpu"] == ("qwen3-tiny", "float32", 64, (32, 256), (32, 128))
     assert OFFLINE["qwen3-0.6b-bf16"] == ("qwen3-0.6b-random", "bfloat16", 16, (32, 128), (32, 64))
+
+
+def test_both_sides_run_the_workloads_dtype() -> None:
+    # This project's side once ran the bf16 workload in fp32 (dtype "auto" is fp32 on CPU):
+    # both child scripts must hand the job's dtype to their engine.
+    assert 'dtype=job["dtype"]' in _PEER_OFFLINE
+    assert 'dtype=job["dtype"]' in _OURS_OFFLINE

@@ -2,7 +2,8 @@
 
 The last rank's rows past the real vocabulary are zero padding. The embedding sums the
 ranks' partial lookups with an all-reduce; the LM head gathers the logit shards to rank 0,
-which alone samples.
+which alone samples. On CPU a bf16 LM head multiplies a copy of its rows packed once after
+loading for oneDNN (kernels/cpu_linear.py); its `weight` (maybe the embedding's) stays as loaded.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import kernels
 from workers.distributed import TensorParallelGroup
 from workers.layers.weights import WeightSource, copy_checked
 
@@ -56,15 +58,23 @@ CPU_WXT_MAX_ROWS = 8
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits `[N, vocab_size]` on rank 0 (None elsewhere); may share its weight with the embedding."""
 
+    weight_packed: Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        self.weight_packed = kernels.pack_linear_weight(self.weight.data)
+
     def forward(self, x: Tensor) -> Tensor | None:  # type: ignore[override]
-        if x.device.type == "cpu" and x.shape[0] <= CPU_WXT_MAX_ROWS:
+        if self.weight_packed is not None:
+            # oneDNN on the packed rows beat both forms below at every row count in bf16.
+            logits = kernels.linear(x, self.weight, self.weight_packed)
+        elif x.device.type == "cpu" and x.shape[0] <= CPU_WXT_MAX_ROWS:
             # For a few rows (a verify row's k + 1) MKL's sgemm streams the [vocab, hidden]
             # weight 2-3x faster as W x^T than as x W^T (issue #26); their transpose is small.
             logits = torch.mm(self.weight, x.t()).t().contiguous()
         else:
             # A batch: x W^T, row-major straight from the GEMM; W x^T's transposed copy of
             # every logit cost more than the product on `offline-cpu` (docs/benchmarks.md, #43).
-            logits = F.linear(x, self.weight)
+            logits = kernels.linear(x, self.weight)
         if self.tp.world_size == 1:
             return logits
         full = self.tp.gather_last_dim(logits)

@@ -3,7 +3,9 @@
 geometry: which rows or columns of a checkpoint tensor this rank keeps; its method owns the
 parameters and the GEMM, so the layer never branches on dtype.
 
-* `UnquantizedLinearMethod`: `weight [out, in]` in the model's dtype, `F.linear`.
+* `UnquantizedLinearMethod`: `weight [out, in]` in the model's dtype, multiplied by
+  `kernels.linear`; on CPU a bf16 weight is also packed once after loading into oneDNN's
+  layout (`weight_packed`, kernels/cpu_linear.py decides when it pays), else None.
 * `Fp8LinearMethod` (workers/quantization.py's `Fp8Config`): `weight` e4m3 `[out, in]` and
   `weight_scale_inv` float32 `[out / bn, in / bk]`, multiplied by `kernels.fp8_block_linear`
   (W8A8, activations quantized per token and bk group). A checkpoint's scales load through the
@@ -19,7 +21,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import kernels
@@ -56,12 +57,14 @@ class UnquantizedLinearMethod(LinearMethod):
                        input_size: int, dtype: torch.dtype) -> None:
         layer.weight = _param(torch.empty(sum(output_partition_sizes), input_size, dtype=dtype),
                               layer.weight_loader)
+        layer.weight_packed = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Nothing: the loaded weight is what `apply` reads."""
+        """The loaded weight packed for the CPU's GEMM when that pays (else it is used as is)."""
+        layer.weight_packed = kernels.pack_linear_weight(layer.weight.data)
 
     def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
-        return F.linear(x, layer.weight)
+        return kernels.linear(x, layer.weight, layer.weight_packed)
 
 
 class Fp8LinearMethod(LinearMethod):

@@ -1,0 +1,62 @@
+"""kernels/cpu_linear.py: which weights are packed for oneDNN, and the packed product's values.
+
+The oracle is the float64 product of the same bf16 values; a bf16 result may differ from it
+by the rounding of the output to bf16 (2^-8 relative) plus the float32 accumulation's error,
+which is what `F.linear` in bf16 is held to as well.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+BF16 = torch.bfloat16
+
+
+def _close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    exact = F.linear(x.double(), w.double())
+    bound = exact.abs() * 2.0 ** -8 + 1e-4 * (x.double().abs() @ w.double().abs().T)
+    assert got.dtype == x.dtype and got.shape == exact.shape
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+def test_bf16_cpu_weight_is_packed_fp32_is_not() -> None:
+    w = torch.randn(96, 64)
+    assert kernels.pack_linear_weight(w) is None  # fp32 stays on MKL's sgemm
+    packed = kernels.pack_linear_weight(w.to(BF16))
+    assert packed is not None and packed.is_mkldnn and packed.shape == (96, 64)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 16, 64, 257])
+def test_packed_bf16_product_within_bf16_rounding(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(384, 128, generator=g) * 0.05).to(BF16)
+    x = torch.randn(rows, 128, generator=g).to(BF16)
+    packed = kernels.pack_linear_weight(w)
+    got = kernels.linear(x, w, packed)
+    _close_to_exact(got, x, w)
+    _close_to_exact(F.linear(x, w), x, w)  # the unpacked path meets the same bound
+
+
+def test_packed_product_keeps_leading_dims_and_reads_strided_input() -> None:
+    w = torch.randn(48, 32).to(BF16)
+    packed = kernels.pack_linear_weight(w)
+    x3 = torch.randn(2, 5, 32).to(BF16)
+    assert torch.equal(kernels.linear(x3, w, packed), kernels.linear(x3.reshape(10, 32), w, packed)
+                       .reshape(2, 5, 48))
+    wide = torch.randn(6, 64).to(BF16)
+    _close_to_exact(kernels.linear(wide[:, :32], w, packed), wide[:, :32], w)
+
+
+def test_unpacked_linear_is_f_linear() -> None:
+    w, x = torch.randn(24, 16), torch.randn(3, 16)
+    assert torch.equal(kernels.linear(x, w), F.linear(x, w))
+
+
+def test_activation_dtype_other_than_the_packed_weight_is_refused() -> None:
+    w = torch.randn(24, 16).to(BF16)
+    with pytest.raises(ValueError, match="cast the input"):
+        kernels.linear(torch.randn(3, 16), w, kernels.pack_linear_weight(w))
