@@ -50,11 +50,17 @@ def _resolve(backend: str, t: Tensor, *, allow_flash: bool = False) -> str:
 
 def _check_kv_scales(k_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
                      chosen: str) -> None:
-    """An FP8 cache needs its per-tensor scales and the torch or Triton kernels."""
+    """An FP8 cache needs one scale per KV head (a per-tensor scale: the vector filled with
+    it) and the torch or Triton kernels."""
     if k_cache.dtype != reference.FP8_KV_DTYPE:
         return
-    if k_scale is None or v_scale is None or k_scale.numel() != 1 or v_scale.numel() != 1:
-        raise ValueError("an FP8 (float8_e4m3fn) KV cache needs k_scale and v_scale, float32 [1]")
+    heads = k_cache.shape[2]
+    if any(s is None or s.shape != (heads,) or s.dtype != torch.float32
+           for s in (k_scale, v_scale)):
+        got = [None if s is None else f"{s.dtype} {tuple(s.shape)}" for s in (k_scale, v_scale)]
+        raise ValueError(f"an FP8 (float8_e4m3fn) KV cache needs k_scale and v_scale, float32 "
+                         f"[Hkv={heads}] (one per KV head; fill it for a per-tensor scale); "
+                         f"got {got}")
     if chosen == "flash_attn":
         raise ValueError("the 'flash_attn' kernels do not read an FP8 KV cache; use backend "
                          "'triton' or 'torch' (kv_cache_dtype 'fp8')")
@@ -64,7 +70,7 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
              backend: Backend = "auto", k_scale: Tensor | None = None,
              v_scale: Tensor | None = None) -> None:
     """Store `key`/`value` `[T, Hkv, D]` into the paged caches at `slot_mapping` (`-1` = skip);
-    an FP8 cache stores them divided by `k_scale` / `v_scale` (float32 `[1]`)."""
+    an FP8 cache stores each head's divided by its `k_scale` / `v_scale` (float32 `[Hkv]`)."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, Hkv, D]; got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -97,7 +103,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     prefill tiles. `key`/`value` `[T, Hkv, D]`, optional, are this step's rows exactly as
     written to the cache: the Triton kernel then reads each chunk's own keys from them
     (contiguous) instead of through the block table; the other backends ignore them.
-    An FP8 cache is read times `k_scale` / `v_scale` (float32 `[1]`).
+    An FP8 cache is read times each head's `k_scale` / `v_scale` (float32 `[Hkv]`).
     """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q must be [T, Hq, D] and k/v caches [num_blocks, block_size, Hkv, D]; "
@@ -176,7 +182,8 @@ def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_we
 
     q and k get their per-head RMSNorm (`q_weight`/`k_weight` `[D]`) and the rotary embedding at
     `positions`, in place inside `qkv`; K and V are stored into the paged caches at
-    `slot_mapping` (-1 = skip), an FP8 cache divided by `k_scale` / `v_scale`. Returns the views
+    `slot_mapping` (-1 = skip), an FP8 cache divided by each head's `k_scale` / `v_scale`
+    (float32 `[Hkv]`). Returns the views
     (q `[T, Hq, D]`, k, v `[T, Hkv, D]`) of `qkv`.
     """
     if qkv.dim() != 2 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
