@@ -274,8 +274,9 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     nothing here. Triton: grouped GEMMs over tokens sorted by expert, no host sync; torch:
     the same grouping with batched matmuls. Block-scaled FP8 experts: w13/w2 e4m3 with
     `w13_scale` `[E, 2I / bn, H / bk]`, `w2_scale` `[E, H / bn, I / bk]` float32 and
-    `block = (bn, bk)` (kernels/fp8_reference.py's format), dequantized in registers (Triton)
-    or before the matmuls (torch): W8A16.
+    `block = (bn, bk)` (kernels/fp8_reference.py's format): W8A8, each GEMM's input quantized
+    per row and `bk` group on the fly and the e4m3 products scaled in registers (Triton), or
+    the experts dequantized and the inputs quantized and dequantized before the matmuls (torch).
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
@@ -295,7 +296,8 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
         if fp8:
             w13 = fp8_reference.dequantize_weight_blocks(w13, w13_scale, block, x.dtype)
             w2 = fp8_reference.dequantize_weight_blocks(w2, w2_scale, block, x.dtype)
-        return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids,
+                                       act_group=block[1] if fp8 else None)
     from kernels.triton_moe import fused_moe as triton_fused_moe
     return triton_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
                             w2_scale=w2_scale, block=block)

@@ -27,8 +27,9 @@ FP8 (workers/quantization.py's `Fp8Config`): the stacked weights are e4m3 with
 `[E_local, H / bn, I_local / bk]`, loaded from the hub's per-expert `weight_scale_inv` through
 the same geometry counted in blocks (or quantized at load, `quantization: fp8`); every rank
 holds whole blocks (refused at construction naming the sizes). The fused kernels read the
-e4m3 experts and their scales (W8A16: kernels.fused_moe dequantizes in registers on Triton; the
-torch twin dequantizes a layer's experts before its matmuls).
+e4m3 experts and their scales, W8A8 (kernels.fused_moe quantizes each GEMM's input per token
+and bk group on the fly on Triton; the torch twin dequantizes a layer's experts and quantizes
+and dequantizes the inputs before its matmuls).
 
 Memory: a forward's expert buffers (`[T k, I_local]` and `[T k, H]` plus the alignment's
 index arrays) have sizes fixed by T alone, not by the routing, so the worker's profiling
