@@ -144,7 +144,11 @@ def test_tp1_fp8_checkpoint_within_w8a8_error_of_transformers(name, request) -> 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_tp2_fp8_checkpoint_within_w8a8_error_of_transformers(name, request, tp2_group) -> None:
-    m = request.getfixturevalue(name)
+    check_tp2_against_oracles(tp2_group, request.getfixturevalue(name))
+
+
+def check_tp2_against_oracles(tp2_group, m: dict) -> None:
+    """The FP8 checkpoint `m` at tp 2 against both oracles (`_check_both_oracles`)."""
     tp2_group.init(model=m["fp8"], num_gpu_blocks=64, max_model_len=512,
                    num_gpu_blocks_override=64, swap_space=0.001)
     try:
@@ -199,13 +203,13 @@ def test_tp_size_that_splits_a_scale_block_is_refused() -> None:
                                          r"tensor_parallel_size=4, which splits a scale block"):
         MergedColumnParallelLinear(256, [256, 256], TensorParallelGroup(0, 4), torch.float32,
                                    quant)
-    with pytest.raises(ValueError, match=r"expert gate_proj/up_proj is \[64, 256\] at "
+    with pytest.raises(ValueError, match=r"expert gate_proj/up_proj part 0 is \[64, 256\] at "
                                          r"tensor_parallel_size=4"):
         FusedMoE(4, 2, 256, 256, True, TensorParallelGroup(0, 4), torch.float32, "torch",
                  quant=quant)
-    with pytest.raises(ValueError, match=r"part 0 is \[128, 64\] at tensor_parallel_size=1.*"
-                                         r"multiples of the block"):
-        MergedColumnParallelLinear(64, [128, 64], TensorParallelGroup(0, 1), torch.float32,
+    with pytest.raises(ValueError, match=r"part 0 is \[64, 64\] at tensor_parallel_size=1.*"
+                                         r"parts other than the last must be whole blocks"):
+        MergedColumnParallelLinear(64, [64, 128], TensorParallelGroup(0, 1), torch.float32,
                                    quant)
 
 
