@@ -305,8 +305,9 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
 
 def _check_expert_scales(w13: Tensor, w2: Tensor, w13_scale: Tensor | None,
                          w2_scale: Tensor | None, block: tuple[int, int] | None) -> None:
-    """Block-scaled FP8 experts need both scale grids, a power-of-two block >= 16 (a Triton
-    tile stays inside one block) and e4m3 weights."""
+    """Block-scaled FP8 experts need both scale grids (`ceil`: a partial last block has its
+    own scale), a power-of-two block >= 16 (the Triton K loop steps one block) and e4m3
+    weights."""
     if block is None or w13_scale is None or w2_scale is None:
         raise ValueError("fused_moe: FP8 (float8_e4m3fn) experts need w13_scale, w2_scale and "
                          "block")

@@ -25,8 +25,8 @@ def _quantized(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, t
     return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
-def _fp8_case(block: tuple[int, int], remote: bool = False, seed: int = 0):
-    x, w13, w2, weights, ids = make_case(9, 4, 2, hidden=64, inter=32, seed=seed,
+def _fp8_case(block: tuple[int, int], remote: bool = False, seed: int = 0, hidden: int = 64):
+    x, w13, w2, weights, ids = make_case(9, 4, 2, hidden=hidden, inter=32, seed=seed,
                                          remote=remote)
     (q13, s13), (q2, s2) = _quantized(w13, block), _quantized(w2, block)
     return x, (q13, s13), (q2, s2), weights, ids
@@ -65,6 +65,19 @@ def test_twin_is_w8a8_on_the_dequantized_experts(remote: bool) -> None:
 @pytest.mark.parametrize("remote", [False, True], ids=["local", "ep"])
 def test_triton_fp8_experts_match_the_twin(block: tuple[int, int], remote: bool) -> None:
     x, (q13, s13), (q2, s2), weights, ids = _fp8_case(block, remote, seed=7)
+    args = dict(w13_scale=s13, w2_scale=s2, block=block)
+    want = ops.fused_moe(x, q13, q2, weights, ids, backend="torch", **args)
+    got = ops.fused_moe(x, q13, q2, weights, ids, backend="triton", **args)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@INTERPRETER_ONLY
+def test_triton_partial_hidden_blocks_match_the_twin() -> None:
+    """A hidden size of 72 (2.25 blocks of 32 columns, 4.5 of 16 rows): w13's last K block
+    and w2's last N block are partial."""
+    block = (16, 32)
+    x, (q13, s13), (q2, s2), weights, ids = _fp8_case(block, seed=3, hidden=72)
+    assert s13.shape == (4, 4, 3) and s2.shape == (4, 5, 1)
     args = dict(w13_scale=s13, w2_scale=s2, block=block)
     want = ops.fused_moe(x, q13, q2, weights, ids, backend="torch", **args)
     got = ops.fused_moe(x, q13, q2, weights, ids, backend="triton", **args)
