@@ -23,7 +23,8 @@ only (the GPU box has no Ray). The steps:
                   prefill vs SDPA with and without a prefix, the layer ops, the decode step;
   spec-decode graphs / eager   bench/spec_decode.py at Qwen3-0.6B shapes, with and without
                   CUDA graphs (the verify graphs' gain is the ratio of the two `tok_s_on`);
-  moe             bench/moe_bench.py --device cuda at Qwen3-30B-A3B's expert shapes;
+  moe             bench/moe_bench.py --device cuda --fp8 at Qwen3-30B-A3B's expert shapes:
+                  the bf16 experts and the same in Qwen's FP8 format (W8A8 fused kernels);
   offload copies  bench/offload_bench.py --only copies: the CPU tier's copy bandwidth and
                   whether the forward slows while the copy stream works;
   sampler         bench/sampler_bench.py --device cuda;
@@ -111,8 +112,8 @@ def steps(out: Path) -> list[Step]:
                                    str(out / "spec_eager.json")], 35, "spec_eager.json"),
         Step("kernels", [py, "bench/kernels_bench.py", "--json", str(out / "kernels.json")], 70,
              "kernels.json"),
-        Step("moe", [py, "bench/moe_bench.py", "--device", "cuda", "--tokens", "1", "32", "512",
-                     "4096", "--json", str(out / "moe.json")], 25, "moe.json"),
+        Step("moe", [py, "bench/moe_bench.py", "--device", "cuda", "--fp8", "--tokens", "1",
+                     "32", "512", "4096", "--json", str(out / "moe.json")], 35, "moe.json"),
         Step("offload copies", [py, "bench/offload_bench.py", "--only", "copies", "--device",
                                 "cuda", "--json", str(out / "offload.json")], 20, "offload.json"),
         Step("sampler", [py, "bench/sampler_bench.py", "--device", "cuda", "--reps", "5",
@@ -222,9 +223,11 @@ def _markdown(report: dict) -> str:
             [m, r["acceptance"], r["batch"], r["tok_s_off"], r["tok_s_on"], r["speedup"],
              r["acceptance_length"]] for m, r in spec_rows])
     if moe := res.get("moe"):
-        lines += _table(["moe tokens", "fused ms", "loop ms", "dense ms", "fused GB/s"], [
-            [r["tokens"], r["fused_ms"], r["loop_ms"], r["dense_ms"], r["fused_GBps"]]
-            for r in moe["rows"]])
+        lines += _table(["moe tokens", "fused ms", "loop ms", "dense ms", "fused GB/s",
+                         "fp8 ms", "fp8 speedup", "fp8 vs twin"], [
+            [r["tokens"], r["fused_ms"], r["loop_ms"], r["dense_ms"], r["fused_GBps"],
+             r.get("fp8_ms", "-"), r.get("fp8_speedup", "-"),
+             r.get("fp8_max_abs_diff_vs_twin", "-")] for r in moe["rows"]])
     if cp := res.get("offload copies", {}).get("copies"):
         lines += ["", "offload copies: " + ", ".join(
             f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in cp.items())]

@@ -8,7 +8,9 @@ moe_intermediate 768 split over --tp ranks, 128 experts, 8 active), random route
 * loop: one expert at a time (transformers' Qwen3MoeExperts algorithm: `torch.where` per
   expert, two matmuls, `index_add_`);
 * dense: a dense MLP with the same active parameters (intermediate k * I), the floor a
-  grouped GEMM can approach.
+  grouped GEMM can approach;
+* fp8 (`--fp8`): the same experts in Qwen's FP8 format (128x128 blocks) through the W8A8
+  fused kernels, its speedup over `fused`, and its largest difference from the torch twin.
 
 Bandwidth = bytes of the experts actually read (distinct experts hit x 3 H I x itemsize)
 / time. CPU: median of --runs wall-clock runs. CUDA: Triton's do_bench (the fused path and
@@ -21,7 +23,7 @@ token count and prints the fastest: the rows for kernels/triton_moe.py's `_TILE_
 Qwen3-30B-A3B's config against dense Qwen3-4B's, random weights, bf16: output tokens/s.
 The 30B checkpoint is 57 GiB on disk; `--layers 12` writes a quarter of its layers.
 
-    python bench/moe_bench.py [--device cpu|cuda] [--tokens 1 16 128] [--tp 1] [--json out]
+    python bench/moe_bench.py [--device cpu|cuda] [--tokens 1 16 128] [--tp 1] [--fp8] [--json out]
     python bench/moe_bench.py --device cuda --sweep-tiles
     python bench/moe_bench.py --offline [--layers 48] [--tp 2] [--expert-parallel]
 """
@@ -45,8 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import ops  # noqa: E402
+from kernels.fp8_reference import quantize_weight_blocks  # noqa: E402
 
 SEED = 0
+FP8_BLOCK = (128, 128)
 SHAPES = {"30b-a3b": dict(hidden=2048, inter=768, experts=128, top_k=8),
           "235b-a22b": dict(hidden=4096, inter=1536, experts=128, top_k=8)}
 # Dense Qwen3-4B (the offline comparison's dense model), random weights.
@@ -102,6 +106,7 @@ def kernel_rows(args) -> list[dict]:
     w2 = (torch.randn(e, h, inter, generator=g) * 0.02).to(args.device, dtype)
     w13_dense = (torch.randn(2 * k * inter, h, generator=g) * 0.02).to(args.device, dtype)
     w2_dense = (torch.randn(h, k * inter, generator=g) * 0.02).to(args.device, dtype)
+    fp8 = (_fp8_experts(w13), _fp8_experts(w2)) if args.fp8 else None
     rows = []
     for t in args.tokens:
         x = torch.randn(t, h, generator=g).to(args.device, dtype)
@@ -122,7 +127,28 @@ def kernel_rows(args) -> list[dict]:
                          speedup_vs_loop=round(loop / fused, 2),
                          fused_GBps=round(expert_bytes / fused / 1e6, 1),
                          loop_GBps=round(expert_bytes / loop / 1e6, 1), max_abs_diff=err))
+        if fp8 is not None:
+            rows[-1].update(_fp8_row(x, fp8, weights, ids, fused, args))
     return rows
+
+
+def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts `[E, N, K]` in Qwen's FP8 format (128x128 blocks): (e4m3, float32 scales)."""
+    pairs = [quantize_weight_blocks(e, FP8_BLOCK) for e in w]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def _fp8_row(x, fp8, weights, ids, fused_ms: float, args) -> dict:
+    """The FP8 experts (W8A8) on the same tokens: time, speedup over the model-dtype fused
+    path, and the largest difference from the twin on the same FP8 experts."""
+    (q13, s13), (q2, s2) = fp8
+    run = functools.partial(ops.fused_moe, x, q13, q2, weights, ids, w13_scale=s13,
+                            w2_scale=s2, block=FP8_BLOCK)
+    ms = _time(run, args.device, args.runs)
+    twin = ops.fused_moe(x, q13, q2, weights, ids, backend="torch", w13_scale=s13, w2_scale=s2,
+                         block=FP8_BLOCK)
+    return dict(fp8_ms=round(ms, 3), fp8_speedup=round(fused_ms / ms, 2),
+                fp8_max_abs_diff_vs_twin=(run() - twin).abs().max().item())
 
 
 def sweep_tiles(args) -> list[dict]:
@@ -202,6 +228,8 @@ def main() -> None:
     ap.add_argument("--offline", action="store_true")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--expert-parallel", action="store_true", help="--offline: EP instead of TP")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also the experts in Qwen's FP8 format (W8A8 fused kernels)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if (args.device == "cuda" or args.sweep_tiles or args.offline) and not torch.cuda.is_available():

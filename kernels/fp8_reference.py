@@ -5,8 +5,8 @@ per `[bn, bk]` block (a grid of `[ceil(N / bn), ceil(K / bk)]`), so that
 `W ~= Wq * scale_inv[n // bn, k // bk]`; a block's scale is its absolute maximum over 448,
 e4m3's largest finite value, so no value saturates.
 
-The GEMM is W8A8: activations are quantized on the fly per token and per group of `bk`
-columns (one scale per row and group, `amax / 448`), so each `bk`-wide step of the product is
+The GEMMs (dense, and the fused MoE experts' two) are W8A8: activations are quantized on the
+fly per token and per group of `bk` columns (one scale per row and group, `amax / 448`), so each `bk`-wide step of the product is
 an e4m3 x e4m3 dot product times one activation scale and one weight scale. The twin does that
 arithmetic in float32 (quantize, dequantize, matmul); the Triton kernel (kernels/triton_fp8.py)
 accumulates the same products in float32 registers.
@@ -66,10 +66,16 @@ def quantize_act_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
     return (x.float() / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+def fake_quantize_act_groups(x: Tensor, group: int) -> Tensor:
+    """`x [M, K]` as the W8A8 GEMMs see it: quantized per row and `group` columns
+    (`quantize_act_groups`) and dequantized again, in float32."""
+    xq, xs = quantize_act_groups(x, group)
+    return xq.float() * xs.repeat_interleave(group, 1)[:, :x.shape[1]]
+
+
 def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
                      block: tuple[int, int]) -> Tensor:
     """`x [M, K] @ W.T` with `W` block-quantized and `x` quantized per token and `bk` group:
     `[M, N]` in x's dtype, accumulated in float32."""
-    xq, xs = quantize_act_groups(x, block[1])
-    x_dq = xq.float() * xs.repeat_interleave(block[1], 1)[:, :x.shape[1]]
+    x_dq = fake_quantize_act_groups(x, block[1])
     return (x_dq @ dequantize_weight_blocks(weight, weight_scale_inv, block).T).to(x.dtype)

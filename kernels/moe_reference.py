@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.fp8_reference import fake_quantize_act_groups
+
 
 def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     """transformers' Qwen3MoeTopKRouter: softmax in fp32, top-k, optional renormalisation;
@@ -27,11 +29,18 @@ def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor,
     return weights.to(router_logits.dtype), ids
 
 
-def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+              act_group: int | None = None) -> Tensor:
     """`sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x_t) * (up_e x_t))` with `e = topk_ids[t, j]`.
 
     x `[T, H]`, w13 `[E, 2I, H]` (gate rows then up rows), w2 `[E, H, I]`; returns `[T, H]`.
+    With `act_group` (FP8 experts, W8A8: the twin of the Triton kernel's on-the-fly
+    quantization), each GEMM's input rows are quantized per `act_group` columns to e4m3 and
+    dequantized again first (kernels/fp8_reference.py); w13/w2 are then the dequantized experts.
     """
+    def gemm_input(a: Tensor) -> Tensor:
+        return a if act_group is None else fake_quantize_act_groups(a, act_group).to(a.dtype)
+
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -42,10 +51,10 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, key, torch.ones_like(key))
     group_ends = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
-    rows = x[order // top_k]
+    rows = gemm_input(x)[order // top_k]
     gate_up = F.grouped_mm(rows, w13.transpose(1, 2), offs=group_ends)
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    down = F.grouped_mm(act, w2.transpose(1, 2), offs=group_ends)
+    down = F.grouped_mm(gemm_input(act), w2.transpose(1, 2), offs=group_ends)
     # Rows past the last group (other ranks' pairs) were never computed: select, not multiply.
     local = (key[order] < num_experts)[:, None]
     down = torch.where(local, down * topk_weights.reshape(-1)[order, None].to(x.dtype), 0.0)

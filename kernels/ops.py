@@ -50,11 +50,17 @@ def _resolve(backend: str, t: Tensor, *, allow_flash: bool = False) -> str:
 
 def _check_kv_scales(k_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
                      chosen: str) -> None:
-    """An FP8 cache needs its per-tensor scales and the torch or Triton kernels."""
+    """An FP8 cache needs one scale per KV head (a per-tensor scale: the vector filled with
+    it) and the torch or Triton kernels."""
     if k_cache.dtype != reference.FP8_KV_DTYPE:
         return
-    if k_scale is None or v_scale is None or k_scale.numel() != 1 or v_scale.numel() != 1:
-        raise ValueError("an FP8 (float8_e4m3fn) KV cache needs k_scale and v_scale, float32 [1]")
+    heads = k_cache.shape[2]
+    if any(s is None or s.shape != (heads,) or s.dtype != torch.float32
+           for s in (k_scale, v_scale)):
+        got = [None if s is None else f"{s.dtype} {tuple(s.shape)}" for s in (k_scale, v_scale)]
+        raise ValueError(f"an FP8 (float8_e4m3fn) KV cache needs k_scale and v_scale, float32 "
+                         f"[Hkv={heads}] (one per KV head; fill it for a per-tensor scale); "
+                         f"got {got}")
     if chosen == "flash_attn":
         raise ValueError("the 'flash_attn' kernels do not read an FP8 KV cache; use backend "
                          "'triton' or 'torch' (kv_cache_dtype 'fp8')")
@@ -64,7 +70,7 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
              backend: Backend = "auto", k_scale: Tensor | None = None,
              v_scale: Tensor | None = None) -> None:
     """Store `key`/`value` `[T, Hkv, D]` into the paged caches at `slot_mapping` (`-1` = skip);
-    an FP8 cache stores them divided by `k_scale` / `v_scale` (float32 `[1]`)."""
+    an FP8 cache stores each head's divided by its `k_scale` / `v_scale` (float32 `[Hkv]`)."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, Hkv, D]; got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -97,7 +103,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     prefill tiles. `key`/`value` `[T, Hkv, D]`, optional, are this step's rows exactly as
     written to the cache: the Triton kernel then reads each chunk's own keys from them
     (contiguous) instead of through the block table; the other backends ignore them.
-    An FP8 cache is read times `k_scale` / `v_scale` (float32 `[1]`).
+    An FP8 cache is read times each head's `k_scale` / `v_scale` (float32 `[Hkv]`).
     """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q must be [T, Hq, D] and k/v caches [num_blocks, block_size, Hkv, D]; "
@@ -176,7 +182,8 @@ def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_we
 
     q and k get their per-head RMSNorm (`q_weight`/`k_weight` `[D]`) and the rotary embedding at
     `positions`, in place inside `qkv`; K and V are stored into the paged caches at
-    `slot_mapping` (-1 = skip), an FP8 cache divided by `k_scale` / `v_scale`. Returns the views
+    `slot_mapping` (-1 = skip), an FP8 cache divided by each head's `k_scale` / `v_scale`
+    (float32 `[Hkv]`). Returns the views
     (q `[T, Hq, D]`, k, v `[T, Hkv, D]`) of `qkv`.
     """
     if qkv.dim() != 2 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -267,8 +274,9 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     nothing here. Triton: grouped GEMMs over tokens sorted by expert, no host sync; torch:
     the same grouping with batched matmuls. Block-scaled FP8 experts: w13/w2 e4m3 with
     `w13_scale` `[E, 2I / bn, H / bk]`, `w2_scale` `[E, H / bn, I / bk]` float32 and
-    `block = (bn, bk)` (kernels/fp8_reference.py's format), dequantized in registers (Triton)
-    or before the matmuls (torch): W8A16.
+    `block = (bn, bk)` (kernels/fp8_reference.py's format): W8A8, each GEMM's input quantized
+    per row and `bk` group on the fly and the e4m3 products scaled in registers (Triton), or
+    the experts dequantized and the inputs quantized and dequantized before the matmuls (torch).
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
@@ -288,7 +296,8 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
         if fp8:
             w13 = fp8_reference.dequantize_weight_blocks(w13, w13_scale, block, x.dtype)
             w2 = fp8_reference.dequantize_weight_blocks(w2, w2_scale, block, x.dtype)
-        return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids,
+                                       act_group=block[1] if fp8 else None)
     from kernels.triton_moe import fused_moe as triton_fused_moe
     return triton_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
                             w2_scale=w2_scale, block=block)
@@ -296,8 +305,9 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
 
 def _check_expert_scales(w13: Tensor, w2: Tensor, w13_scale: Tensor | None,
                          w2_scale: Tensor | None, block: tuple[int, int] | None) -> None:
-    """Block-scaled FP8 experts need both scale grids, a power-of-two block >= 16 (a Triton
-    tile stays inside one block) and e4m3 weights."""
+    """Block-scaled FP8 experts need both scale grids (`ceil`: a partial last block has its
+    own scale), a power-of-two block >= 16 (the Triton K loop steps one block) and e4m3
+    weights."""
     if block is None or w13_scale is None or w2_scale is None:
         raise ValueError("fused_moe: FP8 (float8_e4m3fn) experts need w13_scale, w2_scale and "
                          "block")

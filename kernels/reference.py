@@ -9,8 +9,9 @@ Triton kernels (they also accumulate in float32).
 Cache layout (shared with the Triton kernels): one K and one V tensor per layer, each
 `[num_blocks, block_size, num_kv_heads, head_dim]`; token slot `s` lives at
 `cache[s // block_size, s % block_size]`. An FP8 cache (`float8_e4m3fn`) holds each value
-divided by its tensor's scale (`k_scale` / `v_scale`, float32 `[1]`), saturated at +-448; a
-read multiplies it back in float32 (`quantize_kv` / `dequantize_kv`).
+divided by its KV head's scale (`k_scale` / `v_scale`, float32 `[Hkv]`; a per-tensor scale is
+that vector filled with one value), saturated at +-448; a read multiplies it back in float32
+(`quantize_kv` / `dequantize_kv`).
 """
 
 from __future__ import annotations
@@ -26,17 +27,19 @@ _FP8_MAX = torch.finfo(FP8_KV_DTYPE).max
 
 
 def quantize_kv(x: Tensor, dtype: torch.dtype, scale: Tensor | None) -> Tensor:
-    """`x` as a cache of `dtype` stores it: FP8 e4m3 holds x / scale saturated at +-448."""
+    """Rows `[..., Hkv, D]` as a cache of `dtype` stores them: FP8 e4m3 holds each head's
+    values over its scale (`scale` `[Hkv]`), saturated at +-448."""
     if dtype != FP8_KV_DTYPE:
         return x.to(dtype)
-    return (x.to(torch.float32) / scale).clamp(-_FP8_MAX, _FP8_MAX).to(dtype)
+    return (x.to(torch.float32) / scale[:, None]).clamp(-_FP8_MAX, _FP8_MAX).to(dtype)
 
 
 def dequantize_kv(x: Tensor, scale: Tensor | None) -> Tensor:
-    """Cached rows as values: an FP8 cache's times its scale, in float32; others as they are."""
+    """Cached rows `[..., Hkv, D]` as values: an FP8 cache's times each head's scale
+    (`scale` `[Hkv]`), in float32; others as they are."""
     if x.dtype != FP8_KV_DTYPE:
         return x
-    return x.to(torch.float32) * scale
+    return x.to(torch.float32) * scale[:, None]
 
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,

@@ -23,7 +23,7 @@ One kernel serves every sequence of a batch, whatever its query length:
   no mask at all; only a partial prefix tile and the diagonal tiles are masked, and tiles past
   the block's last query are never visited.
 * Online softmax in float32 (exp2 with the scale folded into log2 units).
-* An FP8 cache (FP8) is read as e4m3 and multiplied by its per-tensor scale in registers
+* An FP8 cache (FP8) is read as e4m3 and multiplied by its KV head's scale in registers
   (`triton_kv.from_cache`), then cast to q's dtype for the dot products; no copy of the cache
   in another dtype is ever made. Its chunk keys are read from the cache too (never from the
   full-precision `key`/`value` rows), so every key is the value a later step will read.
@@ -234,8 +234,8 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_scale, v_scale = 1.0, 1.0
-    if FP8:
-        k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+    if FP8:  # the program's KV head's scales
+        k_scale, v_scale = tl.load(k_scale_ptr + kv_head), tl.load(v_scale_ptr + kv_head)
 
     # Prefix: full tiles unmasked, then the partial last tile (at most one).
     for tile in range(lo, tl.minimum(hi, n_pre_full)):

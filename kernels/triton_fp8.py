@@ -22,7 +22,7 @@ from torch import Tensor
 
 from kernels.triton_kv import to_cache
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # (read when kernels are defined)
 
 
 @triton.jit
@@ -78,5 +78,5 @@ def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
         x, weight, weight_scale_inv, out, m, n, k,
         x.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(0),
         SCALE_BLOCK_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-        DOT_FP8=not _INTERPRET, num_warps=4, num_stages=3)
+        DOT_FP8=not INTERPRET, num_warps=4, num_stages=3)
     return out

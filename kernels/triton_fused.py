@@ -136,8 +136,10 @@ def _qk_norm_rope_kernel(
                 v2 = tl.load(v_src + HALF, mask=mask)
                 cache_dtype = k_cache_ptr.dtype.element_ty
                 ks, vs = 1.0, 1.0
-                if FP8:
-                    ks, vs = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+                if FP8:  # each KV head's scale
+                    h_ok = h < num_kv_heads
+                    ks = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)[:, None]
+                    vs = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)[:, None]
                 tl.store(k_cache_ptr + dst, to_cache(k1, ks, FP8).to(cache_dtype), mask=mask)
                 tl.store(k_cache_ptr + dst + HALF, to_cache(k2, ks, FP8).to(cache_dtype),
                          mask=mask)

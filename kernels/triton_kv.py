@@ -3,7 +3,8 @@
 One program per token writes all of its KV heads (`Hkv * D` contiguous elements of the source
 row) with a single masked load/store per tensor; a slot of -1 (padding in a CUDA-graph batch)
 makes the program return before touching the cache. An FP8 cache (FP8) stores each value over
-its tensor's scale, saturated at e4m3's largest finite value (`to_cache`); the attention
+its KV head's scale (float32 `[Hkv]`: one code path for per-head and per-tensor scales, the
+latter the vector filled with one value), saturated at e4m3's largest finite value (`to_cache`); the attention
 kernels multiply it back in registers (`from_cache`), as `reference.quantize_kv` /
 `dequantize_kv` do.
 """
@@ -44,7 +45,8 @@ def from_cache(x, scale, FP8: tl.constexpr):
 
 def scale_args(k_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None
                ) -> tuple[Tensor, Tensor, bool]:
-    """(k scale, v scale, FP8) for a launch: the scales of an FP8 cache, else any pointer."""
+    """(k scale, v scale, FP8) for a launch: the per-KV-head scale vectors of an FP8 cache,
+    else any pointer."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if not fp8:
         return k_cache, k_cache, False
@@ -74,8 +76,9 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + token.to(tl.int64) * stride_vt + head * stride_vh + dim, mask=mask)
     dst = block * stride_cb + offset * stride_cs + head * stride_ch + dim
     k_scale, v_scale = 1.0, 1.0
-    if FP8:
-        k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+    if FP8:  # each element's KV head's scale
+        k_scale = tl.load(k_scale_ptr + head, mask=mask, other=1.0)
+        v_scale = tl.load(v_scale_ptr + head, mask=mask, other=1.0)
     tl.store(k_cache_ptr + dst, to_cache(k, k_scale, FP8).to(k_cache_ptr.dtype.element_ty),
              mask=mask)
     tl.store(v_cache_ptr + dst, to_cache(v, v_scale, FP8).to(v_cache_ptr.dtype.element_ty),

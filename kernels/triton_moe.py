@@ -14,10 +14,13 @@
    the result is deterministic).
 
 Block-scaled FP8 experts (kernels/fp8_reference.py's format, `[E, N, K]` e4m3 with
-`[E, N / bn, K / bk]` float32 scales): the kernel loads each B tile as e4m3 and multiplies it by
-its block's scale in registers before the dot (W8A16: half the weight bytes of bf16 read, no
-float copy of the experts anywhere); a tile never spans two scale blocks (BLOCK_K <= bk,
-BLOCK_N <= bn, powers of two).
+`[E, N / bn, K / bk]` float32 scales) are W8A8, as the dense GEMM (kernels/triton_fp8.py): the
+K loop steps one scale block at a time (BLOCK_K == bk), quantizes the loaded A tile per row on
+the fly (amax / 448, rounded to e4m3: `triton_kv.to_cache`; both GEMMs, so the gated
+activations too), takes the e4m3 x e4m3 dot product with the B tile as stored, and adds it
+times the rows' scales and the columns' block scales to the float32 accumulator. No float copy
+of the experts or quantized copy of the activations is ever written. Under the interpreter
+(CPU tests) the dot runs on the e4m3 values widened to float32: the same products.
 
 No host read anywhere (the grid is the static worst case, blocks past the used rows exit
 at once), so the decode CUDA graph captures it. Blocks of pairs whose expert lives on another
@@ -36,6 +39,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kernels.triton_fp8 import INTERPRET
+from kernels.triton_kv import to_cache
 
 # (max pairs T*k, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the first row
 # whose bound covers the batch. PROVISIONAL (see the module docstring).
@@ -133,6 +139,15 @@ def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_m: int
     return sorted_ids, expert_ids, num_padded
 
 
+@triton.jit
+def _fp8_dot(aq, b, DOT_FP8: tl.constexpr):
+    """e4m3 A (as float32 values) times e4m3 B, in float32: on the tensor cores' e4m3 path,
+    or (the interpreter) widened to float32, where every product is exact."""
+    if DOT_FP8:
+        return tl.dot(aq.to(tl.float8e4nv), b)
+    return tl.dot(aq, b.to(tl.float32), input_precision="ieee")
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_rows_total"])
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, bs_ptr,
@@ -142,7 +157,7 @@ def _moe_gemm_kernel(
     TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, GATED: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8_W: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    FP8_W: tl.constexpr, SCALE_N: tl.constexpr, DOT_FP8: tl.constexpr,
 ):
     """C[pair, n] for one (row block, column block). A's row for a pair is its token
     (`pair // TOP_K`) when A_PER_TOKEN, else the pair itself. With GATED, B's rows n and
@@ -178,19 +193,25 @@ def _moe_gemm_kernel(
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if FP8_W:  # this tile's block scales, one per column (BLOCK_K <= SCALE_K)
-            s_ptrs = bs_ptr + expert * stride_bse + (k0 * BLOCK_K) // SCALE_K
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        if FP8_W:  # W8A8: this K block's A rows quantized, the block scales per column
+            a32 = a.to(tl.float32)
+            a_scale = tl.maximum(tl.max(tl.abs(a32), axis=1), 1e-10) / 448.0
+            aq = to_cache(a32, a_scale[:, None], True)  # e4m3 values (rounded), as float32
+            s_ptrs = bs_ptr + expert * stride_bse + k0  # (BLOCK_K == SCALE_K)
             s = tl.load(s_ptrs + (offs_n // SCALE_N) * stride_bsn, mask=col_ok, other=0.0)
-            b = (b.to(tl.float32) * s[None, :]).to(a.dtype)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if GATED:
-            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if FP8_W:
+            acc += _fp8_dot(aq, b, DOT_FP8) * a_scale[:, None] * s[None, :]
+            if GATED:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
                 s_up = tl.load(s_ptrs + ((N + offs_n) // SCALE_N) * stride_bsn, mask=col_ok,
                                other=0.0)
-                b_up = (b_up.to(tl.float32) * s_up[None, :]).to(a.dtype)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+                acc_up += _fp8_dot(aq, b_up, DOT_FP8) * a_scale[:, None] * s_up[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if GATED:
@@ -218,7 +239,7 @@ def _launch(a: Tensor, b: Tensor, c: Tensor, weights: Tensor, sorted_ids: Tensor
         TOP_K=top_k, A_PER_TOKEN=a_per_token, GATED=gated, MUL_WEIGHT=mul_weight,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=precision, FP8_W=b_scale is not None, SCALE_N=block[0],
-        SCALE_K=block[1], num_warps=num_warps, num_stages=num_stages)
+        DOT_FP8=not INTERPRET, num_warps=num_warps, num_stages=num_stages)
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
@@ -230,9 +251,9 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     tiles = tiles or tile_config(num_pairs)
-    if block is not None:  # a B tile within one scale block
-        block_m, block_n, block_k, *rest = tiles
-        tiles = (block_m, min(block_n, block[0]), min(block_k, block[1]), *rest)
+    if block is not None:  # FP8: the K loop steps one scale block (one activation group)
+        block_m, block_n, _, *rest = tiles
+        tiles = (block_m, block_n, block[1], *rest)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, tiles[0])
     weights = topk_weights.reshape(-1)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)

@@ -106,7 +106,10 @@ def test_report_tables_render_from_benchmark_results() -> None:
                                             "tok_s_on": 300, "speedup": 3.0,
                                             "acceptance_length": 5.0}]},
             "moe": {"rows": [{"tokens": 32, "fused_ms": 0.1, "loop_ms": 1.0, "dense_ms": 0.05,
-                              "fused_GBps": 2000.0}]},
+                              "fused_GBps": 2000.0},
+                             {"tokens": 512, "fused_ms": 0.4, "loop_ms": 2.0, "dense_ms": 0.2,
+                              "fused_GBps": 2500.0, "fp8_ms": 0.25, "fp8_speedup": 1.6,
+                              "fp8_max_abs_diff_vs_twin": 0.002}]},
             "offload copies": {"copies": {"gib": 0.5, "offload_gb_s": 20.5}},
             "embed": {"rows": [{"batch": 64, "system": "engine", "inputs_per_s": 105.5,
                                 "tokens_per_s": 26158.2, "seconds": 0.6}]},
@@ -123,7 +126,8 @@ def test_report_tables_render_from_benchmark_results() -> None:
     assert "| 32 | 4096 | 500.0 | 0.90 |" in md
     assert "| 0 | 1024 | 0.200 | 0.100 | 0.50 |" in md
     assert "| eager | 1.0 | 1 | 100 | 300 | 3.0 | 5.0 |" in md
-    assert "| 32 | 0.1 | 1.0 | 0.05 | 2000.0 |" in md
+    assert "| 32 | 0.1 | 1.0 | 0.05 | 2000.0 | - | - | - |" in md
+    assert "| 512 | 0.4 | 2.0 | 0.2 | 2500.0 | 0.25 | 1.6 | 0.002 |" in md  # FP8 experts
     assert "offload copies: gib 0.50, offload_gb_s 20.50" in md
     assert "| 64 | engine | 105.5 | 26158 |" in md
     assert "| 512 | 40.0 | 44.0 | 1.10 |" in md

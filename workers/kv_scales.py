@@ -1,14 +1,16 @@
-"""Where an FP8 KV cache's per-tensor scales come from (`Attention.k_scale` / `v_scale`,
-float32 `[1]` buffers the KV-write and attention kernels read; 1.0 by default):
+"""Where an FP8 KV cache's scales come from (`Attention.k_scale` / `v_scale`, float32
+`[Hkv]` buffers, one per KV head of this rank, that the KV-write and attention kernels read;
+1.0 by default; a per-tensor scale is the vector filled with it):
 
 * the checkpoint's `model.layers.{i}.self_attn.k_scale` / `v_scale` (llm-compressor's names),
-  one value or one per KV head: per-head scales become this rank's largest (the kernels take
-  one scale per tensor, and the largest never saturates a head the smaller ones would not);
+  one value (every head's) or one per KV head: each rank takes its own heads' values, sharded
+  with the KV heads (a rank holding a replicated KV head, tp > Hkv, takes that head's);
 * `calculate_kv_scales: true`: from the first step after start-up (the first request's
-  prefill; a speculative draft's layers from its own first forward), vLLM's rule `amax(K) / 200` and `amax(V) / 100` over this rank's rows (headroom for
-  later tokens larger than the first prompt's); that step's K/V are stored again under the new
-  scales, so no cached value was ever written under another scale. Calculated scales win over
-  a checkpoint's, as in vLLM.
+  prefill; a speculative draft's layers from its own first forward), vLLM's per-tensor rule
+  `amax(K) / 200` and `amax(V) / 100` over this rank's rows (headroom for later tokens larger
+  than the first prompt's), filling the vector; that step's K/V are stored again under the
+  new scales, so no cached value was ever written under another scale. Calculated scales win
+  over a checkpoint's, as in vLLM.
 
 Scales are fixed after that: the cache's contents (swap, offload, prefix hits, copy-on-write)
 are read with the scales they were written with. A full-precision cache ignores them.
@@ -42,11 +44,12 @@ def apply_checkpoint_kv_scales(model: nn.Module, scales: dict[str, Tensor]) -> N
             raise ValueError(f"checkpoint tensor {name!r} is for layer {index}, but the model "
                              f"has {len(layers)} layers")
         attn = layers[index].self_attn
-        value = _rank_scale(tensor.float().flatten(), attn.qkv_proj, name)
-        getattr(attn.attn, f"{kind}_scale").fill_(value)
+        values = _rank_scales(tensor.float().flatten(), attn.qkv_proj, name)
+        getattr(attn.attn, f"{kind}_scale").copy_(values)
 
 
-def _rank_scale(values: Tensor, qkv_proj: nn.Module, name: str) -> float:
+def _rank_scales(values: Tensor, qkv_proj: nn.Module, name: str) -> Tensor:
+    """This rank's KV heads' scales `[num_kv_heads]` from a checkpoint's one or per-head values."""
     total = qkv_proj.total_num_kv_heads
     if values.numel() == total:
         values = values[qkv_proj.kv_head_start:qkv_proj.kv_head_start + qkv_proj.num_kv_heads]
@@ -56,7 +59,7 @@ def _rank_scale(values: Tensor, qkv_proj: nn.Module, name: str) -> float:
     if not bool(torch.isfinite(values).all()) or bool((values <= 0).any()):
         raise ValueError(f"checkpoint tensor {name!r} holds {values.tolist()}; KV-cache scales "
                          "must be positive and finite")
-    return float(values.max())
+    return values.expand(qkv_proj.num_kv_heads)
 
 
 def arm_kv_scale_calculation(attention_layers: list[nn.Module]) -> None:
@@ -68,8 +71,8 @@ def arm_kv_scale_calculation(attention_layers: list[nn.Module]) -> None:
 
 def calculate_kv_scales(attn: nn.Module, k: Tensor, v: Tensor, slot_mapping: Tensor,
                         backend: str) -> None:
-    """Set `attn`'s scales from this step's K/V rows `[T, Hkv, D]` (slots -1 skipped) and
-    store the rows again under them."""
+    """Set `attn`'s scales (every head's the same: vLLM's per-tensor rule) from this step's
+    K/V rows `[T, Hkv, D]` (slots -1 skipped) and store the rows again under them."""
     keep = slot_mapping >= 0
     attn.k_scale.copy_((k[keep].abs().amax().float() / K_SCALE_CONSTANT).clamp(min=_MIN_SCALE))
     attn.v_scale.copy_((v[keep].abs().amax().float() / V_SCALE_CONSTANT).clamp(min=_MIN_SCALE))

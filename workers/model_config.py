@@ -115,22 +115,28 @@ class ModelConfig:
         if stage is not None and stage.size > 1:
             layers = range(stage.start_layer, stage.end_layer)
             first, last = stage.is_first, stage.is_last
-        linear, other = 0, 0
+        # one rank's quantizable matrices: (count, rows, columns); merged ones as one
+        matrices: list[tuple[int, int, int]] = []
+        other = 0
         for i in layers:
-            linear += h * (nq // tp) * d * 2 + 2 * h * kv_per_rank * d
+            matrices += [(1, (nq // tp + 2 * kv_per_rank) * d, h), (1, h, nq // tp * d)]
             if self.is_sparse_layer(i):
-                linear += self.num_experts * 3 * h * self.moe_intermediate_size // tp
+                inter = self.moe_intermediate_size // tp
+                matrices += [(self.num_experts, 2 * inter, h), (self.num_experts, h, inter)]
                 other += self.num_experts * h
             else:
-                linear += 3 * h * self.intermediate_size // tp
+                inter = self.intermediate_size // tp
+                matrices += [(1, 2 * inter, h), (1, h, inter)]
             other += 2 * d + 2 * h
         vocab = -(-self.vocab_size // tp) * h
         tables = first + last - (first and last and self.tie_word_embeddings)
         other += vocab * tables + h * last
+        linear = sum(n * rows * cols for n, rows, cols in matrices)
         if self.quantization is None or not self.quantization.from_checkpoint:
             return (linear + other) * itemsize
-        bn, bk = self.quantization.weight_block_size
-        return linear + -(-linear // (bn * bk)) * 4 + other * itemsize
+        bn, bk = self.quantization.weight_block_size  # a partial last block has its scale
+        scales = sum(n * -(-rows // bn) * -(-cols // bk) for n, rows, cols in matrices)
+        return linear + scales * 4 + other * itemsize
 
     def num_kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
         """KV heads one rank holds: a shard, or one replicated head when tp > num_kv_heads."""

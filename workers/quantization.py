@@ -12,7 +12,8 @@ router stay unquantized, as in Qwen's checkpoints.
 A checkpoint is quantized when a tensor has a non-float dtype (FP8, int) or a quantization
 scale's name; a config that declares a `quantization_config` over weights that are not is
 refused, since serving it would silently ignore the declaration. Tensor parallelism shards
-whole scale blocks: `check_fp8_blocks` refuses at start a TP size that would split one.
+whole scale blocks: `check_fp8_blocks` refuses at start a TP size that would split one; a
+dim that is not split may end in a partial block (ceil-div scale grids), as in vLLM.
 Imports only the standard library (the engine reads it before any worker starts).
 """
 
@@ -107,18 +108,29 @@ def _fp8_checkpoint_config(qc: dict[str, Any], path: Path) -> Fp8Config:
     return Fp8Config(weight_block_size=(block[0], block[1]), from_checkpoint=True)
 
 
-def check_fp8_blocks(quant: Fp8Config, parts: dict[str, tuple[int, int]],
+def check_fp8_blocks(quant: Fp8Config, name: str, output_partition_sizes: list[int],
+                     input_size: int, *, output_split: bool, input_split: bool,
                      tensor_parallel_size: int) -> None:
-    """ValueError naming the sizes when a rank's share of a quantized weight would split a
-    scale block: `parts` maps a weight's name to (rows, columns) of one rank's slice (each
-    packed part on its own: q, k, v; gate, up)."""
+    """ValueError naming the sizes where one rank's share of a quantized weight (its packed
+    parts' rows `output_partition_sizes`, `input_size` columns) would split a scale block, by
+    vLLM's rule (`validate_fp8_block_shape`): a dim split over the ranks must be whole blocks
+    on every rank; a merged weight's parts but the last must be whole blocks (their scale rows
+    then line up); an unsplit dim may end in a partial block (Qwen's format: the scale grid is
+    `ceil(N / bn) x ceil(K / bk)`)."""
     bn, bk = quant.weight_block_size
-    for name, (rows, cols) in parts.items():
-        if rows % bn or cols % bk:
-            fix = ("choose a smaller tensor_parallel_size" if tensor_parallel_size > 1 else
-                   "this worker needs the weights' dims (each of q, k, v; gate, up) to be "
-                   "multiples of the block")
-            raise ValueError(
-                f"FP8 weights in [{bn}, {bk}] blocks: one rank's {name} is [{rows}, {cols}] at "
-                f"tensor_parallel_size={tensor_parallel_size}, which splits a scale block "
-                f"(every rank must hold whole blocks); {fix}")
+    parts = output_partition_sizes if output_split else output_partition_sizes[:-1]
+    many = len(output_partition_sizes) > 1
+    bad = [(f"{name} part {j}" if many else name, rows) for j, rows in enumerate(parts)
+           if rows % bn]
+    if input_split and input_size % bk:
+        bad.append((name, sum(output_partition_sizes)))
+    if not bad:
+        return
+    what, rows = bad[0]
+    fix = ("choose a smaller tensor_parallel_size" if tensor_parallel_size > 1 else
+           "a merged weight's parts other than the last must be whole blocks, so that their "
+           "scale rows line up (as in vLLM)")
+    raise ValueError(
+        f"FP8 weights in [{bn}, {bk}] blocks: one rank's {what} is [{rows}, {input_size}] at "
+        f"tensor_parallel_size={tensor_parallel_size}, which splits a scale block (a dim split "
+        f"over the ranks, or a merged part, must be whole blocks); {fix}")

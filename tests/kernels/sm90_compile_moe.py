@@ -1,8 +1,8 @@
 """Compile the fused-MoE kernels for an H100 (sm_90) without a GPU (see sm90_compile.py,
 whose helper this uses): the three alignment kernels, and the GEMM at every row of
 `_TILE_TABLE`, gate+up (GATED, rows per token) and down (routing weights applied), in bf16
-(the GPU default) with bf16 and block-scaled FP8 experts (128x128 blocks), and fp32 at one
-tile. Run with TRITON_INTERPRET unset."""
+(the GPU default) with bf16 and block-scaled FP8 experts (128x128 blocks, W8A8: e4m3 dot
+products, BLOCK_K 128), and fp32 at one tile. Run with TRITON_INTERPRET unset."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def main() -> None:
     configs = [("bf16", fp8, row[1:]) for row in triton_moe._TILE_TABLE for fp8 in (False, True)]
     configs.append(("fp32", False, (16, 64, 32, 1, 4, 2)))
     for dt, fp8, (block_m, block_n, block_k, group_m, warps, stages) in configs:
+        block_k = 128 if fp8 else block_k  # FP8: the K loop steps one scale block
         for gated in (True, False):
             compiled = compile_kernel(
                 triton_moe._moe_gemm_kernel,
@@ -25,9 +26,10 @@ def main() -> None:
                      sorted_ids_ptr="i32", expert_ids_ptr="i32", num_padded_ptr="i32",
                      bs_ptr="fp32" if fp8 else dt),
                 dict(TOP_K=8 if gated else 1, A_PER_TOKEN=gated, GATED=gated,
-                     MUL_WEIGHT=not gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                     MUL_WEIGHT=not gated, BLOCK_M=block_m, BLOCK_N=block_n,
+                     BLOCK_K=block_k,
                      GROUP_M=group_m, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
-                     FP8_W=fp8, SCALE_N=128 if fp8 else 1, SCALE_K=128 if fp8 else 1),
+                     FP8_W=fp8, SCALE_N=128 if fp8 else 1, DOT_FP8=fp8),
                 num_warps=warps, num_stages=stages)
             shared = compiled.metadata.shared
             if shared > H100_SHARED_BYTES:

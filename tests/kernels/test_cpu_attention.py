@@ -53,7 +53,10 @@ def test_bf16_attends_within_bf16_rounding_of_the_float32_reference() -> None:
 def test_fp8_cache_is_read_times_its_scales() -> None:
     batch = make_paged_batch(MIXED, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
                              dtype=torch.float32, device="cpu", seed=10)
-    k_scale, v_scale = torch.tensor([0.5]), torch.tensor([2.0])
+    # per KV head: the heads' magnitudes 50x apart, each over its own scale
+    batch.k_cache[:, :, 1] *= 50
+    batch.v_cache[:, :, 0] *= 50
+    k_scale, v_scale = torch.tensor([0.5, 25.0]), torch.tensor([100.0, 2.0])
     fp8 = dict(k_scale=k_scale, v_scale=v_scale)
     batch.k_cache = reference.quantize_kv(batch.k_cache, reference.FP8_KV_DTYPE, k_scale)
     batch.v_cache = reference.quantize_kv(batch.v_cache, reference.FP8_KV_DTYPE, v_scale)

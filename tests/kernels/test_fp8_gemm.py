@@ -47,7 +47,8 @@ def test_twin_quantizes_activations_per_token_group() -> None:
 
 @INTERPRETER_ONLY
 @pytest.mark.parametrize("m,n,k,block", [(5, 48, 64, (16, 32)), (33, 40, 96, (32, 32)),
-                                         (17, 128, 128, (128, 128))])
+                                         (17, 128, 128, (128, 128)),
+                                         (7, 40, 80, (16, 32))])  # partial last blocks
 def test_triton_gemm_matches_the_twin(m: int, n: int, k: int, block: tuple[int, int]) -> None:
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen)

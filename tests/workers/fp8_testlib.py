@@ -9,15 +9,19 @@ import json
 import shutil
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from torch import nn
+from torch import Tensor, nn
 
 from kernels.fp8_reference import (
     dequantize_weight_blocks,
-    quantize_act_groups,
+    fake_quantize_act_groups,
     quantize_weight_blocks,
 )
+
+_LINEAR = F.linear
 
 QWEN_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [128, 128]}
@@ -56,18 +60,34 @@ def write_qwen_fp8(src: str | Path, fp8_dir: Path, dequant_dir: Path) -> None:
 
 
 def fake_quantize_activations(model: nn.Module) -> None:
-    """Make a transformers model W8A8 as the FP8 linear layers are: every attention and dense-MLP
+    """Make a transformers model W8A8 as the FP8 layers are: every attention and dense-MLP
     projection's input quantized per token and 128-group and dequantized again (a forward
-    pre-hook). Expert projections keep float inputs: the FP8 experts are W8A16
-    (workers/layers/moe.py)."""
+    pre-hook), and inside each MoE experts block both GEMMs' inputs (the hidden rows and the
+    gated activations) the same way (its eager forward runs with `F.linear` quantizing its
+    input), as the fused MoE kernels do."""
+
+    def quantized(x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        return fake_quantize_act_groups(flat, BLOCK[1]).reshape(x.shape).to(x.dtype)
 
     def hook(_module: nn.Module, args: tuple) -> tuple:
-        x = args[0]
-        flat = x.reshape(-1, x.shape[-1])
-        q, scale = quantize_act_groups(flat, BLOCK[1])
-        dq = q.float() * scale.repeat_interleave(BLOCK[1], 1)[:, :flat.shape[1]]
-        return (dq.reshape(x.shape).to(x.dtype), *args[1:])
+        return (quantized(args[0]), *args[1:])
 
+    def w8a8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return _LINEAR(quantized(x), weight, bias)
+
+    def experts_w8a8(forward):
+        def run(*args, **kwargs):
+            with mock.patch.object(F, "linear", w8a8_linear):
+                return forward(*args, **kwargs)
+        return run
+
+    experts = False
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and name.endswith("_proj") and "experts" not in name:
             module.register_forward_pre_hook(hook)
+        elif name.endswith(".experts"):
+            module.forward = experts_w8a8(module.forward)
+            experts = True
+    if experts:  # transformers' eager experts (a loop of F.linear), not its grouped_mm default
+        model.set_experts_implementation("eager")

@@ -15,12 +15,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from workers_testlib import SECOND_CONFIG, LocalExecutor, PlanBuilder, parity_prompts
+from kv_fp8_testlib import (
+    forced_logits,
+    fp8_logits_by_backend,
+    step_errors,
+    swap_and_fork_tokens,
+)
+from workers_testlib import SECOND_CONFIG, LocalExecutor, parity_prompts
 
 import kernels
 from cluster.engine.config import EngineConfig
 from kernels import reference
-from scheduler.sampling_params import SamplingParams
 from workers.cache_engine import CacheEngine
 from workers.config import WorkerConfig
 from workers.worker import Worker
@@ -33,8 +38,10 @@ FP8_LOGIT_BOUND = 0.1
 NEW_TOKENS = 24
 
 
-def _scales(k: float, v: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.tensor([k]), torch.tensor([v])
+def _scales(k: float | list[float], v: float | list[float], heads: int = 1
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-KV-head scale vectors `[heads]` (a number: every head's)."""
+    return tuple(torch.tensor(x if isinstance(x, list) else [x] * heads) for x in (k, v))
 
 
 def test_write_stores_value_over_scale_saturated() -> None:
@@ -42,7 +49,7 @@ def test_write_stores_value_over_scale_saturated() -> None:
     key = torch.tensor([[[1.0, -3.0, 1000.0, 0.3]], [[9.0, 9.0, 9.0, 9.0]]])
     value = -key
     kernels.write_kv(key, value, k_cache, v_cache, torch.tensor([5, -1]), backend="torch",
-                     k_scale=torch.tensor([2.0]), v_scale=torch.tensor([0.5]))
+                     k_scale=torch.tensor([2.0]), v_scale=torch.tensor([0.5]))  # [Hkv=1]
     want_k = (key[0] / 2.0).clamp(-448, 448).to(F8)
     assert torch.equal(k_cache[1, 1].float(), want_k.float())
     assert k_cache[1, 1, 0, 2].float() == 448.0  # 500 saturates at e4m3's largest value
@@ -56,10 +63,13 @@ def test_attention_over_fp8_equals_attention_over_its_dequantized_values() -> No
     num_blocks, bs, hkv, hq, d = 12, 4, 2, 4, 8
     k_full = torch.randn(num_blocks, bs, hkv, d, generator=gen) * 3
     v_full = torch.randn(num_blocks, bs, hkv, d, generator=gen)
-    k_scale, v_scale = _scales(0.05, 0.01)
+    # heads 30x apart in magnitude, each stored over its own scale
+    k_full[:, :, 1] *= 30
+    v_full[:, :, 0] *= 30
+    k_scale, v_scale = _scales([0.05, 1.5], [0.3, 0.01])
     k8 = reference.quantize_kv(k_full, F8, k_scale)
     v8 = reference.quantize_kv(v_full, F8, v_scale)
-    k_deq, v_deq = k8.float() * k_scale, v8.float() * v_scale
+    k_deq, v_deq = k8.float() * k_scale[:, None], v8.float() * v_scale[:, None]
     tables = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0], [9, 4, 11, 6]], dtype=torch.int32)
     seq_lens = torch.tensor([10, 6, 15], dtype=torch.int32)
     q_start = torch.tensor([0, 1, 2, 7], dtype=torch.int32)  # q lens 1, 1, 5
@@ -73,15 +83,19 @@ def test_attention_over_fp8_equals_attention_over_its_dequantized_values() -> No
                                                            backend="torch"), atol=1e-6)
 
 
-@pytest.mark.parametrize(("backend", "scales", "message"), [
-    ("flash_attn", True, r"the 'flash_attn' kernels do not read an FP8 KV cache"),
-    ("torch", False, r"FP8 \(float8_e4m3fn\) KV cache needs k_scale and v_scale"),
+@pytest.mark.parametrize(("backend", "scale_heads", "message"), [
+    ("flash_attn", 2, r"the 'flash_attn' kernels do not read an FP8 KV cache"),
+    ("torch", None, r"FP8 \(float8_e4m3fn\) KV cache needs k_scale and v_scale"),
+    ("torch", 1, r"needs k_scale and v_scale, float32 \[Hkv=2\] \(one per KV head; fill it "
+     r"for a per-tensor scale\); got \['torch.float32 \(1,\)', 'torch.float32 \(1,\)'\]"),
 ])
-def test_kernels_refuse_what_they_cannot_read(backend: str, scales: bool, message: str) -> None:
-    cache = torch.zeros(2, 4, 1, 4, dtype=F8)
-    extra = dict(zip(("k_scale", "v_scale"), _scales(1.0, 1.0))) if scales else {}
+def test_kernels_refuse_what_they_cannot_read(backend: str, scale_heads: int | None,
+                                              message: str) -> None:
+    cache = torch.zeros(2, 4, 2, 4, dtype=F8)  # 2 KV heads
+    extra = ({} if scale_heads is None
+             else dict(zip(("k_scale", "v_scale"), _scales(1.0, 1.0, scale_heads))))
     with pytest.raises(ValueError, match=message):
-        kernels.paged_attention(torch.zeros(1, 1, 4), cache, cache.clone(),
+        kernels.paged_attention(torch.zeros(1, 2, 4), cache, cache.clone(),
                                 torch.zeros(1, 1, dtype=torch.int32),
                                 torch.tensor([0, 1], dtype=torch.int32),
                                 torch.tensor([1], dtype=torch.int32), 0.5, 1, 1,
@@ -136,31 +150,8 @@ def test_swap_offload_and_copy_on_write_move_fp8_bytes_unchanged() -> None:
         assert torch.equal(after[:, :, dst], before[:, :, src])
 
 
-class _Forced(PlanBuilder):
-    """Feeds each sequence the given tokens instead of its own samples (teacher forcing)."""
-
-    def __init__(self, forced: dict[int, list[int]]) -> None:
-        super().__init__(block_size=16, num_gpu_blocks=64, token_budget=24)
-        self.forced = forced
-
-    def apply(self, plan, result, logits) -> None:
-        result.token_ids = np.array([self.forced[int(s)][len(self.seqs[int(s)].outputs)]
-                                     for s in result.seq_ids], dtype=np.int64)
-        super().apply(plan, result, logits)
-
-
-def _forced_logits(executor, prompts, forced=None) -> tuple[dict, dict]:
-    builder = _Forced(forced) if forced else PlanBuilder(block_size=16, num_gpu_blocks=64,
-                                                         token_budget=24)
-    ids = [builder.add(p, SamplingParams(temperature=0), max_tokens=NEW_TOKENS) for p in prompts]
-    outputs = builder.run(executor)
-    return ({i: outputs[i] for i in ids},
-            {i: np.stack(builder.seqs[i].logits) for i in ids})
-
-
 def _assert_within_bound(got: dict, want: dict) -> None:
-    for sid, ref in want.items():
-        err = np.abs(got[sid] - ref).max(axis=1) / np.abs(ref).max(axis=1)
+    for sid, err in step_errors(got, want).items():
         assert err.max() <= FP8_LOGIT_BOUND, (sid, err.max())
         assert err.max() > 0  # the cache really is FP8
 
@@ -170,7 +161,7 @@ def full_precision(second_dir: str) -> tuple[list, dict, dict]:
     prompts = parity_prompts(SECOND_CONFIG["vocab_size"])
     executor = LocalExecutor(model=second_dir, num_gpu_blocks=64, max_model_len=512)
     try:
-        tokens, logits = _forced_logits(executor, prompts)
+        tokens, logits = forced_logits(executor, prompts, NEW_TOKENS)
     finally:
         executor.close()
     return prompts, tokens, logits
@@ -181,7 +172,7 @@ def test_tp1_fp8_logits_within_bound_of_full_precision(second_dir: str, full_pre
     executor = LocalExecutor(model=second_dir, num_gpu_blocks=64, max_model_len=512,
                              kv_cache_dtype="fp8")
     try:
-        _, got = _forced_logits(executor, prompts, tokens)
+        _, got = forced_logits(executor, prompts, NEW_TOKENS, tokens)
     finally:
         executor.close()
     _assert_within_bound(got, logits)
@@ -193,30 +184,14 @@ def test_tp2_fp8_logits_within_bound_of_full_precision(second_dir: str, full_pre
     tp2_group.init(model=second_dir, num_gpu_blocks=64, max_model_len=512,
                    num_gpu_blocks_override=64, swap_space=0.001, kv_cache_dtype="fp8_e4m3")
     try:
-        _, got = _forced_logits(tp2_group, prompts, tokens)
+        _, got = forced_logits(tp2_group, prompts, NEW_TOKENS, tokens)
     finally:
         tp2_group.shutdown_workers()
     _assert_within_bound(got, logits)
 
 
 def test_fp8_swap_and_fork_give_the_tokens_without_them(second_dir: str) -> None:
-    prompts = [list(range(40, 75)), list(range(300, 309)), list(range(600, 621))]
-
-    def scenario(hooks: dict) -> dict[int, list[int]]:
-        executor = LocalExecutor(model=second_dir, num_gpu_blocks=64, num_cpu_blocks=8,
-                                 max_model_len=512, kv_cache_dtype="fp8")
-        try:
-            builder = PlanBuilder(block_size=16, num_gpu_blocks=64, num_cpu_blocks=8,
-                                  token_budget=24)
-            for p in prompts:
-                builder.add(p, SamplingParams(temperature=0), max_tokens=12)
-            return builder.run(executor, hooks=hooks)
-        finally:
-            executor.close()
-
-    plain = scenario({6: lambda b: b.fork(1, seq_index=1)})
-    moved = scenario({5: lambda b: b.swap_out(0), 7: lambda b: b.swap_in(0),
-                      6: lambda b: b.fork(1, seq_index=1)})
+    plain, moved = swap_and_fork_tokens(second_dir, kv_cache_dtype="fp8")
     assert moved == plain and plain[3] == plain[1]
 
 
@@ -224,13 +199,6 @@ def test_triton_kernels_give_the_torch_kernels_logits(second_dir: str, full_prec
     """The whole model on the Triton kernels (interpreter on CPU) with an FP8 cache: the KV
     write and attention kernels read and write it as the torch twins do."""
     prompts, tokens, _ = full_precision
-    got = {}
-    for backend in ("torch", "triton"):
-        executor = LocalExecutor(model=second_dir, num_gpu_blocks=64, max_model_len=512,
-                                 kv_cache_dtype="fp8", attention_backend=backend)
-        try:
-            got[backend] = _forced_logits(executor, prompts[:2], tokens)[1]
-        finally:
-            executor.close()
+    got = fp8_logits_by_backend(second_dir, prompts[:2], NEW_TOKENS, tokens)
     for sid, ref in got["torch"].items():
         np.testing.assert_allclose(got["triton"][sid], ref, atol=2e-3, rtol=0)

@@ -1,6 +1,6 @@
 """FP8 KV-cache scales other than 1.0 (workers/kv_scales.py): `calculate_kv_scales` from the
 first prefill and the checkpoint's llm-compressor `k_scale` / `v_scale` (per tensor or per KV
-head), in the worker with the torch kernels (the Triton kernels' scale handling is
+head; heads of very different magnitudes: test_kv_scales_per_head.py), in the worker with the torch kernels (the Triton kernels' scale handling is
 tests/kernels/test_fp8_kv_kernels.py's).
 
 The model: SECOND_CONFIG's weights with K 300x larger (k_norm x300, q_norm /300: the same q.k)
@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from kv_fp8_testlib import forced_logits, logit_error
 from safetensors.torch import load_file, save_file
-from workers_testlib import SECOND_CONFIG, LocalExecutor, PlanBuilder, parity_prompts
+from workers_testlib import SECOND_CONFIG, LocalExecutor, parity_prompts
 
 from cluster.engine.config import EngineConfig
-from scheduler.sampling_params import SamplingParams
 from workers.distributed import TensorParallelGroup
 from workers.kv_scales import K_SCALE_CONSTANT, V_SCALE_CONSTANT, apply_checkpoint_kv_scales
 from workers.model_config import load_model_config
@@ -49,33 +49,19 @@ def big_kv(tmp_path_factory: pytest.TempPathFactory) -> str:
                                             SECOND_CONFIG, 7)))
 
 
-def _logits(executor, prompts, forced=None) -> tuple[dict, dict]:
-    builder = PlanBuilder(block_size=16, num_gpu_blocks=64, token_budget=24)
-    ids = [builder.add(p, SamplingParams(temperature=0), max_tokens=NEW_TOKENS) for p in prompts]
-    if forced is not None:  # teacher-forced: the full-precision run's tokens
-        original = builder.apply
-
-        def apply(plan, result, logits) -> None:
-            result.token_ids = np.array([forced[int(s)][len(builder.seqs[int(s)].outputs)]
-                                         for s in result.seq_ids], dtype=np.int64)
-            original(plan, result, logits)
-        builder.apply = apply
-    outputs = builder.run(executor)
-    return {i: outputs[i] for i in ids}, {i: np.stack(builder.seqs[i].logits) for i in ids}
-
-
-def _error(got: dict, want: dict) -> float:
-    return max(float((np.abs(got[s] - ref).max(axis=1) / np.abs(ref).max(axis=1)).max())
-               for s, ref in want.items())
+def _per_tensor(scales: list[tuple[list[float], list[float]]]) -> list[tuple[float, float]]:
+    """Each layer's (k scale, v scale) where every KV head has the same (a per-tensor scale)."""
+    assert all(len(set(k)) == 1 and len(set(v)) == 1 for k, v in scales), scales
+    return [(k[0], v[0]) for k, v in scales]
 
 
 def _run(model: str, prompts: list, forced: dict | None = None, **config
-         ) -> tuple[dict, dict, list[tuple[float, float]]]:
-    """(tokens, logits, each layer's (k_scale, v_scale)) of one worker's run."""
+         ) -> tuple[dict, dict, list[tuple[list[float], list[float]]]]:
+    """(tokens, logits, each layer's per-head (k_scale, v_scale)) of one worker's run."""
     executor = LocalExecutor(model=model, num_gpu_blocks=64, max_model_len=512, **config)
     try:
-        tokens, logits = _logits(executor, prompts, forced)
-        scales = [(float(a.k_scale), float(a.v_scale))
+        tokens, logits = forced_logits(executor, prompts, NEW_TOKENS, forced)
+        scales = [(a.k_scale.tolist(), a.v_scale.tolist())
                   for a in executor.worker.model.attention_layers()]
     finally:
         executor.close()
@@ -92,19 +78,19 @@ def full_precision(big_kv: str) -> tuple[list, dict, dict]:
 def _fp8_run(model: str, full_precision, **config) -> tuple[float, list]:
     prompts, tokens, logits = full_precision
     _, got, scales = _run(model, prompts, tokens, kv_cache_dtype="fp8", **config)
-    return _error(got, logits), scales
+    return logit_error(got, logits), scales
 
 
 def test_scale_one_saturates_large_kv(big_kv: str, full_precision) -> None:
     err, scales = _fp8_run(big_kv, full_precision)
-    assert scales == [(1.0, 1.0)] * SECOND_CONFIG["num_hidden_layers"]
+    assert _per_tensor(scales) == [(1.0, 1.0)] * SECOND_CONFIG["num_hidden_layers"]
     assert err > 3 * FP8_LOGIT_BOUND
 
 
 def test_calculated_scales_fit_the_first_prefill(big_kv: str, full_precision) -> None:
     err, scales = _fp8_run(big_kv, full_precision, calculate_kv_scales=True)
     assert err <= FP8_LOGIT_BOUND
-    for k_scale, v_scale in scales:
+    for k_scale, v_scale in _per_tensor(scales):
         # K ~ 300 x RMS-normed values and V ~ 1000 x projections: amax / 200 and / 100
         assert 1.0 < k_scale < 50 and 1.0 < v_scale < 100
 
@@ -121,13 +107,13 @@ def test_tp2_ranks_calculate_their_own_heads_scales(big_kv: str, full_precision,
                    num_gpu_blocks_override=64, swap_space=0.001, kv_cache_dtype="fp8",
                    calculate_kv_scales=True)
     try:
-        _, got = _logits(tp2_group, prompts, tokens)
-        ranks = [state["kv_scales"] for state in tp2_group.state()]
+        _, got = forced_logits(tp2_group, prompts, NEW_TOKENS, tokens)
+        ranks = [_per_tensor(state["kv_scales"]) for state in tp2_group.state()]
     finally:
         tp2_group.shutdown_workers()
-    assert _error(got, logits) <= FP8_LOGIT_BOUND
+    assert logit_error(got, logits) <= FP8_LOGIT_BOUND
     assert ranks[0] != ranks[1]
-    for layer, whole in enumerate(tp1):
+    for layer, whole in enumerate(_per_tensor(tp1)):
         largest = tuple(max(r[layer][i] for r in ranks) for i in (0, 1))
         assert largest == (whole if layer == 0 else pytest.approx(whole, rel=0.05))
 
@@ -135,6 +121,7 @@ def test_tp2_ranks_calculate_their_own_heads_scales(big_kv: str, full_precision,
 def test_checkpoint_scales_per_tensor_and_per_head(big_kv: str, full_precision,
                                                    tmp_path: Path) -> None:
     _, calculated = _fp8_run(big_kv, full_precision, calculate_kv_scales=True)
+    calculated = _per_tensor(calculated)
     ckpt = tmp_path / "scaled"
     ckpt.mkdir()
     for f in Path(big_kv).iterdir():
@@ -142,25 +129,33 @@ def test_checkpoint_scales_per_tensor_and_per_head(big_kv: str, full_precision,
     tensors = load_file(ckpt / "model.safetensors")
     for i, (k_scale, v_scale) in enumerate(calculated):
         tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k_scale)
-        # per KV head (4): the largest is what a per-tensor cache can use
+        # per KV head (4): each head keeps its own
         tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(
             [v_scale / 2, v_scale, v_scale / 4, v_scale / 3])
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
     err, scales = _fp8_run(str(ckpt), full_precision)
-    assert np.allclose(scales, calculated, rtol=1e-6, atol=0)
+    for (k_got, v_got), (k_scale, v_scale) in zip(scales, calculated, strict=True):
+        assert np.allclose(k_got, [k_scale] * 4, rtol=1e-6, atol=0)
+        assert np.allclose(v_got, [v_scale / 2, v_scale, v_scale / 4, v_scale / 3],
+                           rtol=1e-6, atol=0)
     assert err <= FP8_LOGIT_BOUND
 
 
 def test_per_head_scales_take_this_ranks_heads(big_kv: str) -> None:
     mc = load_model_config(big_kv)
     v = torch.tensor([2.0, 3.0, 8.0, 4.0])
-    for rank, want in ((0, 3.0), (1, 8.0)):
+    for rank, want in ((0, [2.0, 3.0]), (1, [8.0, 4.0])):
         model = Qwen3ForCausalLM(mc, TensorParallelGroup(rank, 2), torch.float32, "torch")
         apply_checkpoint_kv_scales(model, {"model.layers.1.self_attn.v_scale": v,
                                            "model.layers.1.self_attn.k_scale": torch.tensor(5.0)})
         attn = model.model.layers[1].self_attn.attn
-        assert float(attn.v_scale) == want and float(attn.k_scale) == 5.0
-        assert float(model.model.layers[0].self_attn.attn.v_scale) == 1.0
+        assert attn.v_scale.tolist() == want and attn.k_scale.tolist() == [5.0, 5.0]
+        assert model.model.layers[0].self_attn.attn.v_scale.tolist() == [1.0, 1.0]
+    # tp 8 over 4 KV heads: each rank holds one (replicated) head and takes its scale
+    for rank in range(8):
+        model = Qwen3ForCausalLM(mc, TensorParallelGroup(rank, 8), torch.float32, "torch")
+        apply_checkpoint_kv_scales(model, {"model.layers.1.self_attn.v_scale": v})
+        assert model.model.layers[1].self_attn.attn.v_scale.tolist() == [v[rank // 2].item()]
 
 
 @pytest.mark.parametrize(("tensors", "message"), [
@@ -194,7 +189,8 @@ def test_triton_kernels_calculate_and_read_the_same_scales(big_kv: str, full_pre
     out = {backend: _run(big_kv, prompts[:1], tokens, kv_cache_dtype="fp8",
                          calculate_kv_scales=True, attention_backend=backend)[1:]
            for backend in ("torch", "triton")}
-    assert np.allclose(out["triton"][1], out["torch"][1], rtol=1e-6, atol=0)
+    assert np.allclose(_per_tensor(out["triton"][1]), _per_tensor(out["torch"][1]), rtol=1e-6,
+                       atol=0)
     for sid, ref in out["torch"][0].items():
         err = np.abs(out["triton"][0][sid] - ref).max(axis=1) / np.abs(ref).max(axis=1)
         assert err.max() <= 2e-3
@@ -209,10 +205,10 @@ def test_a_drafts_layers_calculate_their_own_scales(big_kv: str, full_precision)
                              speculative_model=big_kv, num_speculative_tokens=2,
                              speculative_max_num_seqs=4)
     try:
-        _logits(executor, prompts[:1])
+        forced_logits(executor, prompts[:1], NEW_TOKENS)
         worker = executor.worker
         layers = worker.model.attention_layers() + worker.drafter.attention_layers()
-        scales = [(float(a.k_scale), float(a.v_scale)) for a in layers]
+        scales = _per_tensor([(a.k_scale.tolist(), a.v_scale.tolist()) for a in layers])
     finally:
         executor.close()
     n = SECOND_CONFIG["num_hidden_layers"]

@@ -310,7 +310,7 @@ def _child_main(rank: int, commands: Any, replies: Any) -> None:
             elif cmd == "state":
                 replies.put(("ok", {"seqs": sorted(worker.model_runner.seqs),
                                     "num_gpu_blocks": worker.cache_engine.num_gpu_blocks,
-                                    "kv_scales": [(float(a.k_scale), float(a.v_scale))
+                                    "kv_scales": [(a.k_scale.tolist(), a.v_scale.tolist())
                                                   for a in worker.model.attention_layers()]}))
         except Exception:  # report to the test process instead of hanging it
             replies.put(("error", traceback.format_exc()))

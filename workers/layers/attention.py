@@ -38,8 +38,9 @@ class Attention(nn.Module):
 
     This step's K/V must already be in the cache (`kernels.qk_norm_rope_write_kv` stores them);
     `k`/`v` are the same rows, from which the kernel reads each chunk's own keys contiguously.
-    `k_scale` / `v_scale` (float32 `[1]`, 1.0) are the per-tensor scales an FP8 cache
-    (kv_cache_dtype fp8) stores its values divided by; a full-precision cache ignores them.
+    `k_scale` / `v_scale` (float32 `[num_kv_heads]`, this rank's KV heads, 1.0) are the
+    per-head scales an FP8 cache (kv_cache_dtype fp8) stores its values divided by (a
+    per-tensor scale fills the vector); a full-precision cache ignores them.
     workers/kv_scales.py sets them (the checkpoint's, or `calculate_kv_scales` while
     `kv_scales_pending`).
     """
@@ -55,8 +56,10 @@ class Attention(nn.Module):
         # Bound to views of the stacked cache by CacheEngine; empty until then.
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
-        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
-        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("k_scale", torch.ones(num_kv_heads, dtype=torch.float32),
+                             persistent=False)
+        self.register_buffer("v_scale", torch.ones(num_kv_heads, dtype=torch.float32),
+                             persistent=False)
         self.kv_scales_pending = False
         self.kv_scales_calculated = False
 

@@ -39,7 +39,10 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 class LinearBase(nn.Module, ABC):
     """`y = x @ W.T` with `W` [output_size, input_size] of this rank's shard (no bias: Qwen3 has
-    none); `output_partition_sizes` are the packed parts of this rank's output rows."""
+    none); `output_partition_sizes` are the packed parts of this rank's output rows;
+    `input_is_split`: the ranks split the input features (row-parallel), else the output's."""
+
+    input_is_split = False
 
     def __init__(self, input_size: int, output_partition_sizes: list[int],
                  tp: TensorParallelGroup, dtype: torch.dtype,
@@ -60,8 +63,9 @@ class LinearBase(nn.Module, ABC):
         """Copy this rank's slice of the full checkpoint tensor `loaded` into `param`; with
         `block`, `param` and `loaded` are per-block scales and the slice is counted in blocks."""
         dim, offset, start, length = self._shard(shard_id, loaded.name)
-        if block is not None:
-            offset, start, length = (v // block[dim] for v in (offset, start, length))
+        if block is not None:  # offsets are whole blocks; a last partial block counts as one
+            b = block[dim]
+            offset, start, length = offset // b, start // b, -(-length // b)
         copy_checked(param.data.narrow(dim, offset, length), loaded.narrow(dim, start, length),
                      loaded.name)
 
@@ -158,6 +162,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """Input features split over the ranks; the partial products are all-reduced."""
+
+    input_is_split = True
 
     def __init__(self, input_size: int, output_size: int, tp: TensorParallelGroup,
                  dtype: torch.dtype, quant: Fp8Config | None = None) -> None:

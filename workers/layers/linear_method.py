@@ -7,11 +7,13 @@ parameters and the GEMM, so the layer never branches on dtype.
   `kernels.linear`; on CPU a bf16 weight is also packed once after loading into oneDNN's
   layout (`weight_packed`, kernels/cpu_linear.py decides when it pays), else None.
 * `Fp8LinearMethod` (workers/quantization.py's `Fp8Config`): `weight` e4m3 `[out, in]` and
-  `weight_scale_inv` float32 `[out / bn, in / bk]`, multiplied by `kernels.fp8_block_linear`
+  `weight_scale_inv` float32 `[ceil(out / bn), ceil(in / bk)]` (an unsplit dim may end in a
+  partial block, as in Qwen's format and vLLM), multiplied by `kernels.fp8_block_linear`
   (W8A8, activations quantized per token and bk group). A checkpoint's scales load through the
   layer's geometry counted in blocks; `quantization: fp8` loads the float weight and
   quantizes it in `process_weights_after_loading`, which the loader calls once every tensor
-  is in. Every rank must hold whole blocks: refused at construction naming the sizes.
+  is in. Every rank must hold whole blocks of a split dim, and a merged weight's parts but the
+  last whole blocks: refused at construction naming the sizes (`check_fp8_blocks`).
 
 `make_linear_method(None | Fp8Config)` is the one place a layer's method is chosen.
 """
@@ -76,18 +78,18 @@ class Fp8LinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module, output_partition_sizes: list[int],
                        input_size: int, dtype: torch.dtype) -> None:
-        name = type(layer).__name__
-        check_fp8_blocks(self.quant, {f"{name} part {j}": (rows, input_size)
-                                      for j, rows in enumerate(output_partition_sizes)},
-                         layer.tp.world_size)
+        ws = layer.tp.world_size
+        check_fp8_blocks(self.quant, type(layer).__name__, output_partition_sizes, input_size,
+                         output_split=ws > 1 and not layer.input_is_split,
+                         input_split=ws > 1 and layer.input_is_split, tensor_parallel_size=ws)
         out = sum(output_partition_sizes)
         bn, bk = self.block
         if not self.quant.from_checkpoint:  # quantized once loaded
             layer.weight = _param(torch.empty(out, input_size, dtype=dtype), layer.weight_loader)
             return
         layer.weight = _param(torch.empty(out, input_size, dtype=FP8_DTYPE), layer.weight_loader)
-        layer.weight_scale_inv = _param(
-            torch.empty(out // bn, input_size // bk, dtype=torch.float32),
+        layer.weight_scale_inv = _param(  # a partial last block has its own scale
+            torch.empty(-(-out // bn), -(-input_size // bk), dtype=torch.float32),
             lambda param, loaded, shard_id=None: layer.weight_loader(param, loaded, shard_id,
                                                                      block=self.block))
 

@@ -23,12 +23,14 @@ MLP's. EP reads whole expert matrices (better GEMM shapes when I/tp gets small);
 work whatever the routing.
 
 FP8 (workers/quantization.py's `Fp8Config`): the stacked weights are e4m3 with
-`w13_weight_scale_inv` `[E_local, 2 I_local / bn, H / bk]` and `w2_weight_scale_inv`
-`[E_local, H / bn, I_local / bk]`, loaded from the hub's per-expert `weight_scale_inv` through
-the same geometry counted in blocks (or quantized at load, `quantization: fp8`); every rank
-holds whole blocks (refused at construction naming the sizes). The fused kernels read the
-e4m3 experts and their scales (W8A16: kernels.fused_moe dequantizes in registers on Triton; the
-torch twin dequantizes a layer's experts before its matmuls).
+`w13_weight_scale_inv` `[E_local, 2 I_local / bn, ceil(H / bk)]` and `w2_weight_scale_inv`
+`[E_local, ceil(H / bn), I_local / bk]` (a hidden size may end in a partial block), loaded
+from the hub's per-expert `weight_scale_inv` through the same geometry counted in blocks (or
+quantized at load, `quantization: fp8`); gate and up (merged) are whole blocks and every rank
+holds whole blocks of what it splits, as in vLLM (refused at construction naming the sizes).
+The fused kernels read the e4m3 experts and their scales, W8A8 (kernels.fused_moe quantizes
+each GEMM's input per token and bk group on the fly on Triton; the torch twin dequantizes a
+layer's experts and quantizes and dequantizes the inputs before its matmuls).
 
 Memory: a forward's expert buffers (`[T k, I_local]` and `[T k, H]` plus the alignment's
 index arrays) have sizes fixed by T alone, not by the routing, so the worker's profiling
@@ -94,15 +96,19 @@ class FusedMoE(nn.Module):
                                       requires_grad=False)
         params = [(self.w13_weight, ("gate_proj", "up_proj"), None),
                   (self.w2_weight, ("down_proj",), None)]
-        if quant is not None:
-            check_fp8_blocks(quant, {"expert gate_proj/up_proj": (i, hidden_size),
-                                     "expert down_proj": (hidden_size, i)}, ws)
+        if quant is not None:  # gate and up: whole blocks (merged); hidden may end partial
+            split = ws > 1 and not self.expert_parallel
+            check_fp8_blocks(quant, "expert gate_proj/up_proj", [i, i], hidden_size,
+                             output_split=split, input_split=False, tensor_parallel_size=ws)
+            check_fp8_blocks(quant, "expert down_proj", [hidden_size], i, output_split=False,
+                             input_split=split, tensor_parallel_size=ws)
         if quant is not None and quant.from_checkpoint:
             bn, bk = block = quant.weight_block_size
+            h_rows, h_cols = -(-hidden_size // bn), -(-hidden_size // bk)
             self.w13_weight_scale_inv = nn.Parameter(
-                torch.empty(e, 2 * i // bn, hidden_size // bk), requires_grad=False)
+                torch.empty(e, 2 * i // bn, h_cols), requires_grad=False)
             self.w2_weight_scale_inv = nn.Parameter(
-                torch.empty(e, hidden_size // bn, i // bk), requires_grad=False)
+                torch.empty(e, h_rows, -(-i // bk)), requires_grad=False)
             params += [(self.w13_weight_scale_inv, ("gate_proj", "up_proj"), block),
                        (self.w2_weight_scale_inv, ("down_proj",), block)]
         for param, projections, block in params:
@@ -130,7 +136,8 @@ class FusedMoE(nn.Module):
                              f"config.json has num_experts={self.num_experts}")
         bn, bk = block or (1, 1)
         h, full_i = self.hidden_size, self.intermediate_size
-        want = (h // bn, full_i // bk) if proj == "down_proj" else (full_i // bn, h // bk)
+        want = ((-(-h // bn), -(-full_i // bk)) if proj == "down_proj"
+                else (-(-full_i // bn), -(-h // bk)))
         if tuple(loaded.shape) != want:
             raise ValueError(f"checkpoint tensor {loaded.name} has shape {tuple(loaded.shape)}; "
                              f"expected {want} (hidden_size={h}, moe_intermediate_size={full_i}"
