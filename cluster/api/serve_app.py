@@ -40,6 +40,7 @@ from cluster.api.lora_models import LORA_SERVING_DEFAULTS, LoRAModels, check_lor
 from cluster.api.multi_model import ModelDispatch, deployment_name, model_entries
 from cluster.api.openai_api import create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
+from cluster.api.pd_app import PDEngineClient, pd_entries
 from cluster.api.prefix_router import check_router_args, request_router_config
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
 from cluster.engine.config import EngineConfig
@@ -147,12 +148,15 @@ class LLMServer:
                        request_id: str, cache_salt: str | None = None,
                        routing_key: str | None = None,
                        resume_token_ids: list[int] | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[tuple]:
+                       lora_request: LoRARequest | None = None,
+                       kv_transfer_params: Any = None) -> AsyncIterator[tuple]:
         """Stream `pack_output` tuples (not RequestOutput: it repeats the whole prompt); the
         first names this replica; HANDOFF last when the request goes on elsewhere because this
         replica is draining (cluster/api/drain.py). `routing_key` is the request router's
         (prefix_router.py); `resume_token_ids`: the request comes from a lost or draining
-        replica with these outputs (cluster/api/failover.py); `lora_request`: its adapter."""
+        replica with these outputs (cluster/api/failover.py); `lora_request`: its adapter;
+        `kv_transfer_params`: a decode replica's request, with its prompt's KV
+        (cluster/api/pd_app.py)."""
         # Serve cancels this generator when the caller goes away; the engine's generator
         # then aborts the request in its `finally`, freeing its blocks within a step.
         self._ensure_exporter()
@@ -162,12 +166,27 @@ class LLMServer:
             async for out in self.engine.generate(prompt_token_ids, sampling_params,
                                                    request_id, cache_salt=cache_salt,
                                                    resume_token_ids=resume_token_ids,
-                                                   lora_request=lora_request):
+                                                   lora_request=lora_request,
+                                                   kv_transfer_params=kv_transfer_params):
                 yield pack_output(out, replica_id)
                 replica_id = None
 
         async for item in self._drain.stream(request_id, sampling_params.n, packed):
             yield item
+
+    async def prefill(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                      request_id: str, cache_salt: str | None = None,
+                      routing_key: str | None = None,
+                      lora_request: LoRARequest | None = None) -> tuple[tuple, Any]:
+        """A prefill replica's part (cluster/api/pd_app.py): the request's one output packed,
+        and its prompt's KV (`KVTransferParams`, None when its first token ended it)."""
+        self._ensure_exporter()
+        last = None
+        async for out in self.engine.generate(prompt_token_ids, sampling_params, request_id,
+                                               cache_salt=cache_salt, export_kv=True,
+                                               lora_request=lora_request):
+            last = out
+        return pack_output(last, self.replica_id), last.kv_transfer_params
 
     async def kv_events(self, cursors: dict[str, tuple[str | None, int]]) -> tuple:
         """(this replica's id, its KV events since its cursor in `cursors`, its load, its LoRA
@@ -212,6 +231,7 @@ class HandleEngineClient:
         self.stream_handle = handle.options(stream=True, _by_reference=False,
                                             request_serialization="pickle",
                                             response_serialization="pickle")
+        self.transfer_handle = handle.options(stream=True)
 
     async def model_info(self) -> ModelInfo:
         return await self.handle.model_info.remote()
@@ -219,23 +239,43 @@ class HandleEngineClient:
     def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  request_id: str, cache_salt: str | None = None,
                  routing_key: str | None = None,
-                 lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
+                 lora_request: LoRARequest | None = None,
+                 kv_transfer_params: Any = None) -> AsyncIterator[Any]:
         """The request's deltas; resumed (under the same adapter) on another replica if the
         one serving it is lost (the request router has dropped that replica and its KV
-        holdings)."""
+        holdings). `kv_transfer_params` (a decode deployment's): the first attempt imports
+        that KV; a resume recomputes, after the prefill's first token."""
+        transfer = [kv_transfer_params]
+        before = [] if kv_transfer_params is None else [kv_transfer_params.first_token]
+
         def open_stream(resume_token_ids: list[int]) -> AsyncIterator[Any]:
+            kv, transfer[0] = transfer[0], None
             return self._generate(prompt_token_ids, sampling_params, request_id, cache_salt,
-                                  routing_key, resume_token_ids or None, lora_request)
+                                  routing_key, None if kv else (before + resume_token_ids) or None,
+                                  lora_request, kv)
         return resuming_stream(open_stream, request_id, sampling_params.n)
+
+    async def prefill(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                      request_id: str, cache_salt: str | None, routing_key: str | None,
+                      lora_request: LoRARequest | None) -> tuple[RequestOutput, Any]:
+        """A prefill deployment's part (LLMServer.prefill): its output and the KV's params."""
+        packed, transfer = await self.handle.prefill.remote(
+            prompt_token_ids, sampling_params, request_id, cache_salt,
+            routing_key=routing_key, lora_request=lora_request)
+        return unpack_output(request_id, prompt_token_ids, packed), transfer
 
     async def _generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                         request_id: str, cache_salt: str | None, routing_key: str | None,
                         resume_token_ids: list[int] | None,
-                        lora_request: LoRARequest | None) -> AsyncIterator[Any]:
-        gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params, request_id,
-                                                 cache_salt, routing_key=routing_key,
-                                                 resume_token_ids=resume_token_ids,
-                                                 lora_request=lora_request)
+                        lora_request: LoRARequest | None,
+                        kv_transfer_params: Any = None) -> AsyncIterator[Any]:
+        # (KV payload refs go by Ray's serializer, which tracks them, not plain pickle)
+        handle = self.stream_handle if kv_transfer_params is None else self.transfer_handle
+        gen = handle.generate.remote(prompt_token_ids, sampling_params, request_id,
+                                     cache_salt, routing_key=routing_key,
+                                     resume_token_ids=resume_token_ids,
+                                     lora_request=lora_request,
+                                     kv_transfer_params=kv_transfer_params)
         finished = False
         try:
             async for packed in gen:
@@ -308,7 +348,9 @@ def model_app(llm_server: DeploymentHandle, spec: dict[str, Any], api_key: str |
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(spec["model"]))
     if spec["tool_call_parser"] is not None:
         import xgrammar  # noqa: F401 — loaded now, not on the first forced tool call (~2 s)
-    return create_app(HandleEngineClient(llm_server), tokenizer,
+    client = (PDEngineClient(*map(HandleEngineClient, llm_server))  # (prefill, decode)
+              if isinstance(llm_server, tuple) else HandleEngineClient(llm_server))
+    return create_app(client, tokenizer,
                       served_model_name=spec["served_model_name"], api_key=api_key,
                       max_body_bytes=spec["max_request_body_bytes"],
                       reasoning_parser=spec["reasoning_parser"],
@@ -385,7 +427,12 @@ def placement_bundles(config: EngineConfig, serving: dict[str, Any],
 def check_args(args: dict[str, Any]) -> None:
     """build_app's checks of a manifest's args, without building the app (nor importing
     torch): `./dev serve` runs them before it starts Ray (scripts/serve_run.py)."""
-    model_entries(dict(args or {}), split_args)
+    _entries(dict(args or {}))
+
+
+def _entries(args: dict[str, Any]) -> list[tuple[EngineConfig, dict[str, Any]]]:
+    """(config, serving) per model, or the prefill and decode roles' with `pd`."""
+    return pd_entries(args, split_args) if "pd" in args else model_entries(args, split_args)
 
 
 def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any]) -> None:
@@ -403,10 +450,13 @@ def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any]) -> Non
 
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve app builder named by the manifests (`cluster.api.serve_app:build_app`)."""
-    entries = model_entries(dict(args or {}), split_args)
+    entries = _entries(dict(args or {}))
     several = len(entries) > 1
-    models = [(llm_deployment(config, serving, deployment_name(config, serving, several)),
+    models = [(llm_deployment(config, serving, f"LLMServer-{config.kv_role}" if config.kv_role
+                              else deployment_name(config, serving, several)),
                ingress_spec(config, serving)) for config, serving in entries]
+    if "pd" in (args or {}):  # one model: (prefill, decode) deployments, the decode's spec
+        models = [((models[0][0], models[1][0]), models[1][1])]
     serving = entries[0][1]  # (the ingress's keys are the same in every entry)
     ingress_actor: dict[str, Any] = {"num_cpus": float(serving["ingress_num_cpus"]),
                                      "runtime_env": {"env_vars": REPLICA_ENV_VARS}}
