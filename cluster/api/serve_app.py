@@ -41,6 +41,7 @@ from cluster.api.multi_model import ModelDispatch, deployment_name, model_entrie
 from cluster.api.openai_api import create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
 from cluster.api.pd_app import PDEngineClient, pd_entries
+from cluster.api.pd_autoscaling import autoscaling_stats
 from cluster.api.prefix_router import check_router_args, request_router_config
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
 from cluster.engine.config import EngineConfig
@@ -187,6 +188,11 @@ class LLMServer:
                                                lora_request=lora_request):
             last = out
         return pack_output(last, self.replica_id), last.kv_transfer_params
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics: this replica's load signals
+        (cluster/api/pd_autoscaling.py; what a `pd` role's policy scales on)."""
+        return autoscaling_stats(self.engine.engine)
 
     async def kv_events(self, cursors: dict[str, tuple[str | None, int]]) -> tuple:
         """(this replica's id, its KV events since its cursor in `cursors`, its load, its LoRA
