@@ -172,7 +172,7 @@ def main() -> None:
     from cluster.api.serve_env import apply_proxy_env
 
     apply_proxy_env()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     url = f"http://127.0.0.1:{args.port}"
     rows = [run_mode(mode, args, url) for mode in args.modes.split(",")]
