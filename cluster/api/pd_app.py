@@ -116,7 +116,9 @@ class PDEngineClient:
         first.finished = False
         first.outputs[0].finish_reason = first.outputs[0].stop_reason = None
         yield first
-        async for out in self.decode.generate(*args, kv_transfer_params=transfer):
+        stream = self.decode.generate(*args, kv_transfer_params=transfer)
+        transfer = None  # (the payloads' refs: held by the stream's first attempt only)
+        async for out in stream:
             yield out
 
     async def add_lora(self, lora_request: LoRARequest) -> None:

@@ -4,7 +4,7 @@ The compiled graph's loop calls `execute` (or `execute_lagged`) on one thread; `
 `provide_bitmask` and the KV transfer's `export_kv` / `import_kv` arrive on the actor's
 second thread. A grammar bitmask is only posted there: the step loop's thread takes it and
 hands it to the worker (the Worker's steps run on one thread only). A KV transfer copies
-blocks that no step in flight touches (the engine orders it: cluster/engine/kv_transfers.py),
+blocks that no step in flight writes (the engine orders it: cluster/engine/kv_transfers.py),
 so on CPU it runs beside a step.
 """
 

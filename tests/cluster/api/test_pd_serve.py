@@ -127,6 +127,35 @@ def test_each_role_reports_its_transfers(base_url: str, handle_loop: Any) -> Non
     assert decode["kv_transfer_seconds"].count >= 1
 
 
+def test_decode_replica_killed_mid_stream_resumes_elsewhere(base_url: str) -> None:
+    """The stream goes on from its tokens on the decode replica Serve starts instead (the
+    manifest runs one), as failover.py resumes any stream; the text is the uninterrupted
+    one's."""
+    import json
+    import threading
+
+    from ray._private.state import actors
+
+    body = {"prompt": PROMPT + " resume", "temperature": 0.0, "max_tokens": 60,
+            "ignore_eos": True}
+    whole = _post(base_url, "/v1/completions", body).json()["choices"][0]["text"]
+    decode = [a for a in actors(actor_state_name="ALIVE").values()
+              if "#LLMServer-decode#" in (a.get("Name") or "")]
+    assert len(decode) == 1
+    text: list[str] = []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True},
+                      timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"]
+            if choice:
+                text.append(choice[0]["text"])
+            if len(text) == 5:  # a few tokens in: the decode replica dies
+                threading.Thread(target=os.kill, args=(decode[0]["Pid"], signal.SIGKILL)).start()
+    assert "".join(text) == whole
+
+
 def test_prefill_replica_killed_loses_no_request(base_url: str, offline: dict,
                                                 handle_loop: Any) -> None:
     # Last in the module: it kills the only prefill replica.
