@@ -33,9 +33,9 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
-from cluster.api.drain import HANDOFF, Drain, watch_drain
+from cluster.api.drain import Drain, watch_drain
 from cluster.api.engine_client import ModelInfo
-from cluster.api.failover import ReplicaDrainingError, resuming_stream
+from cluster.api.handle_client import HandleEngineClient, pack_output
 from cluster.api.lora_models import LORA_SERVING_DEFAULTS, LoRAModels, check_lora_args, lora_modules
 from cluster.api.multi_model import ModelDispatch, deployment_name, model_entries
 from cluster.api.openai_api import create_app
@@ -46,7 +46,6 @@ from cluster.api.prefix_router import check_router_args, request_router_config
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
 from cluster.engine.config import EngineConfig
 from scheduler.lora import LoRARequest
-from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -227,105 +226,6 @@ class LLMServer:
             engine.shutdown()
 
 
-class HandleEngineClient:
-    """The ingress's `EngineClient`: LLMServer replicas behind a DeploymentHandle."""
-
-    def __init__(self, handle: DeploymentHandle) -> None:
-        self.handle = handle
-        # The token stream goes over Serve's direct gRPC channel between replicas, with plain
-        # pickle: it skips Ray's object store and cloudpickle, a few ms of TTFT per request.
-        self.stream_handle = handle.options(stream=True, _by_reference=False,
-                                            request_serialization="pickle",
-                                            response_serialization="pickle")
-        self.transfer_handle = handle.options(stream=True)
-
-    async def model_info(self) -> ModelInfo:
-        return await self.handle.model_info.remote()
-
-    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 request_id: str, cache_salt: str | None = None,
-                 routing_key: str | None = None,
-                 lora_request: LoRARequest | None = None,
-                 kv_transfer_params: Any = None) -> AsyncIterator[Any]:
-        """The request's deltas; resumed (under the same adapter) on another replica if the
-        one serving it is lost (the request router has dropped that replica and its KV
-        holdings). `kv_transfer_params` (a decode deployment's): the first attempt imports
-        that KV; a resume recomputes, after the prefill's first token."""
-        transfer = [kv_transfer_params]
-        before = [] if kv_transfer_params is None else [kv_transfer_params.first_token]
-
-        def open_stream(resume_token_ids: list[int]) -> AsyncIterator[Any]:
-            kv, transfer[0] = transfer[0], None
-            return self._generate(prompt_token_ids, sampling_params, request_id, cache_salt,
-                                  routing_key, None if kv else (before + resume_token_ids) or None,
-                                  lora_request, kv)
-        return resuming_stream(open_stream, request_id, sampling_params.n)
-
-    async def prefill(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                      request_id: str, cache_salt: str | None, routing_key: str | None,
-                      lora_request: LoRARequest | None) -> tuple[RequestOutput, Any]:
-        """A prefill deployment's part (LLMServer.prefill): its output and the KV's params."""
-        packed, transfer = await self.handle.prefill.remote(
-            prompt_token_ids, sampling_params, request_id, cache_salt,
-            routing_key=routing_key, lora_request=lora_request)
-        return unpack_output(request_id, prompt_token_ids, packed), transfer
-
-    async def _generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                        request_id: str, cache_salt: str | None, routing_key: str | None,
-                        resume_token_ids: list[int] | None,
-                        lora_request: LoRARequest | None,
-                        kv_transfer_params: Any = None) -> AsyncIterator[Any]:
-        # (KV payload refs go by Ray's serializer, which tracks them, not plain pickle)
-        handle = self.stream_handle if kv_transfer_params is None else self.transfer_handle
-        gen = handle.generate.remote(prompt_token_ids, sampling_params, request_id,
-                                     cache_salt, routing_key=routing_key,
-                                     resume_token_ids=resume_token_ids,
-                                     lora_request=lora_request,
-                                     kv_transfer_params=kv_transfer_params)
-        finished = False
-        try:
-            async for packed in gen:
-                if packed == HANDOFF:
-                    raise ReplicaDrainingError(f"request {request_id}: its replica is draining")
-                out = unpack_output(request_id, prompt_token_ids, packed)
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:  # client gone or error: cancel the replica-side generator
-                gen.cancel()
-
-    async def add_lora(self, lora_request: LoRARequest) -> None:
-        """Every running replica loads and checks the adapter (a replica started later loads
-        it at its first request under it); the first replica's error if any fails."""
-        await self._on_every_replica("add_lora", lora_request)
-
-    async def remove_lora(self, lora_name: str) -> None:
-        await self._on_every_replica("remove_lora", lora_name)
-
-    async def _on_every_replica(self, method: str, *args: Any) -> None:
-        results = await self.handle.broadcast(method, *args).results_async(return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-
-    async def check_health(self) -> None:
-        """Healthy while any replica is ready: one lost replica (its requests resume on the
-        others) does not take the whole server out of a load balancer."""
-        results = await self.handle.broadcast("ready").results_async(return_exceptions=True)
-        if not results:
-            raise RuntimeError("no LLMServer replica is running yet")
-        if all(isinstance(r, BaseException) for r in results):
-            raise results[0]
-
-    async def metrics(self) -> list[dict[str, Any]]:
-        """Every reachable replica's (a lost one is left out, not an error)."""
-        results = await self.handle.broadcast("metrics").results_async(return_exceptions=True)
-        snapshots = [r for r in results if not isinstance(r, BaseException)]
-        if results and not snapshots:
-            raise results[0]
-        return snapshots
-
-
 @serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["ingress_max_ongoing_requests"],
                   graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 @serve.ingress()
@@ -373,25 +273,6 @@ def ingress_spec(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any
             "loras": LoRAModels(lora_modules(serving["lora_modules"], name),
                                 serving["dynamic_lora_loading_path"],
                                 serving["allow_runtime_lora_updating"])}
-
-
-def pack_output(out: RequestOutput, replica_id: str | None = None) -> tuple:
-    """A RequestOutput as plain tuples for the hop to the ingress, without the prompt.
-
-    (finished, num_cached_tokens, ((index, token_ids, text, finish_reason, stop_reason,
-    logprobs), ...), replica_id, prompt_logprobs, pooled); `unpack_output` inverts it given
-    the request id and prompt.
-    """
-    return (out.finished, out.num_cached_tokens,
-            tuple((c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs)
-                  for c in out.outputs), replica_id, out.prompt_logprobs, out.pooled)
-
-
-def unpack_output(request_id: str, prompt_token_ids: list[int], packed: tuple) -> RequestOutput:
-    finished, num_cached_tokens, outputs, replica_id, prompt_logprobs, pooled = packed
-    return RequestOutput(request_id, prompt_token_ids,
-                         [CompletionOutput(*c) for c in outputs], finished, num_cached_tokens,
-                         replica_id, prompt_logprobs, pooled)
 
 
 def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
