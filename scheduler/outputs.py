@@ -6,7 +6,7 @@ gets its own package, because the HTTP front imports them from here)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
@@ -80,6 +80,9 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobList | None = None
     # a pooling runner's vector for the request (its embedding or score), on its last output
     pooled: np.ndarray | None = None
+    # a prefill engine's (kv_role "prefill"): its prompt's KV for the decode side, on its last
+    # output (cluster/engine/kv_transport.py KVTransferParams)
+    kv_transfer_params: Any = None
 
 
 @dataclass(slots=True)

@@ -32,6 +32,7 @@ from workers.cuda_graph import capture_step_graphs
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftRunner
 from workers.kv_scales import arm_kv_scale_calculation
+from workers.kv_transfer import pack_blocks, unpack_blocks
 from workers.loader import load_model
 from workers.lora import LoRAModel, check_lora_plan
 from workers.model_config import ModelConfig, check_weights_fit, load_model_config
@@ -369,6 +370,19 @@ class Worker(KVCacheSizing):
         else:
             result = StepResult(step_id, seq_ids, _EMPTY)
         return result, step.logits if step.keep_logits else None
+
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's KV of `block_ids` as one host payload (workers/kv_transfer.py)."""
+        return pack_blocks(self._cache_tensor(), block_ids)
+
+    def import_kv(self, block_ids: list[int], payload: torch.Tensor, first: int = 0) -> None:
+        """Write payload blocks `first ..` into `block_ids` (workers/kv_transfer.py)."""
+        unpack_blocks(self._cache_tensor(), block_ids, payload.narrow(2, first, len(block_ids)))
+
+    def _cache_tensor(self) -> torch.Tensor:
+        if self._bound_cache is None:
+            raise RuntimeError("call init_cache() before a KV transfer")
+        return self._bound_cache.gpu_cache
 
     def shutdown(self) -> None:
         """Release the cache, the model and the process group."""

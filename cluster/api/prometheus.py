@@ -30,6 +30,19 @@ GAUGES = (
     ("kv_offload_usage_perc", "qwen3_serve:kv_offload_usage_perc",
      "CPU offload tier usage (kv_offloading_size). 1 means every tier block holds a prefix block."),
 )
+# Prefill/decode disaggregation's (cluster/engine/kv_transport.py KVTransferMetrics).
+TRANSFER_COUNTERS = (
+    ("kv_transfer_exports_total", "qwen3_serve:kv_transfer_exports",
+     "Prompts whose KV a prefill replica handed over."),
+    ("kv_transfer_imports_total", "qwen3_serve:kv_transfer_imports",
+     "Prompts whose KV a decode replica received and cached."),
+    ("kv_transfer_fallbacks_total", "qwen3_serve:kv_transfer_fallbacks",
+     "Transfers that failed or passed their bound: the decode replica computed the prompt."),
+    ("kv_transfer_bytes_out_total", "qwen3_serve:kv_transfer_bytes_out",
+     "KV bytes a prefill replica handed over."),
+    ("kv_transfer_bytes_in_total", "qwen3_serve:kv_transfer_bytes_in",
+     "KV bytes a decode replica received."),
+)
 COUNTERS = (
     ("prefix_cache_queries", "vllm:prefix_cache_queries",
      "Prefix cache queries, in terms of number of queried tokens."),
@@ -52,6 +65,7 @@ COUNTERS = (
      "Preemptions that freed a request's KV blocks for recomputation."),
     ("num_worker_recoveries", "qwen3_serve:num_worker_recoveries",
      "Tensor-parallel groups rebuilt after a worker died (their requests recomputed)."),
+    *TRANSFER_COUNTERS,
     ("spec_decode_num_drafts", "vllm:spec_decode_num_drafts",
      "Number of spec decoding drafts (verify rows with proposed tokens)."),
     ("spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens",
@@ -76,6 +90,8 @@ HISTOGRAMS = (
      "Histogram of time spent in DECODE phase for request."),
     ("request_inference_time_seconds", "vllm:request_inference_time_seconds",
      "Histogram of time spent in RUNNING phase for request."),
+    ("kv_transfer_seconds", "qwen3_serve:kv_transfer_seconds",
+     "Histogram of KV transfer time (a prefill's copy out, a decode's fetch and write)."),
 )
 # Per replica (label `replica`, from snapshots that carry a `replica_id`): which replica hits.
 PER_REPLICA = (
@@ -89,6 +105,12 @@ PER_REPLICA = (
      "Requests waiting in one replica's queue."),
     ("kv_cache_usage_perc", "qwen3_serve:replica_kv_cache_usage_perc",
      "One replica's KV-cache usage. 1 means 100 percent usage."),
+    ("kv_transfer_bytes_out_total", "qwen3_serve:replica_kv_transfer_bytes_out",
+     "KV bytes one prefill replica handed over."),
+    ("kv_transfer_bytes_in_total", "qwen3_serve:replica_kv_transfer_bytes_in",
+     "KV bytes one decode replica received."),
+    ("kv_transfer_fallbacks_total", "qwen3_serve:replica_kv_transfer_fallbacks",
+     "Transfers one decode replica gave up on (it computed the prompt)."),
 )
 _GAUGE_KEYS = {key for key, _, _ in GAUGES}
 # LoRA (snapshots with `max_lora` > 0, cluster/engine/lora.py `lora_metrics`): vLLM's info gauge,

@@ -30,8 +30,10 @@ _SERIES = re.compile(r'^qwen3_serve:replica_(\w+?)(?:_total)?\{[^}]*replica="((?
                      r'[^}]*\} (\S+)$', re.M)
 _LORA = re.compile(r'^qwen3_serve:replica_lora_loaded\{[^}]*replica="((?:[^"\\]|\\.)*)"'
                    r'[^}]*lora_name="((?:[^"\\]|\\.)*)"[^}]*\} \S+$', re.M)
-COLUMNS = ("app", "deployment", "replica", "state", "node", "pid", "running", "waiting",
-           "kv_usage", "prefix_hit", "loras")
+COLUMNS = ("app", "deployment", "role", "replica", "state", "node", "pid", "running",
+           "waiting", "kv_usage", "prefix_hit", "kv_moved", "fallbacks", "loras")
+# A prefill/decode app's deployments (cluster/api/pd_app.py): the role is the name's suffix.
+_ROLES = ("prefill", "decode")
 
 
 def per_replica_metrics(metrics_text: str) -> dict[str, dict[str, float]]:
@@ -65,8 +67,11 @@ def replica_rows(details: dict[str, Any], metrics_text: str) -> list[dict[str, s
             for rep in sorted(dep.get("replicas") or [], key=lambda r: r["replica_id"]):
                 m = metrics.get(rep["replica_id"], {})
                 queries = m.get("prefix_cache_queries", 0.0)
+                moved = m.get("kv_transfer_bytes_out", 0.0) + m.get("kv_transfer_bytes_in", 0.0)
+                role = dep_name.rsplit("-", 1)[-1]
                 rows.append({
-                    "app": app_name, "deployment": dep_name, "replica": rep["replica_id"],
+                    "app": app_name, "deployment": dep_name,
+                    "role": role if role in _ROLES else "-", "replica": rep["replica_id"],
                     "state": str(rep.get("state", "?")), "node": rep.get("node_ip") or "-",
                     "pid": str(rep.get("pid") or "-"),
                     "running": _int(m.get("num_requests_running")),
@@ -74,6 +79,8 @@ def replica_rows(details: dict[str, Any], metrics_text: str) -> list[dict[str, s
                     "kv_usage": _pct(m.get("kv_cache_usage_perc")),
                     "prefix_hit": _pct(m.get("prefix_cache_hits", 0.0) / queries
                                        if queries else None),
+                    "kv_moved": _bytes(moved) if m else "-",
+                    "fallbacks": _int(m.get("kv_transfer_fallbacks")),
                     "loras": ",".join(loras.get(rep["replica_id"], [])) or "-",
                 })
     return rows
@@ -97,6 +104,10 @@ def metrics_url(details: dict[str, Any]) -> str:
 
 def _int(x: float | None) -> str:
     return "-" if x is None else str(int(x))
+
+
+def _bytes(x: float) -> str:
+    return f"{x / 2**20:.1f}MiB" if x >= 2**20 else f"{x / 2**10:.0f}KiB"
 
 
 def _pct(x: float | None) -> str:

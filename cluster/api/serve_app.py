@@ -33,18 +33,19 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
-from cluster.api.drain import HANDOFF, Drain, watch_drain
+from cluster.api.drain import Drain, watch_drain
 from cluster.api.engine_client import ModelInfo
-from cluster.api.failover import ReplicaDrainingError, resuming_stream
+from cluster.api.handle_client import HandleEngineClient, pack_output
 from cluster.api.lora_models import LORA_SERVING_DEFAULTS, LoRAModels, check_lora_args, lora_modules
 from cluster.api.multi_model import ModelDispatch, deployment_name, model_entries
 from cluster.api.openai_api import create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
+from cluster.api.pd_app import PDEngineClient, pd_entries
+from cluster.api.pd_autoscaling import autoscaling_stats
 from cluster.api.prefix_router import check_router_args, request_router_config
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
 from cluster.engine.config import EngineConfig
 from scheduler.lora import LoRARequest
-from scheduler.outputs import CompletionOutput, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -147,12 +148,15 @@ class LLMServer:
                        request_id: str, cache_salt: str | None = None,
                        routing_key: str | None = None,
                        resume_token_ids: list[int] | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[tuple]:
+                       lora_request: LoRARequest | None = None,
+                       kv_transfer_params: Any = None) -> AsyncIterator[tuple]:
         """Stream `pack_output` tuples (not RequestOutput: it repeats the whole prompt); the
         first names this replica; HANDOFF last when the request goes on elsewhere because this
         replica is draining (cluster/api/drain.py). `routing_key` is the request router's
         (prefix_router.py); `resume_token_ids`: the request comes from a lost or draining
-        replica with these outputs (cluster/api/failover.py); `lora_request`: its adapter."""
+        replica with these outputs (cluster/api/failover.py); `lora_request`: its adapter;
+        `kv_transfer_params`: a decode replica's request, with its prompt's KV
+        (cluster/api/pd_app.py)."""
         # Serve cancels this generator when the caller goes away; the engine's generator
         # then aborts the request in its `finally`, freeing its blocks within a step.
         self._ensure_exporter()
@@ -162,12 +166,32 @@ class LLMServer:
             async for out in self.engine.generate(prompt_token_ids, sampling_params,
                                                    request_id, cache_salt=cache_salt,
                                                    resume_token_ids=resume_token_ids,
-                                                   lora_request=lora_request):
+                                                   lora_request=lora_request,
+                                                   kv_transfer_params=kv_transfer_params):
                 yield pack_output(out, replica_id)
                 replica_id = None
 
         async for item in self._drain.stream(request_id, sampling_params.n, packed):
             yield item
+
+    async def prefill(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                      request_id: str, cache_salt: str | None = None,
+                      routing_key: str | None = None,
+                      lora_request: LoRARequest | None = None) -> tuple[tuple, Any]:
+        """A prefill replica's part (cluster/api/pd_app.py): the request's one output packed,
+        and its prompt's KV (`KVTransferParams`, None when its first token ended it)."""
+        self._ensure_exporter()
+        last = None
+        async for out in self.engine.generate(prompt_token_ids, sampling_params, request_id,
+                                               cache_salt=cache_salt, export_kv=True,
+                                               lora_request=lora_request):
+            last = out
+        return pack_output(last, self.replica_id), last.kv_transfer_params
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics: this replica's load signals
+        (cluster/api/pd_autoscaling.py; what a `pd` role's policy scales on)."""
+        return autoscaling_stats(self.engine.engine)
 
     async def kv_events(self, cursors: dict[str, tuple[str | None, int]]) -> tuple:
         """(this replica's id, its KV events since its cursor in `cursors`, its load, its LoRA
@@ -202,84 +226,6 @@ class LLMServer:
             engine.shutdown()
 
 
-class HandleEngineClient:
-    """The ingress's `EngineClient`: LLMServer replicas behind a DeploymentHandle."""
-
-    def __init__(self, handle: DeploymentHandle) -> None:
-        self.handle = handle
-        # The token stream goes over Serve's direct gRPC channel between replicas, with plain
-        # pickle: it skips Ray's object store and cloudpickle, a few ms of TTFT per request.
-        self.stream_handle = handle.options(stream=True, _by_reference=False,
-                                            request_serialization="pickle",
-                                            response_serialization="pickle")
-
-    async def model_info(self) -> ModelInfo:
-        return await self.handle.model_info.remote()
-
-    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 request_id: str, cache_salt: str | None = None,
-                 routing_key: str | None = None,
-                 lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
-        """The request's deltas; resumed (under the same adapter) on another replica if the
-        one serving it is lost (the request router has dropped that replica and its KV
-        holdings)."""
-        def open_stream(resume_token_ids: list[int]) -> AsyncIterator[Any]:
-            return self._generate(prompt_token_ids, sampling_params, request_id, cache_salt,
-                                  routing_key, resume_token_ids or None, lora_request)
-        return resuming_stream(open_stream, request_id, sampling_params.n)
-
-    async def _generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                        request_id: str, cache_salt: str | None, routing_key: str | None,
-                        resume_token_ids: list[int] | None,
-                        lora_request: LoRARequest | None) -> AsyncIterator[Any]:
-        gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params, request_id,
-                                                 cache_salt, routing_key=routing_key,
-                                                 resume_token_ids=resume_token_ids,
-                                                 lora_request=lora_request)
-        finished = False
-        try:
-            async for packed in gen:
-                if packed == HANDOFF:
-                    raise ReplicaDrainingError(f"request {request_id}: its replica is draining")
-                out = unpack_output(request_id, prompt_token_ids, packed)
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:  # client gone or error: cancel the replica-side generator
-                gen.cancel()
-
-    async def add_lora(self, lora_request: LoRARequest) -> None:
-        """Every running replica loads and checks the adapter (a replica started later loads
-        it at its first request under it); the first replica's error if any fails."""
-        await self._on_every_replica("add_lora", lora_request)
-
-    async def remove_lora(self, lora_name: str) -> None:
-        await self._on_every_replica("remove_lora", lora_name)
-
-    async def _on_every_replica(self, method: str, *args: Any) -> None:
-        results = await self.handle.broadcast(method, *args).results_async(return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-
-    async def check_health(self) -> None:
-        """Healthy while any replica is ready: one lost replica (its requests resume on the
-        others) does not take the whole server out of a load balancer."""
-        results = await self.handle.broadcast("ready").results_async(return_exceptions=True)
-        if not results:
-            raise RuntimeError("no LLMServer replica is running yet")
-        if all(isinstance(r, BaseException) for r in results):
-            raise results[0]
-
-    async def metrics(self) -> list[dict[str, Any]]:
-        """Every reachable replica's (a lost one is left out, not an error)."""
-        results = await self.handle.broadcast("metrics").results_async(return_exceptions=True)
-        snapshots = [r for r in results if not isinstance(r, BaseException)]
-        if results and not snapshots:
-            raise results[0]
-        return snapshots
-
-
 @serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["ingress_max_ongoing_requests"],
                   graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 @serve.ingress()
@@ -308,7 +254,9 @@ def model_app(llm_server: DeploymentHandle, spec: dict[str, Any], api_key: str |
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(spec["model"]))
     if spec["tool_call_parser"] is not None:
         import xgrammar  # noqa: F401 — loaded now, not on the first forced tool call (~2 s)
-    return create_app(HandleEngineClient(llm_server), tokenizer,
+    client = (PDEngineClient(*map(HandleEngineClient, llm_server))  # (prefill, decode)
+              if isinstance(llm_server, tuple) else HandleEngineClient(llm_server))
+    return create_app(client, tokenizer,
                       served_model_name=spec["served_model_name"], api_key=api_key,
                       max_body_bytes=spec["max_request_body_bytes"],
                       reasoning_parser=spec["reasoning_parser"],
@@ -325,25 +273,6 @@ def ingress_spec(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any
             "loras": LoRAModels(lora_modules(serving["lora_modules"], name),
                                 serving["dynamic_lora_loading_path"],
                                 serving["allow_runtime_lora_updating"])}
-
-
-def pack_output(out: RequestOutput, replica_id: str | None = None) -> tuple:
-    """A RequestOutput as plain tuples for the hop to the ingress, without the prompt.
-
-    (finished, num_cached_tokens, ((index, token_ids, text, finish_reason, stop_reason,
-    logprobs), ...), replica_id, prompt_logprobs, pooled); `unpack_output` inverts it given
-    the request id and prompt.
-    """
-    return (out.finished, out.num_cached_tokens,
-            tuple((c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs)
-                  for c in out.outputs), replica_id, out.prompt_logprobs, out.pooled)
-
-
-def unpack_output(request_id: str, prompt_token_ids: list[int], packed: tuple) -> RequestOutput:
-    finished, num_cached_tokens, outputs, replica_id, prompt_logprobs, pooled = packed
-    return RequestOutput(request_id, prompt_token_ids,
-                         [CompletionOutput(*c) for c in outputs], finished, num_cached_tokens,
-                         replica_id, prompt_logprobs, pooled)
 
 
 def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
@@ -397,7 +326,12 @@ def stage_bundles(config: EngineConfig, use_gpu: bool) -> list[list[dict[str, fl
 def check_args(args: dict[str, Any]) -> None:
     """build_app's checks of a manifest's args, without building the app (nor importing
     torch): `./dev serve` runs them before it starts Ray (scripts/serve_run.py)."""
-    model_entries(dict(args or {}), split_args)
+    _entries(dict(args or {}))
+
+
+def _entries(args: dict[str, Any]) -> list[tuple[EngineConfig, dict[str, Any]]]:
+    """(config, serving) per model, or the prefill and decode roles' with `pd`."""
+    return pd_entries(args, split_args) if "pd" in args else model_entries(args, split_args)
 
 
 def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any],
@@ -416,10 +350,13 @@ def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any],
 
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve app builder named by the manifests (`cluster.api.serve_app:build_app`)."""
-    entries = model_entries(dict(args or {}), split_args)
+    entries = _entries(dict(args or {}))
     several = len(entries) > 1
-    models = [(llm_deployment(config, serving, deployment_name(config, serving, several)),
+    models = [(llm_deployment(config, serving, f"LLMServer-{config.kv_role}" if config.kv_role
+                              else deployment_name(config, serving, several)),
                ingress_spec(config, serving)) for config, serving in entries]
+    if "pd" in (args or {}):  # one model: (prefill, decode) deployments, the decode's spec
+        models = [((models[0][0], models[1][0]), models[1][1])]
     serving = entries[0][1]  # (the ingress's keys are the same in every entry)
     ingress_actor: dict[str, Any] = {"num_cpus": float(serving["ingress_num_cpus"]),
                                      "runtime_env": {"env_vars": REPLICA_ENV_VARS}}

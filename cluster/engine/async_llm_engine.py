@@ -78,10 +78,12 @@ class AsyncLLMEngine:
                        request_id: str | None = None,
                        cache_salt: str | None = None,
                        resume_token_ids: list[int] | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None, export_kv: bool = False,
+                       kv_transfer_params: Any = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's output deltas. `resume_token_ids`: the tokens it already
         generated on another replica; the deltas start after them. `lora_request`: the adapter
-        it runs under (None: the base model), loaded and checked on first use."""
+        it runs under (None: the base model), loaded and checked on first use. `export_kv` /
+        `kv_transfer_params`: prefill/decode disaggregation's (LLMEngine.add_request)."""
         self.check_health()
         self._ensure_loop()
         request_id = request_id or uuid.uuid4().hex
@@ -96,7 +98,8 @@ class AsyncLLMEngine:
         if not self.engine.has_unfinished():
             self._last_progress = time.monotonic()  # idle until now: not a stall
         self.engine.add_request(request_id, prompt_token_ids, sampling_params, cache_salt,
-                                resume_token_ids, lora_request=lora_request)
+                                resume_token_ids, lora_request=lora_request,
+                                export_kv=export_kv, kv_transfer_params=kv_transfer_params)
         if lora_request is not None and not resume_token_ids:
             name = lora_request.lora_name
             self.lora_requests_total[name] = self.lora_requests_total.get(name, 0) + 1

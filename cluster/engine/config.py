@@ -49,6 +49,12 @@ class EngineConfig:
     # budget beside swap_space; it needs prefix caching (kvcache/offload.py).
     kv_offloading_size: float = 0.0
     enable_prefix_caching: bool = True
+    # Prefill/decode disaggregation (cluster/engine/kv_transfers.py): "prefill" exports a
+    # finished prompt's KV, "decode" imports it; None: colocated, no transfers. A decode side
+    # falls back to computing the prompt when a payload is not fetched in
+    # kv_transfer_timeout_s seconds.
+    kv_role: str | None = None
+    kv_transfer_timeout_s: float = 10.0
     preemption_mode: str | None = None
     seed: int = 0
     enforce_eager: bool = False
@@ -160,6 +166,8 @@ class EngineConfig:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError("async_scheduling must be true, false or null (auto); "
                              f"got {self.async_scheduling!r}")
+        if self.kv_role is not None:
+            self._check_kv_role()
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError("enable_expert_parallel must be true or false; "
                              f"got {self.enable_expert_parallel!r}")
@@ -208,6 +216,25 @@ class EngineConfig:
             SpeculativeConfig.from_dict(self.speculative_config)
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode 'swap' needs swap_space > 0 GiB")
+
+    def _check_kv_role(self) -> None:
+        if self.kv_role not in ("prefill", "decode"):
+            raise ValueError(f"kv_role must be 'prefill', 'decode' or null; got {self.kv_role!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError(f"kv_role {self.kv_role!r} finds and registers transferred blocks "
+                             "by their prefix hashes; set enable_prefix_caching true")
+        if self.kv_offloading_size:
+            raise ValueError(f"kv_role {self.kv_role!r} with a CPU offload tier is not "
+                             "supported (a received block could be offloaded before it is "
+                             "written); set kv_offloading_size 0")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(f"kv_role {self.kv_role!r} with pipeline_parallel_size "
+                             f"{self.pipeline_parallel_size} is not supported (KV moves rank by "
+                             "rank between tensor-parallel groups of one stage); set "
+                             "pipeline_parallel_size 1 for a PD app's roles")
+        t = self.kv_transfer_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise ValueError(f"kv_transfer_timeout_s must be a number of seconds > 0; got {t!r}")
 
     def check_host_memory(self, weights_bytes: int, host_bytes: int) -> None:
         """Raise ValueError when the offload tier, the swap space of every rank and the

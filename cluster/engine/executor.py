@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from cluster.engine.kv_transport import fetch, publish
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
 
@@ -52,6 +53,19 @@ class Executor(ABC):
     def execute(self, plan: StepPlan) -> StepResult:
         """Run `plan` on every rank; rank 0's result."""
         return self.result(self.submit(plan)).result()
+
+    def export_kv(self, block_ids: list[int]) -> tuple[list[Any], int]:
+        """Every rank packs its KV of `block_ids` (workers/kv_transfer.py) and publishes it
+        (cluster/engine/kv_transport.py); the handles, rank by rank, and the payloads' bytes
+        together. The caller holds the blocks until this returns: the copy is out then."""
+        raise ValueError(f"{type(self).__name__} does not transfer KV blocks")
+
+    def import_kv(self, block_ids: list[int], handles: list[Any], first: int,
+                  timeout_s: float) -> None:
+        """Rank r fetches `handles[r]` and writes its blocks `first ..` into `block_ids`;
+        KVTransferError when a payload is not had within `timeout_s`. Called with no plan
+        in flight (nothing else reads or writes those blocks meanwhile)."""
+        raise ValueError(f"{type(self).__name__} does not transfer KV blocks")
 
     def park(self) -> None:  # noqa: B027 — a real default
         """Nothing is in flight and nothing will be for a while: let the workers wait without
@@ -145,6 +159,19 @@ class InProcessExecutor(Executor):
             self.worker.provide_bitmask(handle, bitmask)
         else:
             self._thread.submit(self.worker.provide_bitmask, handle, bitmask).result()
+
+    def export_kv(self, block_ids: list[int]) -> tuple[list[Any], int]:
+        payload = self._on_worker(self.worker.export_kv, block_ids)
+        return [publish(payload)], payload.numel() * payload.element_size()
+
+    def import_kv(self, block_ids: list[int], handles: list[Any], first: int,
+                  timeout_s: float) -> None:
+        payload = fetch(handles[0], timeout_s)
+        self._on_worker(self.worker.import_kv, block_ids, payload, first)
+
+    def _on_worker(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` where the worker's steps run, after every step submitted so far."""
+        return fn(*args) if self._thread is None else self._thread.submit(fn, *args).result()
 
     def shutdown(self) -> None:
         if self._thread is not None:

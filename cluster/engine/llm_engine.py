@@ -35,6 +35,8 @@ from cluster.engine.engine_setup import (
 )
 from cluster.engine.executor import Executor, WorkerDiedError
 from cluster.engine.fast_detokenizer import detokenizer_factory
+from cluster.engine.kv_transfers import KVTransfers
+from cluster.engine.kv_transport import KVTransferParams
 from cluster.engine.lora import LoRAHostCache
 from cluster.engine.metrics import LatencyMetrics, RequestTimes
 from cluster.engine.output_processor import OutputProcessor
@@ -129,6 +131,7 @@ class LLMEngine:
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
             disable_any_whitespace=config.disable_any_whitespace)
         self.latency = LatencyMetrics()
+        self.kv_transfers = KVTransfers(self)  # prefill/decode disaggregation's (kv_role)
         self._times: dict[str, RequestTimes] = {}
         self.num_steps = 0
         self.forward_seconds = 0.0
@@ -185,14 +188,32 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, cache_salt: str | None = None,
                     output_token_ids: list[int] | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, export_kv: bool = False,
+                    kv_transfer_params: KVTransferParams | None = None) -> None:
         """Queue a request. `output_token_ids`: it is resumed from another replica with the
         tokens it generated there (Scheduler.add_request); its deltas start after them.
-        `lora_request`: the adapter it runs under (None: the base model)."""
+        `lora_request`: the adapter it runs under (None: the base model). `export_kv` (a
+        prefill engine's): its last output carries its prompt's KV as `kv_transfer_params`;
+        `kv_transfer_params` (a decode engine's): that KV, imported before it is admitted
+        with the first token as output (cluster/engine/kv_transfers.py)."""
         params = params or self.default_sampling_params()
         self.validate(prompt_token_ids, params)
         if lora_request is not None:
             self.add_lora(lora_request)
+        if export_kv:
+            self.kv_transfers.mark_export(request_id, params, cache_salt, lora_request)
+        if kv_transfer_params is not None:
+            self.kv_transfers.receive(request_id, prompt_token_ids, params, cache_salt,
+                                      lora_request, kv_transfer_params)
+            return
+        self.queue_request(request_id, prompt_token_ids, params, cache_salt, output_token_ids,
+                           lora_request)
+
+    def queue_request(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, cache_salt: str | None,
+                      output_token_ids: list[int] | None,
+                      lora_request: LoRARequest | None) -> None:
+        """add_request's admission, after its checks."""
         outputs = list(output_token_ids or ())
         self.scheduler.add_request(request_id, list(prompt_token_ids), params,
                                    cache_salt=cache_salt, output_token_ids=outputs,
@@ -207,6 +228,7 @@ class LLMEngine:
         self._times[request_id] = RequestTimes(arrival=time.perf_counter())
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        self.kv_transfers.forget(request_id)
         out = self.output_processor.abort(request_id)
         self.structured.release(request_id)
         times = self._times.pop(request_id, None)
@@ -216,7 +238,8 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Requests in the scheduler, or plans whose results are still to be applied."""
-        return self.scheduler.has_unfinished() or bool(self._inflight)
+        return (self.scheduler.has_unfinished() or bool(self._inflight)
+                or self.kv_transfers.pending)
 
     def park(self) -> None:
         """Idle: let the workers wait without burning CPU; the next step wakes them."""
@@ -253,9 +276,10 @@ class LLMEngine:
         and hand back the oldest step in flight: its plan, a future of its StepResult (None
         when nothing went to the workers) and when its scheduling began, for `finish_step`."""
         if not self._inflight:
+            self.kv_transfers.admit_ready()  # (KV imports: only with nothing in flight)
             self._submit()
         if (self.async_scheduling and len(self._inflight) == 1
-                and self.scheduler.has_unfinished()):
+                and self.scheduler.has_unfinished() and not self.kv_transfers.pending):
             self._submit()
         plan, handle, start = self._inflight.popleft()
         return plan, None if handle is None else self.executor.result(handle), start
@@ -294,6 +318,8 @@ class LLMEngine:
                                                 defer_text)
         if self.structured.active:
             self.structured.on_result(plan, result, outputs)
+        if self.kv_transfers.role == "prefill":
+            self.kv_transfers.on_outputs(outputs)
         if self._inflight:  # (even with no constrained request left: one may be in flight)
             self._provide_bitmask()
         now = time.perf_counter()
@@ -348,6 +374,7 @@ class LLMEngine:
             "num_preemptions_swap": s.preemptions_swap,
             "num_preemptions_recompute": s.preemptions_recompute,
             "num_worker_recoveries": self.recoveries,
+            **self.kv_transfers.stats(),
             **self._spec_metrics(),
             "request_success_total": dict(self.latency.finished),
             "time_to_first_token_seconds": self.latency.ttft.copy(),

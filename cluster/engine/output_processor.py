@@ -206,7 +206,7 @@ class OutputProcessor:
                 out.outputs = [comp]
                 out.finished = False
                 out.num_cached_tokens = req.num_cached_tokens
-                out.replica_id = out.prompt_logprobs = out.pooled = None
+                out.replica_id = out.prompt_logprobs = out.pooled = out.kv_transfer_params = None
                 emit(out)
                 continue
             if state is None:  # no text, no logprobs: the delta is the token

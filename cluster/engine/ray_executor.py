@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from cluster.engine.executor import Executor, WorkerDiedError
+from cluster.engine.kv_transport import KVTransferError
 from cluster.engine.stage_placement import place_stages
 from cluster.engine.wakeup import Park, WakeSockets
 from scheduler.plan import StepPlan, StepResult
@@ -255,6 +256,18 @@ class RayExecutor(Executor):
             return None if result is None else result.owned()
         except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
             self._fail(e)
+
+    def export_kv(self, block_ids: list[int]) -> tuple[list, int]:
+        out = self._wait_all([w.export_kv.remote(block_ids) for w in self.workers])
+        return [refs[0] for refs, _ in out], sum(n for _, n in out)
+
+    def import_kv(self, block_ids: list[int], handles: list, first: int,
+                  timeout_s: float) -> None:
+        errors = self._wait_all([w.import_kv.remote(block_ids, [h], first, timeout_s)
+                                 for w, h in zip(self.workers, handles)])
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            raise KVTransferError(failed)
 
     def check_health(self) -> None:
         if self._dead is not None:

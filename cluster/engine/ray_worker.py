@@ -1,9 +1,11 @@
 """The Ray actor that hosts one tensor-parallel rank's Worker.
 
-The compiled graph's loop calls `execute` (or `execute_lagged`) on one thread; `ping` and
-`provide_bitmask` arrive on the actor's second thread. A grammar bitmask is only posted
-there: the step loop's thread takes it and hands it to the worker (the Worker is used from
-one thread only).
+The compiled graph's loop calls `execute` (or `execute_lagged`) on one thread; `ping`,
+`provide_bitmask` and the KV transfer's `export_kv` / `import_kv` arrive on the actor's
+second thread. A grammar bitmask is only posted there: the step loop's thread takes it and
+hands it to the worker (the Worker's steps run on one thread only). A KV transfer copies
+blocks that no step in flight writes (the engine orders it: cluster/engine/kv_transfers.py),
+so on CPU it runs beside a step.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import threading
 import numpy as np
 import ray
 
+from cluster.engine.kv_transport import KVTransferError, fetch, publish
 from cluster.engine.wakeup import Park, WakeReader
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
@@ -87,6 +90,23 @@ class RayWorker:
                                    f"{BITMASK_TIMEOUT_S:.0f} s")
             bitmask = self._bitmasks.pop(step_id)
         self.worker.provide_bitmask(step_id, bitmask)
+
+    def export_kv(self, block_ids: list[int]) -> tuple[list, int]:
+        """This rank's payload of `block_ids`, put in the object store by this actor (its
+        owner; in a list, so the caller gets the ref, not the tensor), and its bytes."""
+        payload = self.worker.export_kv(block_ids)
+        return [publish(payload)], payload.numel() * payload.element_size()
+
+    def import_kv(self, block_ids: list[int], handles: list, first: int,
+                  timeout_s: float) -> str | None:
+        """Fetch `handles[0]` (a list: Ray would resolve a bare ref before the call, and a
+        lost object would fail the actor call) and write it; why not, or None."""
+        try:
+            payload = fetch(handles[0], timeout_s)
+        except KVTransferError as e:
+            return str(e)
+        self.worker.import_kv(block_ids, payload, first)
+        return None
 
     def ping(self) -> bool:
         return True

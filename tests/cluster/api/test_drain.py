@@ -16,7 +16,8 @@ import pytest
 
 from cluster.api.drain import HANDOFF, HANDOFF_AFTER, Drain
 from cluster.api.failover import ReplicaDrainingError, resuming_stream
-from cluster.api.serve_app import pack_output, split_args, unpack_output
+from cluster.api.handle_client import pack_output, unpack_output
+from cluster.api.serve_app import split_args
 from cluster.engine.async_llm_engine import AsyncLLMEngine
 from cluster.engine.config import EngineConfig
 from scheduler import RequestOutput, SamplingParams

@@ -252,7 +252,7 @@ def test_closing_a_stream_early_aborts_the_request(engine: FakeEngine, tokenizer
 
 
 def test_pack_output_round_trip_drops_only_the_prompt() -> None:
-    from cluster.api.serve_app import pack_output, unpack_output
+    from cluster.api.handle_client import pack_output, unpack_output
 
     out = RequestOutput("cmpl-1", [11, 12, 13], [
         CompletionOutput(0, [5, 6], "ab", None, None, None),

@@ -1,0 +1,115 @@
+"""The KV transfer's transport between replicas (prefill/decode disaggregation), and what
+crosses from the prefill side to the decode side (`KVTransferParams`, vLLM's
+`kv_transfer_params`).
+
+A payload (workers/kv_transfer.py: one rank's blocks, one contiguous host tensor) is published
+where the rank that packed it runs and fetched where the rank that unpacks it runs:
+  - with Ray up, through Ray's object store: `ray.put` by the packing process (the prefill
+    replica, or its rank's actor), which owns the object; the decode side's rank `ray.get`s
+    it within a bound. The object is freed when the last reference is dropped, i.e. once
+    the decode side has pulled it and the request's params are gone; a prefill replica that
+    dies takes its objects with it, and the fetch fails (OwnerDiedError, ObjectLostError):
+    the decode side then computes the prompt itself.
+  - without Ray (one process: tests, the offline engine), the payload itself is the handle.
+On GPU the same two calls are where Ray's GPU object transport (Ray Direct Transport over
+NCCL, tensors kept on the device) or a torch.distributed group between the two replicas'
+ranks would go; they are not implemented here (no GPU in CI).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cluster.engine.metrics import Histogram
+
+# The time one transfer takes, seconds (bytes over the host path, not a decode step's).
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0)
+
+
+class KVTransferError(RuntimeError):
+    """A payload could not be fetched (its owner died, the object is lost, the bound passed)."""
+
+
+@dataclass(slots=True)
+class KVTransferParams:
+    """What the prefill side hands the decode side with a request.
+
+    `payloads[r]`: tensor-parallel rank r's payload handle (an ObjectRef, or the tensor
+    itself without Ray), covering the first `num_blocks` full blocks of the prompt;
+    `first_token` is the token the prefill side sampled; `block_size` and
+    `tensor_parallel_size` are the prefill engine's, checked against the decode engine's.
+    """
+
+    payloads: list[Any]
+    num_blocks: int
+    block_size: int
+    tensor_parallel_size: int
+    first_token: int
+    nbytes: int
+
+
+@dataclass(slots=True)
+class KVTransferMetrics:
+    """Counters of one engine's transfers (either side) and the time histogram."""
+
+    exports: int = 0
+    imports: int = 0
+    fallbacks: int = 0  # imports that failed or timed out: the prompt was recomputed
+    bytes_out: int = 0
+    bytes_in: int = 0
+    seconds: Histogram = field(default_factory=lambda: Histogram(TRANSFER_BUCKETS))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kv_transfer_exports_total": self.exports,
+                "kv_transfer_imports_total": self.imports,
+                "kv_transfer_fallbacks_total": self.fallbacks,
+                "kv_transfer_bytes_out_total": self.bytes_out,
+                "kv_transfer_bytes_in_total": self.bytes_in,
+                "kv_transfer_seconds": self.seconds.copy()}
+
+
+def _ray() -> Any:
+    import ray
+
+    return ray if ray.is_initialized() else None
+
+
+def publish(payload: torch.Tensor) -> Any:
+    """A handle other processes can fetch `payload` by (see the module docstring)."""
+    ray = _ray()
+    return payload if ray is None else ray.put(payload)
+
+
+def fetch(handle: Any, timeout_s: float) -> torch.Tensor:
+    """The payload behind `handle`; KVTransferError when it cannot be had within `timeout_s`."""
+    if isinstance(handle, torch.Tensor):
+        return handle
+    import ray
+
+    if not isinstance(handle, ray.ObjectRef) or not ray.is_initialized():
+        raise KVTransferError(f"KV payload handle {type(handle).__name__} cannot be fetched "
+                              "here (not a Ray object, or Ray is not up)")
+    try:
+        return ray.get(handle, timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 — owner died, object lost, timeout: all a fallback
+        raise KVTransferError(f"KV payload not fetched: {type(e).__name__}: {e}") from e
+
+
+def ready(handles: list[Any]) -> bool:
+    """Whether every payload exists (or is known lost: its fetch then fails at once), without
+    waiting or copying anything. A handle that no fetch here can serve is never ready (its
+    request waits out the bound, then computes its prompt)."""
+    pending = [h for h in handles if not isinstance(h, torch.Tensor)]
+    if not pending:
+        return True
+    import ray
+
+    refs = [h for h in pending if isinstance(h, ray.ObjectRef)]
+    if len(refs) < len(pending) or not ray.is_initialized():
+        return False
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+    return len(done) == len(refs)

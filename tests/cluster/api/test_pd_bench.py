@@ -1,0 +1,54 @@
+"""bench/pd_bench.py without Ray: its arguments, both modes' manifests (the same CPUs, and
+`./dev serve`'s checks pass), the burst window's latencies and the transfer figures it reads
+from /metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.api.serve_app import check_args
+
+_PATH = Path(__file__).resolve().parents[3] / "bench" / "pd_bench.py"
+_spec = importlib.util.spec_from_file_location("pd_bench", _PATH)
+pd_bench = importlib.util.module_from_spec(_spec)
+sys.modules["pd_bench"] = pd_bench  # (its dataclass looks its module up)
+_spec.loader.exec_module(pd_bench)
+
+
+def test_arguments_and_modes() -> None:
+    args = pd_bench.parse_args(["--json", "x.json", "--burst", "3"])
+    assert (args.burst, args.json, args.modes) == (3, "x.json", "colocated,disaggregated")
+    with pytest.raises(SystemExit):
+        pd_bench.parse_args(["--modes", "colocated,both"])
+
+
+def test_both_modes_use_the_same_cpus_and_pass_the_manifest_checks() -> None:
+    colo, pd = (pd_bench.app_args(m, 0.8) for m in pd_bench.MODES)
+    check_args(colo)
+    check_args(pd)
+    assert colo["num_replicas"] * colo["replica_num_cpus"] == 2 * pd["replica_num_cpus"]
+    assert set(pd["pd"]) == {"prefill", "decode"}
+
+
+def test_itl_counts_only_the_burst_window() -> None:
+    s = pd_bench.Stream(0.0, [1.0, 1.1, 1.2, 2.2, 2.3, 4.0])
+    burst = [pd_bench.Stream(1.15, [2.25, 2.4]), pd_bench.Stream(1.5, [2.35, 2.5])]
+    row = pd_bench.summarize("colocated", [s], burst, wall=4.0)
+    # ITLs landing in [1.15, 2.35]: 1.2 (0.1), 2.2 (1.0), 2.3 (0.1)
+    assert row["itl_samples"] == 3 and row["itl_p99_s"] == pytest.approx(1.0)
+    assert row["itl_p50_s"] == pytest.approx(0.1)
+    assert row["ttft_p50_s"] == pytest.approx((1.1 + 0.85) / 2)
+    assert row["output_tok_s"] == pytest.approx(10 / 4.0)
+
+
+def test_transfer_figures_come_from_the_metrics_text() -> None:
+    text = ('qwen3_serve:kv_transfer_imports_total{model_name="m"} 4\n'
+            'qwen3_serve:kv_transfer_bytes_in_total{model_name="m"} 2097152\n'
+            'qwen3_serve:kv_transfer_seconds_sum{model_name="m"} 0.2\n'
+            'qwen3_serve:kv_transfer_seconds_count{model_name="m"} 8\n')
+    assert pd_bench.transfer_stats(text) == {"transfers": 4.0, "fallbacks": 0.0,
+                                             "transfer_mib": 2.0, "transfer_mean_s": 0.025}

@@ -1,0 +1,129 @@
+"""Prefill/decode disaggregation between two tp 2 engines on Ray (qwen3-tiny): each rank
+exports its own shard of the KV heads into the object store and the decode side's rank of the
+same index pulls it; the outputs equal one colocated engine's; a prefill group that dies
+before the pull leaves the decode side to compute the prompt (the payloads' owner is gone).
+The decode side schedules asynchronously (a lagged compiled graph), so its imports wait for
+no plan to be in flight."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from pd_testlib import assert_no_block_held, colocated, decode, disaggregated, prefill
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm_engine import LLMEngine
+from scheduler import SamplingParams
+
+PROMPT = [(i * 104729) % 150000 + 100 for i in range(53)]  # 3 full blocks of 16 + 5
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+          SamplingParams(temperature=1.0, top_p=0.9, seed=77, max_tokens=10, ignore_eos=True)]
+
+
+def _engine(**kw: object) -> LLMEngine:
+    return LLMEngine(EngineConfig(model="qwen3-tiny", max_num_seqs=8, swap_space=0.01, **kw))
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster: None, tiny_model_path: str) -> Iterator[tuple]:
+    tp2 = dict(tensor_parallel_size=2, worker_num_cpus=0.5)
+    made = [_engine(kv_role="prefill", **tp2),
+            _engine(kv_role="decode", async_scheduling=True, kv_transfer_timeout_s=5.0, **tp2),
+            _engine()]
+    yield tuple(made)
+    for e in made:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
+def test_tp2_to_tp2_outputs_equal_colocated(engines: tuple, params: SamplingParams) -> None:
+    p, d, c = engines
+    rid = f"ray-{params.temperature}"
+    prompt = [int(params.temperature) + 100] + PROMPT[1:]  # (nothing cached on either side)
+    want = colocated(c, rid, prompt, params)
+    before = d.metrics()
+    transfer = prefill(p, rid, prompt, params)
+    assert len(transfer.payloads) == 2 and transfer.num_blocks == 3
+    assert decode(d, rid, prompt, params, transfer) == want
+    after = d.metrics()
+    assert after["kv_transfer_imports_total"] == before["kv_transfer_imports_total"] + 1
+    assert after["kv_transfer_fallbacks_total"] == before["kv_transfer_fallbacks_total"]
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 3 * 16
+    assert after["kv_transfer_bytes_in_total"] - before["kv_transfer_bytes_in_total"] \
+        == transfer.nbytes
+    for e in (p, d):
+        assert_no_block_held(e)
+
+
+@pytest.mark.parametrize("how", ["failed", "never-ready"])
+def test_an_unfetchable_payload_falls_back_to_computing_the_prompt(engines: tuple,
+                                                                  how: str) -> None:
+    """Each decode rank's fetch fails (the object's task failed: what a lost object gives), or
+    the payloads never exist (the bound passes): the decode side computes the prompt."""
+    import ray
+
+    @ray.remote(num_cpus=0.01)
+    def failed() -> None:
+        raise RuntimeError("payload lost")
+
+    @ray.remote(num_cpus=0.01)
+    def never_ready() -> None:
+        time.sleep(120)
+
+    p, d, c = engines
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = [200 + len(how)] + PROMPT[1:40]
+    want = colocated(c, f"lost-{how}", prompt, params)
+    transfer = prefill(p, f"lost-{how}", prompt, params)
+    task = failed if how == "failed" else never_ready
+    transfer.payloads = [task.remote() for _ in transfer.payloads]
+    before = d.metrics()
+    start = time.monotonic()
+    assert decode(d, f"lost-{how}", prompt, params, transfer) == want
+    assert time.monotonic() - start < 30  # the 5 s bound, not a hang
+    after = d.metrics()
+    assert after["kv_transfer_fallbacks_total"] == before["kv_transfer_fallbacks_total"] + 1
+    assert after["kv_transfer_imports_total"] == before["kv_transfer_imports_total"]
+    assert_no_block_held(d)
+    for ref in transfer.payloads:
+        ray.cancel(ref, force=True)
+
+
+def test_prefill_group_killed_after_the_export_loses_nothing(engines: tuple) -> None:
+    """Its ranks owned the payloads. Ray may still serve a dead threaded actor's object from
+    the node's store (seen here), which is the right KV; else the decode side computes the
+    prompt. Either way the output is the colocated one, and the prefill engine rebuilds its
+    group and serves again."""
+    import ray
+
+    p, d, c = engines
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = [300] + PROMPT[1:45]
+    want = colocated(c, "dead", prompt, params)
+    transfer = prefill(p, "dead", prompt, params)
+    for worker in p.executor.workers:
+        ray.kill(worker, no_restart=True)
+    for worker in p.executor.workers:
+        _wait_dead(worker)
+    before = d.metrics()
+    assert decode(d, "dead", prompt, params, transfer) == want
+    after = d.metrics()
+    moved = sum(after[k] - before[k] for k in ("kv_transfer_fallbacks_total",
+                                                "kv_transfer_imports_total"))
+    assert moved == 1
+    assert_no_block_held(d)
+    assert disaggregated(p, d, "after", [301] + prompt[1:], params) == \
+        colocated(c, "after-c", [301] + prompt[1:], params)
+    assert_no_block_held(p)
+
+
+def _wait_dead(actor: object) -> None:
+    """ray.kill returns before the actor is gone."""
+    import ray
+
+    with pytest.raises(ray.exceptions.RayActorError):
+        for _ in range(300):
+            ray.get(actor.ping.remote(), timeout=30)
+            time.sleep(0.1)
