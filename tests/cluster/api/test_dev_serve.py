@@ -306,9 +306,9 @@ def test_readme_bash_blocks_run_as_written(dev_serve: DevServe) -> None:
     assert "data: [DONE]" in text and '"root":"' in text
     assert re.search(r"qwen3:\s+status: RUNNING", text), text
     # ./dev status: the one LLMServer replica with its engine's numbers, and the ingress
-    assert re.search(r"^qwen3\s+LLMServer\s+\S+\s+RUNNING\s+127\.0\.0\.1\s+\d+\s+\d+\s+\d+"
+    assert re.search(r"^qwen3\s+LLMServer\s+-\s+\S+\s+RUNNING\s+127\.0\.0\.1\s+\d+\s+\d+\s+\d+"
                      r"\s+\d+\.\d%", text, re.M), text
-    assert re.search(r"^qwen3\s+OpenAIIngress\s+\S+\s+RUNNING", text, re.M), text
+    assert re.search(r"^qwen3\s+OpenAIIngress\s+-\s+\S+\s+RUNNING", text, re.M), text
 
 
 def test_sigint_stops_a_background_server_within_10s(dev_serve: DevServe) -> None:
