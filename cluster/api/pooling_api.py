@@ -23,8 +23,6 @@ default task line.
 
 from __future__ import annotations
 
-import base64
-import time
 import uuid
 from typing import Any
 
@@ -39,16 +37,17 @@ from cluster.api.pooling_protocol import (
     PoolingRequest,
     RerankRequest,
     ScoreRequest,
-    check_score_activation,
+    check_task,
+    embedding_body,
+    embedding_inputs,
+    pooling_input,
+    rerank_body,
+    score_body,
+    score_pairs_of,
+    score_prompts,
 )
 from cluster.api.protocol import RequestError
-from cluster.engine.pooling import (
-    PoolingInfo,
-    check_pooling_input,
-    pooling_params,
-    rerank_prompt_ids,
-    score_pairs,
-)
+from cluster.engine.pooling import PoolingInfo, pooling_params
 
 
 def add_pooling_routes(app: FastAPI, serving: Any) -> None:
@@ -74,59 +73,35 @@ class PoolingRoutes:
                 pooling.check_dimensions(req.dimensions)
             except ValueError as e:
                 raise RequestError(str(e), param="dimensions") from None
-            inputs = await self.serving._off_loop(size, self._embedding_inputs, req.input,
+            inputs = await self.serving._off_loop(size, embedding_inputs, req.input,
+                                                  self.serving.prompts.tokenizer,
                                                   req.add_special_tokens)
-            prompts = [self._check(p, req, info.max_model_len, "input") for p in inputs]
+            prompts = [pooling_input(p, req, self.serving.prompts, info.max_model_len, "input")
+                       for p in inputs]
             vectors = await self._pool(prompts, req, info, rid)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return error_response(map_exception(e, rid))
-        data = []
-        for i, vec in enumerate(vectors):
-            emb = pooling.embedding(vec, req.dimensions, normalize=req.use_activation is True)
-            if req.encoding_format == "base64":
-                raw = np.asarray(emb, dtype=req.base64_dtype()).tobytes()
-                emb = base64.b64encode(raw).decode()
-            data.append({"object": "embedding", "index": i, "embedding": emb})
-        return JSONResponse({"object": "list", "id": rid, "created": int(time.time()),
-                             "model": self.serving.served_model_name, "data": data,
-                             "usage": _usage(prompts)})
+        return JSONResponse(embedding_body(rid, self.serving.served_model_name, req, pooling,
+                                           vectors, prompts))
 
     async def score(self, request: Request) -> Response:
         rid = f"score-{uuid.uuid4().hex}"
         try:
             info, _, size, req = await self._read(request, ScoreRequest, "score")
-            check_score_activation(req)
-            try:
-                pairs = score_pairs(req.text_1, req.text_2)
-            except ValueError as e:
-                raise RequestError(str(e), param="text_2") from None
-            prompts, scores = await self._scores(pairs, req, info, size, "text_2", rid)
+            prompts, scores = await self._scores(req, info, size, rid)
         except Exception as e:  # noqa: BLE001
             return error_response(map_exception(e, rid))
-        return JSONResponse({"id": rid, "object": "list", "created": int(time.time()),
-                             "model": self.serving.served_model_name,
-                             "data": [{"index": i, "object": "score", "score": s}
-                                      for i, s in enumerate(scores)],
-                             "usage": _usage(prompts)})
+        return JSONResponse(score_body(rid, self.serving.served_model_name, scores, prompts))
 
     async def rerank(self, request: Request) -> Response:
         rid = f"rerank-{uuid.uuid4().hex}"
         try:
             info, _, size, req = await self._read(request, RerankRequest, "score")
-            check_score_activation(req)
-            if req.top_n is not None and req.top_n < 0:
-                raise RequestError(f"top_n must be >= 0 (0: every document); got {req.top_n}",
-                                   param="top_n")
-            query, documents = req.texts()
-            prompts, scores = await self._scores([(query, d) for d in documents], req, info,
-                                                 size, "documents", rid)
+            prompts, scores = await self._scores(req, info, size, rid)
         except Exception as e:  # noqa: BLE001
             return error_response(map_exception(e, rid))
-        order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
-        return JSONResponse({"id": rid, "model": self.serving.served_model_name,
-                             "results": [{"index": i, "document": req.document(i),
-                                          "relevance_score": scores[i]} for i in order],
-                             "usage": _usage(prompts)})
+        return JSONResponse(rerank_body(rid, self.serving.served_model_name, req, scores,
+                                        prompts))
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -135,51 +110,18 @@ class PoolingRoutes:
         """The model's info, its PoolingInfo (400 unless it serves `task`), the body's size
         and the parsed body, its common options checked."""
         info, body, req = await self.serving._read(request, lambda _: kind)
-        pooling = info.pooling
-        if pooling is None or pooling.task != task:
-            serves = "text generation" if pooling is None else f"the {pooling.task!r} task"
-            route = request.url.path
-            raise RequestError(f"{route} needs a pooling model serving the {task!r} task; "
-                               f"`{self.serving.served_model_name}` serves {serves}",
-                               param="model")
+        pooling = check_task(info.pooling, task, request.url.path,
+                             self.serving.served_model_name)
         req.check_options(info.max_model_len)
         return info, pooling, len(body), req
 
-    def _embedding_inputs(self, value: Any, add_special_tokens: bool) -> list[list[int]]:
-        if isinstance(value, str):
-            value = [value]
-        if not value:
-            raise RequestError("input is an empty list; send at least one input", param="input")
-        if isinstance(value[0], int):
-            return [list(value)]
-        encode = self.serving.prompts.tokenizer
-        return [encode(v, add_special_tokens=add_special_tokens)["input_ids"]
-                if isinstance(v, str) else list(v) for v in value]
-
-    def _check(self, ids: list[int], req: PoolingRequest, max_model_len: int,
-               param: str) -> list[int]:
-        """`ids` truncated as the request asks, then checked as a pooling input."""
-        ids = req.truncate(ids, max_model_len)
-        self.serving.prompts.check_ids(ids, param)
-        try:
-            check_pooling_input(ids, max_model_len, param)
-        except ValueError as e:
-            raise RequestError(str(e), param=param) from None
-        return ids
-
-    async def _scores(self, pairs: list[tuple[str, str]], req: ScoreRequest | RerankRequest,
-                      info: Any, size: int, param: str, rid: str
+    async def _scores(self, req: ScoreRequest | RerankRequest, info: Any, size: int, rid: str
                       ) -> tuple[list[list[int]], list[float]]:
-        if not pairs:
-            raise RequestError(f"{param} is an empty list; send at least one document",
-                               param=param)
-        tok = self.serving.prompts.tokenizer
-
-        def encode() -> list[list[int]]:
-            return [rerank_prompt_ids(tok, q, d, req.instruction) for q, d in pairs]
-
-        prompts = [self._check(p, req, info.max_model_len, param)
-                   for p in await self.serving._off_loop(size, encode)]
+        pairs, param = score_pairs_of(req)
+        encoded = await self.serving._off_loop(size, score_prompts, pairs, req,
+                                               self.serving.prompts.tokenizer)
+        prompts = [pooling_input(p, req, self.serving.prompts, info.max_model_len, param)
+                   for p in encoded]
         return prompts, [float(v[0]) for v in await self._pool(prompts, req, info, rid)]
 
     async def _pool(self, prompts: list[list[int]], req: PoolingRequest, info: Any,
@@ -201,8 +143,3 @@ class PoolingRoutes:
         if missing:
             raise RuntimeError(f"the engine finished inputs {missing[:8]} without a vector")
         return vectors
-
-
-def _usage(prompts: list[list[int]]) -> dict[str, int]:
-    n = sum(len(p) for p in prompts)
-    return {"prompt_tokens": n, "total_tokens": n}

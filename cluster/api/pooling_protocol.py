@@ -27,16 +27,25 @@ Refused (400 naming the field): `normalize` (vLLM removed it for `use_activation
 `embed_dtype` other than float32, `encoding_format` "bytes", `padding` "max_length", and vLLM's
 chat-style embedding inputs (`messages`) and newer score aliases (`queries`, `items`,
 `data_1`), which are undeclared fields here.
+
+The steps between a parsed body and the engine (which inputs, their checks) and the response
+bodies are functions here, so the HTTP routes (pooling_api.py) and the batch files
+(cluster/batch/pooling_batch.py) read and answer a body the same way.
 """
 
 from __future__ import annotations
 
+import base64
 import sys
+import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from cluster.api.protocol import RequestError
+from cluster.engine.pooling import PoolingInfo, check_pooling_input, rerank_prompt_ids, score_pairs
 
 
 class ContentPart(BaseModel):
@@ -176,3 +185,105 @@ def _text(value: str | ContentInput, param: str) -> str:
                                "this model is text-only: send {\"type\": \"text\", \"text\": "
                                "...} parts or strings", param=param)
     return "\n".join(p.text for p in value.content if p.text is not None)
+
+
+# ---- from a parsed body to the engine's inputs ---------------------------------------------
+
+def check_task(pooling: PoolingInfo | None, task: str, route: str, served: str) -> PoolingInfo:
+    """The model's PoolingInfo; 400 naming `model` unless it is a pooling model serving
+    `task` ("embed" or "score") that `route` asks for."""
+    if pooling is None or pooling.task != task:
+        serves = "text generation" if pooling is None else f"the {pooling.task!r} task"
+        raise RequestError(f"{route} needs a pooling model serving the {task!r} task; "
+                           f"`{served}` serves {serves}", param="model")
+    return pooling
+
+
+def embedding_inputs(value: Any, tokenizer: Any, add_special_tokens: bool) -> list[list[int]]:
+    """An embedding body's `input` as token id lists (strings through `tokenizer`)."""
+    if isinstance(value, str):
+        value = [value]
+    if not value:
+        raise RequestError("input is an empty list; send at least one input", param="input")
+    if isinstance(value[0], int):
+        return [list(value)]
+    return [tokenizer(v, add_special_tokens=add_special_tokens)["input_ids"]
+            if isinstance(v, str) else list(v) for v in value]
+
+
+def score_pairs_of(req: ScoreRequest | RerankRequest) -> tuple[list[tuple[str, str]], str]:
+    """A score or rerank body's (query, document) pairs and the field that holds the
+    documents; 400 for an option out of range or no document."""
+    check_score_activation(req)
+    if isinstance(req, RerankRequest):
+        if req.top_n is not None and req.top_n < 0:
+            raise RequestError(f"top_n must be >= 0 (0: every document); got {req.top_n}",
+                               param="top_n")
+        query, documents = req.texts()
+        pairs, param = [(query, d) for d in documents], "documents"
+    else:
+        try:
+            pairs, param = score_pairs(req.text_1, req.text_2), "text_2"
+        except ValueError as e:
+            raise RequestError(str(e), param="text_2") from None
+    if not pairs:
+        raise RequestError(f"{param} is an empty list; send at least one document", param=param)
+    return pairs, param
+
+
+def score_prompts(pairs: list[tuple[str, str]], req: ScoreRequest | RerankRequest,
+                  tokenizer: Any) -> list[list[int]]:
+    """Each pair's Qwen3-Reranker prompt (`instruction` replacing the default task line)."""
+    return [rerank_prompt_ids(tokenizer, q, d, req.instruction) for q, d in pairs]
+
+
+def pooling_input(ids: list[int], req: PoolingRequest, prompts: Any, max_model_len: int,
+                  param: str) -> list[int]:
+    """`ids` truncated as the request asks, then checked as a pooling input (`prompts`: the
+    model's cluster.api.openai_prompts.PromptProcessor, for the vocabulary check)."""
+    ids = req.truncate(ids, max_model_len)
+    prompts.check_ids(ids, param)
+    try:
+        check_pooling_input(ids, max_model_len, param)
+    except ValueError as e:
+        raise RequestError(str(e), param=param) from None
+    return ids
+
+
+# ---- response bodies -------------------------------------------------------------------------
+
+def usage(prompts: Sequence[Sequence[int]]) -> dict[str, int]:
+    n = sum(len(p) for p in prompts)
+    return {"prompt_tokens": n, "total_tokens": n}
+
+
+def embedding_body(rid: str, model: str, req: EmbeddingRequest, pooling: PoolingInfo,
+                   vectors: Sequence[Any], prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """/v1/embeddings' response for the pooled `vectors` of `prompts`."""
+    data = []
+    for i, vec in enumerate(vectors):
+        emb: Any = pooling.embedding(vec, req.dimensions, normalize=req.use_activation is True)
+        if req.encoding_format == "base64":
+            raw = np.asarray(emb, dtype=req.base64_dtype()).tobytes()
+            emb = base64.b64encode(raw).decode()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return {"object": "list", "id": rid, "created": int(time.time()), "model": model,
+            "data": data, "usage": usage(prompts)}
+
+
+def score_body(rid: str, model: str, scores: Sequence[float],
+               prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """/v1/score's response."""
+    return {"id": rid, "object": "list", "created": int(time.time()), "model": model,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+            "usage": usage(prompts)}
+
+
+def rerank_body(rid: str, model: str, req: RerankRequest, scores: Sequence[float],
+                prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """/v1/rerank's response: the `top_n` best documents (0 or None: all), best first."""
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
+    return {"id": rid, "model": model,
+            "results": [{"index": i, "document": req.document(i), "relevance_score": scores[i]}
+                        for i in order],
+            "usage": usage(prompts)}

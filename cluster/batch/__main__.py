@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             ray.init("local", num_cpus=os.cpu_count(), include_dashboard=False,
                      log_to_driver=False)
     processor = build_processor(config, preprocess=functools.partial(read_request, facts=facts),
-                                postprocess=functools.partial(write_result, model=served))
+                                postprocess=functools.partial(write_result, model=served,
+                                                              pooling=facts.pooling))
     summary = run(processor(ray.data.read_text(os.path.abspath(args["input"]))), args["output"])
     print(summary, file=sys.stderr)
     return 0

@@ -13,6 +13,13 @@ failed, a rebuild of its tensor-parallel workers failed, or it stalled for
 engine_stall_timeout_s) the actor's process exits instead of waiting on it forever (the hang
 of ray#59986): Ray restarts the actor (`max_restarts`) and runs its unfinished batches again
 (`max_task_retries`), so no row is lost and none is returned twice.
+
+A pooling engine (`runner: pooling`) pools instead of generating: a row's `prompt_token_ids`
+become its `embeddings` (the embed task) or `score` (a reranker's P(yes)) column, the columns
+Ray Data LLM's embedding task writes; an OpenAI batch line's several inputs
+(`pooling_inputs`) become `pooled`, one vector per input. Each input is its own engine
+request, so they batch with every other row's. A row asking for sampling on a pooling engine
+is that row's error.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from cluster.batch.stages import columns_of, rows_of
 from cluster.engine.async_llm_engine import AsyncLLMEngine
 from cluster.engine.config import EngineConfig
 from cluster.engine.errors import EngineDeadError
+from cluster.engine.pooling import check_pooling_input, pooling_params
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -40,6 +48,7 @@ _FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _WATCHDOG_SECONDS = 2.0
 OUTPUT_COLUMNS = ("request_id", "generated_text", "generated_tokens", "num_input_tokens",
                   "num_generated_tokens", "num_cached_tokens", "finish_reason", "stop_reason")
+POOLING_COLUMNS = ("request_id", "num_input_tokens")  # and `embeddings` / `score` / `pooled`
 
 
 def sampling_params(value: dict[str, Any] | str | None,
@@ -76,7 +85,8 @@ def sampling_params(value: dict[str, Any] | str | None,
 
 class EngineStage:
     """A Ray Data callable class: batches of rows with `prompt_token_ids` in, the same rows
-    with the OUTPUT_COLUMNS and `error` out."""
+    with the OUTPUT_COLUMNS (a pooling engine: POOLING_COLUMNS and its vectors) and `error`
+    out."""
 
     def __init__(self, engine_kwargs: dict[str, Any]) -> None:
         self.engine = AsyncLLMEngine(EngineConfig.from_dict(engine_kwargs))
@@ -86,8 +96,51 @@ class EngineStage:
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         rows = rows_of(batch)
-        await asyncio.gather(*(self._generate(row) for row in rows))
+        run = self._generate if self.engine.pooling is None else self._pool
+        await asyncio.gather(*(run(row) for row in rows))
         return columns_of(rows)
+
+    async def _pool(self, row: dict[str, Any]) -> None:
+        many = row.get("pooling_inputs")
+        inputs = many if many is not None else [row.get("prompt_token_ids") or []]
+        out = "pooled" if many is not None else {"embed": "embeddings"}.get(
+            self.engine.pooling.task, "score")
+        row.update(dict.fromkeys((*POOLING_COLUMNS, out)),
+                   num_input_tokens=sum(map(len, inputs)))
+        if row.get("error"):
+            return
+        row["error"] = None
+        request_id = uuid.uuid4().hex
+        try:
+            if row.get("sampling_params") is not None:
+                raise ValueError("sampling_params: this engine runs the pooling runner "
+                                 "(embeddings, scores) and samples nothing; leave it out")
+            for ids in inputs:
+                check_pooling_input(ids, self.engine.max_model_len, "prompt_token_ids")
+            vectors = await asyncio.gather(*(self._pool_one(list(ids), f"{request_id}-{i}")
+                                             for i, ids in enumerate(inputs)))
+        except EngineDeadError as e:
+            self._exit(e)
+        except ValueError as e:  # this row's input
+            row["error"] = str(e)
+            return
+        missing = [i for i, v in enumerate(vectors) if v is None]
+        if missing:
+            row["error"] = f"the engine finished inputs {missing[:8]} without a vector"
+            return
+        row["request_id"] = request_id
+        if out == "pooled":
+            row[out] = [v.tolist() for v in vectors]
+        else:
+            row[out] = vectors[0].tolist() if out == "embeddings" else float(vectors[0][0])
+
+    async def _pool_one(self, ids: list[int], request_id: str) -> Any:
+        """The input's pooled vector (None if the engine finished it without one)."""
+        pooled = None
+        async for delta in self.engine.generate(ids, pooling_params(), request_id):
+            if delta.pooled is not None:
+                pooled = delta.pooled
+        return pooled
 
     async def _generate(self, row: dict[str, Any]) -> None:
         ids = row.get("prompt_token_ids")

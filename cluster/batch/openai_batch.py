@@ -7,13 +7,15 @@ strict types, unknown fields refused, constraints), chat template and length che
 (cluster/api/openai_prompts.py), and the model's generation_config defaults; a good request's
 `body` is what the HTTP API returns for it without streaming. What a batch line cannot ask for
 is refused by name (`stream`, `n` > 1, `logprobs`, `echo`, `tools`, several prompts in one
-completion), never ignored.
+completion), never ignored. A pooling model's lines (/v1/embeddings, /v1/score, /v1/rerank)
+are pooling_batch.py's.
 
 Invariants: every input line gives exactly one output line. A request the HTTP API would
 refuse gets `response.status_code` 400 (or the API's status) with its OpenAI error body and
-`error` null; a line that is no request at all (not JSON, no `custom_id`, a method other
-than POST, a url other than /v1/chat/completions and /v1/completions) gets `response` null and
-`error: {code, message}`.
+`error` null; so does a line whose url the model does not serve (generation of a pooling
+model, an embedding of a chat model: vLLM's run_batch answers such lines one by one too). A
+line that is no request at all (not JSON, no `custom_id`, a method other than POST, a url
+this format does not know) gets `response` null and `error: {code, message}`.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from cluster.api.protocol import (
     error_body,
     validation_error_message,
 )
-from cluster.batch.stages import tokenizer_for
+from cluster.batch.pooling_batch import POOLING_URLS, pooling_body, pooling_prompts
+from cluster.batch.stages import engine_pooling, tokenizer_for
 from cluster.engine.config import EngineConfig
+from cluster.engine.pooling import PoolingInfo
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 _REQUESTS = {CHAT: ChatCompletionRequest, COMPLETIONS: CompletionRequest}
@@ -49,6 +53,7 @@ class ModelFacts:
     model: str
     max_model_len: int
     sampling_defaults: dict[str, Any]
+    pooling: PoolingInfo | None = None  # the pooling runner's (None: a generation model)
 
     @classmethod
     def of(cls, config: EngineConfig) -> ModelFacts:
@@ -59,7 +64,7 @@ class ModelFacts:
         path = resolve_model(config.model)
         limit = load_model_config(path, config.tensor_parallel_size).max_position_embeddings
         return cls(config.model, config.max_model_len or limit,
-                   default_sampling(path, config.generation_config))
+                   default_sampling(path, config.generation_config), engine_pooling(config))
 
 
 @functools.lru_cache(maxsize=4)
@@ -69,7 +74,8 @@ def _prompts(model: str) -> PromptProcessor:
 
 def read_request(line: dict[str, Any], facts: ModelFacts) -> dict[str, Any]:
     """One input line (Ray Data's `text` column) -> a processor row: `prompt_token_ids` and
-    `sampling_params` (JSON text), or `error` with its OpenAI `error_body`."""
+    `sampling_params` (JSON text), or a pooling line's `pooling_inputs` and `body`, or
+    `error` with its OpenAI `error_body`."""
     row: dict[str, Any] = {"custom_id": None, "url": None, "request_error": None,
                            "error_body": None, "status_code": None, "error": None}
     try:
@@ -84,14 +90,21 @@ def read_request(line: dict[str, Any], facts: ModelFacts) -> dict[str, Any]:
         row["request_error"] = "custom_id is missing (a string naming the request)"
     elif request.get("method") != "POST":
         row["request_error"] = f"method must be POST; got {request.get('method')!r}"
-    elif row["url"] not in _REQUESTS:
-        row["request_error"] = (f"url must be {CHAT} or {COMPLETIONS}; got {row['url']!r}")
+    elif row["url"] not in _REQUESTS and row["url"] not in POOLING_URLS:
+        row["request_error"] = (f"url must be one of {[*_REQUESTS, *POOLING_URLS]}; got "
+                                f"{row['url']!r}")
     elif not isinstance(request.get("body"), dict):
         row["request_error"] = "body is missing (the request's JSON object)"
     if row["request_error"]:
         row["error"] = row["request_error"]
         return row
     try:
+        if row["url"] in POOLING_URLS:
+            req = _validate(POOLING_URLS[row["url"]][0], request["body"])
+            row["pooling_inputs"] = pooling_prompts(req, row["url"], facts.pooling, facts.model,
+                                                    _prompts(facts.model), facts.max_model_len)
+            row["body"] = json.dumps(request["body"])
+            return row
         ids, params = _prepare(_REQUESTS[row["url"]], request["body"], facts)
     except RequestError as e:
         row.update(error=e.message, error_body=json.dumps(e.body()), status_code=e.status)
@@ -101,14 +114,21 @@ def read_request(line: dict[str, Any], facts: ModelFacts) -> dict[str, Any]:
     return row
 
 
-def _prepare(model: type, body: dict[str, Any], facts: ModelFacts) -> tuple[list[int], Any]:
-    """The HTTP route's steps: validate, refuse what a batch line cannot do, prompt ids,
-    max_tokens, sampling parameters."""
+def _validate(model: type, body: dict[str, Any]) -> Any:
     try:
-        req = model.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as e:
         message, param = validation_error_message(e.errors())
         raise RequestError(message, param=param) from None
+
+
+def _prepare(model: type, body: dict[str, Any], facts: ModelFacts) -> tuple[list[int], Any]:
+    """The HTTP route's steps: validate, refuse what a batch line cannot do, prompt ids,
+    max_tokens, sampling parameters."""
+    req = _validate(model, body)
+    if facts.pooling is not None:  # the HTTP API's answer (cluster/api/openai_api.py _start)
+        raise RequestError(f"`{facts.model}` is a pooling model (runner: pooling); it answers "
+                           f"{', '.join(POOLING_URLS)}, not generation", param="model")
     refused = [name for name, on in (("stream", req.stream), ("n", req.n != 1),
                                      ("logprobs", req.logprobs is not None and req.logprobs is not False),
                                      ("echo", getattr(req, "echo", False)),
@@ -131,8 +151,10 @@ def _prepare(model: type, body: dict[str, Any], facts: ModelFacts) -> tuple[list
     return ids, req.to_sampling_params(max_tokens, facts.sampling_defaults)
 
 
-def write_result(row: dict[str, Any], model: str) -> dict[str, Any]:
-    """A processor output row -> {"line": the output line's JSON, "failed", "tokens"}."""
+def write_result(row: dict[str, Any], model: str,
+                 pooling: PoolingInfo | None = None) -> dict[str, Any]:
+    """A processor output row -> {"line": the output line's JSON, "failed", "tokens"}
+    (`pooling`: the engine's, which formats a pooling line's vectors)."""
     out: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": row["custom_id"],
                            "response": None, "error": None}
     if row.get("request_error"):
@@ -143,7 +165,8 @@ def write_result(row: dict[str, Any], model: str) -> dict[str, Any]:
         out["response"] = {"status_code": row.get("status_code") or 400,
                            "request_id": f"batch-{uuid.uuid4().hex}", "body": body}
     else:
-        body = response_body(row, model)
+        body = (pooling_body(row, model, pooling) if pooling is not None
+                else response_body(row, model))
         out["response"] = {"status_code": 200, "request_id": body["id"], "body": body}
     return {"line": json.dumps(out, ensure_ascii=False), "failed": out["response"] is None
             or out["response"]["status_code"] != 200,

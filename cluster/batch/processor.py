@@ -7,7 +7,11 @@ Rows are dicts: `messages` (a chat) or `prompt` (text) or `prompt_token_ids`, an
 `sampling_params` dict (SamplingParams' fields; what it leaves out takes the model's
 generation_config defaults), and any other columns, which pass through. Out come the engine
 stage's columns (`generated_text`, `generated_tokens`, `finish_reason`, token counts; see
-engine_stage.OUTPUT_COLUMNS) and `error` (None for good rows). Text comes from the engine's
+engine_stage.OUTPUT_COLUMNS) and `error` (None for good rows). With a pooling engine
+(`engine_kwargs` `runner: pooling`, or "auto" on an embedding or reranker checkpoint) a
+`prompt` or `prompt_token_ids` row gets `embeddings` (the embed task: Ray Data LLM's column)
+or `score` (a reranker's P(yes) of a prompt already in its template) instead, and prompts
+are tokenized with the tokenizer's special tokens, as LLM.embed does. Text comes from the engine's
 own incremental detokenizer (the one that matches stop strings), so Ray Data LLM's separate
 detokenize stage has no work here. Progress is Ray Data's own progress bars, one per stage.
 The chat template and tokenizer run as tasks (a fraction of a CPU each); the engine stage is
@@ -23,7 +27,7 @@ from typing import Any
 
 from cluster.batch.config import ProcessorConfig
 from cluster.batch.engine_stage import EngineStage
-from cluster.batch.stages import apply_chat_template, tokenize
+from cluster.batch.stages import apply_chat_template, engine_pooling, tokenize
 
 Row = dict[str, Any]
 
@@ -53,7 +57,9 @@ class Processor:
                 apply_chat_template, model=model, chat_template_kwargs=cfg.chat_template_kwargs),
                 **task)
         if cfg.tokenize:
-            ds = ds.map_batches(functools.partial(tokenize, model=model), **task)
+            pooling = engine_pooling(cfg.engine_config()) is not None
+            ds = ds.map_batches(functools.partial(tokenize, model=model,
+                                                  add_special_tokens=pooling), **task)
         # One batch per block: an actor's task takes a block and runs its batches one after
         # another, so bigger blocks would put batches of a block in line behind each other.
         ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)

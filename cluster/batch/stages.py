@@ -11,9 +11,13 @@ tokenizer is loaded once per Ray worker process and kept (tasks of a stage reuse
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from cluster.engine.config import EngineConfig
+    from cluster.engine.pooling import PoolingInfo
 
 
 @functools.lru_cache(maxsize=4)
@@ -24,6 +28,15 @@ def tokenizer_for(model: str) -> Any:
     from workers.tiny_model import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(model))
+
+
+def engine_pooling(config: EngineConfig) -> PoolingInfo | None:
+    """The PoolingInfo of the engine an EngineConfig builds (None: a generation model), found
+    without starting it."""
+    from cluster.engine.pooling import resolve_pooling
+    from workers.tiny_model import resolve_model
+
+    return resolve_pooling(resolve_model(config.model), config, tokenizer_for(config.model))
 
 
 def rows_of(batch: pa.Table) -> list[dict[str, Any]]:
@@ -67,7 +80,8 @@ def apply_chat_template(batch: pa.Table, model: str,
     return columns_of(rows)
 
 
-def tokenize(batch: pa.Table, model: str) -> dict[str, list[Any]]:
+def tokenize(batch: pa.Table, model: str, add_special_tokens: bool = False
+             ) -> dict[str, list[Any]]:
     """`prompt` rows get `prompt_token_ids`; a row with neither is that row's error."""
     tok = tokenizer_for(model)
     rows = rows_of(batch)
@@ -79,5 +93,5 @@ def tokenize(batch: pa.Table, model: str) -> dict[str, list[Any]]:
             row["error"] = ("a row needs `messages` (a chat), `prompt` (a string) or "
                             f"`prompt_token_ids`; got prompt={prompt!r}")
             continue
-        row["prompt_token_ids"] = tok.encode(prompt, add_special_tokens=False)
+        row["prompt_token_ids"] = tok.encode(prompt, add_special_tokens=add_special_tokens)
     return columns_of(rows)

@@ -68,8 +68,9 @@ def test_bad_lines_get_errors_as_the_http_api_gives_them(facts: ModelFacts) -> N
         return read_request({"text": text}, facts)
 
     assert "not a JSON request object" in read("{oops")["request_error"]
-    assert read(_line("a", "/v1/embeddings", {}))["request_error"] == (
-        "url must be /v1/chat/completions or /v1/completions; got '/v1/embeddings'")
+    assert read(_line("a", "/v1/moderations", {}))["request_error"] == (
+        "url must be one of ['/v1/chat/completions', '/v1/completions', '/v1/embeddings', "
+        "'/v1/score', '/v1/rerank']; got '/v1/moderations'")
     row = read(_line("b", "/v1/completions", {"prompt": "hi", "max_tokens": "ten"}))
     assert row["status_code"] == 400 and row["request_error"] is None
     assert json.loads(row["error_body"])["error"]["param"] == "max_tokens"
@@ -152,7 +153,8 @@ def test_cli_runs_an_openai_batch_file(ray_cluster: None, tmp_path: Path) -> Non
     by_id = {r["custom_id"]: r for r in results}
     assert len(results) == 10 and len(by_id) == 10  # the bad JSON line's custom_id is None
     assert by_id[None]["response"] is None and "not a JSON" in by_id[None]["error"]["message"]
-    assert by_id["embed"]["error"]["code"] == "invalid_request"
+    embed = by_id["embed"]["response"]  # a generation model: the route's 400, as vLLM's
+    assert embed["status_code"] == 400 and embed["body"]["error"]["param"] == "model"
     too_long = by_id["too-long"]["response"]
     assert too_long["status_code"] == 400
     assert "maximum context length is 128" in too_long["body"]["error"]["message"]

@@ -6,15 +6,12 @@ comes out exactly once, right. One job shows all three (each engine start costs 
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import pytest
+from engine_kill import consume_killing_one_engine
 
 from cluster.batch import ProcessorConfig, build_processor
 from cluster.engine.llm import LLM
@@ -61,19 +58,6 @@ BAD = [
 ]
 
 
-def _engine_actor_pids() -> set[int]:
-    """The engine actors of this session's Ray cluster (its processes descend from this one;
-    other sessions on the machine run their own), by the process title Ray gives them."""
-    pids = set()
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if "MapBatches(EngineStage)" in " ".join(proc.cmdline()):
-                pids.add(proc.pid)
-        except psutil.Error:
-            continue
-    return pids
-
-
 @dataclass
 class Job:
     rows: list[dict[str, Any]]
@@ -96,27 +80,7 @@ def job(ray_cluster: None) -> Job:
         preprocess=lambda row: {**row, "seen_by_preprocess": True},
         postprocess=lambda row: {**row, "text_len": len(row["generated_text"] or "")})
     ds = processor(ray.data.from_items(rows, override_num_blocks=4))
-    out: list[dict[str, Any]] = []
-    failure: list[BaseException] = []
-
-    def consume() -> None:
-        try:
-            out.extend(ds.iter_rows())
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            failure.append(e)
-
-    before = _engine_actor_pids()  # an earlier job's, on their way out
-    thread = threading.Thread(target=consume)
-    thread.start()
-    deadline = time.monotonic() + 180
-    while not out and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    pids = _engine_actor_pids() - before
-    assert thread.is_alive() and out and len(pids) == 1, "no engine actor mid-job to kill"
-    done_before_kill = len(out)
-    os.kill(pids.pop(), signal.SIGKILL)
-    thread.join(timeout=300)
-    assert not thread.is_alive() and not failure, failure
+    out, done_before_kill = consume_killing_one_engine(ds)
     return Job(rows, out, _expected(good), done_before_kill)
 
 
