@@ -6,12 +6,14 @@ the one dispatch point every unquantized linear product goes through (the parall
 (MKL's sgemm on CPU, cuBLAS on CUDA) otherwise.
 
 What is packed, measured on this project's CPU (AVX-512 BF16 / AMX, one torch thread,
-docs/benchmarks.md "CPU path", issue #43): bf16 weights. `F.linear` in bf16 hands oneDNN
-the plain `[out, in]` weight on every call; `torch.ops.mkldnn._reorder_linear_weight` puts it
-in oneDNN's own layout once, and `_linear_pointwise` on that is faster at every batch size
-measured (1 to 256 rows) for every Qwen3-0.6B projection and its LM head. fp32 weights stay
-on MKL: oneDNN's packed fp32 GEMM won at some batch sizes and lost at one row and on small
-(qwen3-tiny) layers, where its per-call set-up outweighs the product.
+docs/benchmarks.md "CPU path", issue #43): every bf16 weight, and fp32 weights of at least
+`FP32_PACK_MIN_NUMEL` elements (the LM heads: vocabulary x hidden). `F.linear` in bf16 hands
+oneDNN the plain `[out, in]` weight on every call; `torch.ops.mkldnn._reorder_linear_weight`
+puts it in oneDNN's own layout once, and `_linear_pointwise` on that is faster at every batch
+size measured (1 to 256 rows) for every Qwen3-0.6B projection and its LM head. In fp32 the
+packed GEMM pays only on the LM head's weight (streamed once per step, where the layout
+matters most); the projections stay on MKL's sgemm, where oneDNN's per-call set-up outweighs
+the product at one row and on small (qwen3-tiny) layers.
 
 Invariants:
 - A packed weight is an opaque oneDNN tensor beside the layer's plain `weight`, which stays
@@ -27,14 +29,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-PACKED_DTYPES = (torch.bfloat16,)
+# fp32 weights this large (2^24 elements: qwen3-tiny's 151936 x 128 LM head and up) are packed.
+FP32_PACK_MIN_NUMEL = 1 << 24
 
 
 def pack_linear_weight(weight: Tensor) -> Tensor | None:
-    """A oneDNN-packed copy of `weight [out, in]` when packing pays (a bf16 weight on CPU with
-    oneDNN built in), else None: the weight is then multiplied as it is."""
-    if (weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES
-            or not torch.backends.mkldnn.is_available() or weight.dim() != 2):
+    """A oneDNN-packed copy of `weight [out, in]` when packing pays (on CPU with oneDNN built
+    in: a bf16 weight, or an fp32 one of >= FP32_PACK_MIN_NUMEL elements), else None: the
+    weight is then multiplied as it is."""
+    if (weight.device.type != "cpu" or not torch.backends.mkldnn.is_available()
+            or weight.dim() != 2):
+        return None
+    if not (weight.dtype == torch.bfloat16
+            or (weight.dtype == torch.float32 and weight.numel() >= FP32_PACK_MIN_NUMEL)):
         return None
     # No batch-size hint: the packed layout then serves every row count a step brings.
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)

@@ -23,11 +23,32 @@ def _close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None
     assert bool(((got.double() - exact).abs() <= bound).all())
 
 
-def test_bf16_cpu_weight_is_packed_fp32_is_not() -> None:
+def test_bf16_cpu_weight_is_packed_small_fp32_is_not() -> None:
     w = torch.randn(96, 64)
-    assert kernels.pack_linear_weight(w) is None  # fp32 stays on MKL's sgemm
+    assert kernels.pack_linear_weight(w) is None  # a projection in fp32 stays on MKL's sgemm
     packed = kernels.pack_linear_weight(w.to(BF16))
     assert packed is not None and packed.is_mkldnn and packed.shape == (96, 64)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_fp32_lm_head_sized_weight_is_packed_within_summation_order_error(rows: int) -> None:
+    """qwen3-tiny's LM head shape, FP32_PACK_MIN_NUMEL and up. The same fp32 products summed
+    in oneDNN's order: each output within n * 2^-24 * sum|x_k w_k| (n = 128 terms) of the exact
+    sum, the worst case of any summation order, which MKL's sgemm meets too."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(151936, 128, generator=g) * 0.1
+    assert w.numel() >= kernels.cpu_linear.FP32_PACK_MIN_NUMEL
+    assert kernels.pack_linear_weight(w[:-1]) is not None
+    assert kernels.pack_linear_weight(w[:(kernels.cpu_linear.FP32_PACK_MIN_NUMEL // 128) - 1]) is None
+    packed = kernels.pack_linear_weight(w)
+    assert packed is not None and packed.is_mkldnn and packed.dtype == torch.float32
+    x = torch.randn(rows, 128, generator=g)
+    got = kernels.linear(x, w, packed)
+    exact = F.linear(x.double(), w.double())
+    bound = 128 * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+    assert got.dtype == torch.float32 and got.shape == (rows, 151936)
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    assert bool(((F.linear(x, w).double() - exact).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("rows", [0, 1, 7, 16, 64, 257])
