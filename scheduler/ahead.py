@@ -77,12 +77,15 @@ class PlansInFlight:
         """DecodeLane's arguments after the block size: none runs with micro-batches."""
         return (_NO_LANE,) if self.disjoint else spec_args
 
-    def seq_slots(self, max_num_seqs: int, num_seqs: int) -> int:
+    def seq_slots(self, max_num_seqs: int, queues: object) -> int:
         """The sequences one plan may take: all of max_num_seqs, or with micro-batches a
-        1 / micro_batches share of the `num_seqs` running and queued (at most max_num_seqs)."""
+        1 / micro_batches share of those running and queued, but never fewer than the largest
+        n among them (a fork schedules its n sequences in one plan) nor more than max_num_seqs."""
         if not self.disjoint:
             return max_num_seqs
-        return max(1, math.ceil(min(max_num_seqs, num_seqs) / self.micro_batches))
+        reqs = (*queues.running, *queues.waiting, *queues.swapped)
+        share = math.ceil(min(max_num_seqs, sum(r.n for r in reqs)) / self.micro_batches)
+        return min(max_num_seqs, max(1, share, *(r.n for r in reqs)))
 
     def may_admit(self) -> bool:
         """Whether requests may be resumed or admitted: no plan made before the last plan

@@ -202,9 +202,8 @@ class Scheduler:
         self._step_id += 1
         queues = self.queues
         cfg = self.config
-        step = StepBuilder(self._step_id, cfg.max_num_batched_tokens, self.inflight.seq_slots(
-            cfg.max_num_seqs, queues.num_running_seqs() + len(queues.waiting) + len(queues.swapped)),
-                           queues.drops)
+        step = StepBuilder(self._step_id, cfg.max_num_batched_tokens,
+                           self.inflight.seq_slots(cfg.max_num_seqs, queues), queues.drops)
 
         # 1. Decodes (and n > 1 forks: every sequence computes one token).
         prefill_reqs = self._schedule_decodes(step)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 from scheduler_harness import check_consistency, make, reference_tokens, run_to_completion
 
@@ -80,4 +79,16 @@ def test_one_micro_batch_is_async_scheduling_and_zero_is_refused() -> None:
     assert sched.inflight.limit == 2 and not sched.inflight.disjoint
     with pytest.raises(ValueError, match="micro_batches must be an integer >= 1"):
         SchedulerConfig(micro_batches=0)
-    assert np.array_equal(np.array([sched.inflight.seq_slots(8, 3)]), [8])
+    assert sched.inflight.seq_slots(8, sched.queues) == 8
+
+
+def test_a_lone_n3_request_forks_though_its_share_is_smaller() -> None:
+    """One request of n = 3 at micro_batches 2: its fork needs 3 sequence slots in one plan,
+    more than half of 3; the plan's share is raised to it (else it would never fork)."""
+    sched, kv, worker = make(num_gpu_blocks=32, max_num_seqs=8, micro_batches=2)
+    sp = SamplingParams(n=3, max_tokens=4, **GREEDY)
+    sched.add_request("a", [5, 6, 7, 8, 9], sp)
+    got = run_to_completion(sched, kv, worker, pipelined=True, depth=2)
+    for i in range(3):
+        assert got[("a", i)].token_ids == reference_tokens([5, 6, 7, 8, 9], sp, i, 4096)
+    assert kv.num_free_gpu_blocks == 32
