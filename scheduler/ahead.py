@@ -30,7 +30,8 @@ tokens of async scheduling come from the plan just before, and their broadcast f
 stage would make the first stage wait for it) until the plan carrying it has been applied.
 A later prefill chunk of a sequence may follow an earlier one still in flight (it samples
 nothing the earlier one decides; the workers run the plans in order). So that no stage waits,
-each plan takes at most 1 / micro_batches of the sequences (`seq_slots`); the decode lane,
+each plan takes a 1 / micro_batches share of the sequences (`seq_slots`: at least the
+largest n, a fork schedules its n at once); the decode lane,
 whose members decode in every plan, does not run. A plan that preempted sets a barrier: no
 request is resumed or admitted while a plan made before it is in flight (a sequence
 preempted for recompute with its token in flight must not sample that token a second time).
