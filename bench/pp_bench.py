@@ -5,9 +5,9 @@ batch of `--batch` greedy requests (prompts `--prompt` tokens, `--output` new to
 ignore_eos) driven step by step; per row: output tok/s over the whole batch (prefill
 included), inter-token latency p50/p99 (the gaps between a request's token arrivals), and
 at pp > 1 the pipeline's bubble per stage: 1 - (seconds the stage ran its layers / wall
-seconds of the batch), the fraction of wall time it waited for the other stage or the host.
-Without micro-batches one plan crosses the stages at a time, so each stage idles while the
-other runs: the bubble this measures is the baseline micro-batching has to remove.
+seconds of the batch), the fraction of wall time it waited for the other stage or the host,
+and the most plans the engine had in flight at once (pp micro-batches: pp, each a 1/pp share
+of the batch, so every stage has one to run; scheduler/ahead.py).
 
     .venv/bin/python bench/pp_bench.py [--batch 32] [--prompt 64] [--output 64]
         [--layouts tp1 tp2 pp2] [--model qwen3-tiny] [--json out.json]
@@ -73,7 +73,8 @@ def run(layout: str, args: argparse.Namespace) -> dict[str, Any]:
     gaps = np.concatenate([np.diff(t) for t in arrivals.values() if len(t) > 1]) * 1e3
     row = {"layout": layout, "tp": tp, "pp": pp, "batch": args.batch, "tok_s": tokens / wall,
            "itl_p50_ms": float(np.percentile(gaps, 50)),
-           "itl_p99_ms": float(np.percentile(gaps, 99)), "wall_s": wall}
+           "itl_p99_ms": float(np.percentile(gaps, 99)), "wall_s": wall,
+           "plans_in_flight": engine.max_plans_in_flight}
     if pp > 1:  # each stage's first rank
         row["bubble"] = [round(1 - busy[s * tp] / wall, 3) for s in range(pp)]
     return row
@@ -93,11 +94,12 @@ def main() -> None:
     ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = [run(layout, args) for layout in args.layouts]
     print(f"# {platform.node()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
-    print("| layout | batch | tok/s | ITL p50 ms | ITL p99 ms | bubble per stage |")
-    print("|---|---|---|---|---|---|")
+    print("| layout | batch | tok/s | ITL p50 ms | ITL p99 ms | bubble per stage "
+          "| plans in flight |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layout']} | {r['batch']} | {r['tok_s']:.0f} | {r['itl_p50_ms']:.1f} | "
-              f"{r['itl_p99_ms']:.1f} | {r.get('bubble', '-')} |")
+              f"{r['itl_p99_ms']:.1f} | {r.get('bubble', '-')} | {r['plans_in_flight']} |")
     if args.json:
         args.json.write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
 

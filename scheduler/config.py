@@ -23,9 +23,12 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str | None = None  # "swap" | "recompute" | None (= swap when CPU blocks exist)
     max_loras: int = 0  # LoRA adapters resident at once (device slots); 0: no LoRA requests
+    # plans of disjoint sequences in flight at once (pipeline parallelism: one per stage,
+    # scheduler/ahead.py); 1: one plan, plus async scheduling's one ahead
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")

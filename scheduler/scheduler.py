@@ -26,8 +26,9 @@ return the log-probabilities of the prompt tokens each chunk predicts (StepResul
 
 Protocol with the workers (scheduler/plan.py): plans execute in the order `schedule()`
 returns them and are passed to `apply_result()` in that order; with async scheduling one plan
-may be scheduled ahead of the result of the one before (scheduler/ahead.py owns what that
-means). Slots are reserved, and num_computed advanced, when a chunk is scheduled; the KV cache
+may be scheduled ahead of the result of the one before, and with micro-batches
+(SchedulerConfig.micro_batches) up to that many disjoint plans are in flight (scheduler/ahead.py
+owns what both mean). Slots are reserved, and num_computed advanced, when a chunk is scheduled; the KV cache
 enters full blocks into the prefix cache at that point, so a request admitted later in the
 same step may hit blocks this step computes (workers write the whole batch's KV before
 attending). The scheduler deals in token ids and finish decisions only: text, stop strings
@@ -79,10 +80,11 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.block_size = kv.block_size
         self.spec = Speculator(speculative) if speculative is not None else None
-        self.lane = DecodeLane(kv.block_size, *(self.spec.lane_args() if self.spec else ()))
+        self.inflight = PlansInFlight(config.micro_batches)
+        self.lane = DecodeLane(kv.block_size, *self.inflight.lane_args(
+            self.spec.lane_args() if self.spec else ()))
         self.lora = LoRASlots(config.max_loras)
         self.queues = RequestQueues(kv, self.lane, self.lora)
-        self.inflight = PlansInFlight()
         mode = config.preemption_mode or ("swap" if kv.num_cpu_blocks > 0 else "recompute")
         self.preemptor = Preemptor(mode, kv, self.queues)
         self.results = ResultApplier(self.queues, self.lane, self.inflight, self.spec)
@@ -200,8 +202,8 @@ class Scheduler:
         self._step_id += 1
         queues = self.queues
         cfg = self.config
-        step = StepBuilder(self._step_id, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                           queues.drops)
+        step = StepBuilder(self._step_id, cfg.max_num_batched_tokens,
+                           self.inflight.seq_slots(cfg.max_num_seqs, queues), queues.drops)
 
         # 1. Decodes (and n > 1 forks: every sequence computes one token).
         prefill_reqs = self._schedule_decodes(step)
@@ -219,12 +221,12 @@ class Scheduler:
                     if self._schedule_seq(req, seq, step, may_preempt=True) < 0:
                         break
 
-        if not step.preempted and (queues.swapped or queues.waiting):
+        if not step.preempted and (queues.swapped or queues.waiting) and self.inflight.may_admit():
             self._schedule_resumed_and_new(step)
         if self.spec is not None and self.spec.shrunk:
             self.spec.resend_tables(step, self.kv)
         queues.drops = []  # (the plan carries the list it had)
-        self.inflight.launch(step.step_id)
+        self.inflight.launch(step.step_id, step.preempted)
         return step.to_plan(*self.kv.take_transfers(), self.lora.take_loads())
 
     def _schedule_resumed_and_new(self, step: StepBuilder) -> None:
@@ -314,7 +316,7 @@ class Scheduler:
             for seq in req.seqs:
                 if seq.status is not _RUNNING:
                     continue
-                pending = ahead.decode_pending(seq)
+                pending = self.inflight.decode_pending(seq)
                 if pending is None:
                     # a prefill chunk left, or its tokens are being computed already
                     has_prefill = has_prefill or seq.num_computed < len(seq.token_ids)

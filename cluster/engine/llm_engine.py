@@ -4,7 +4,10 @@ processor, stepped by `step()`. The offline `LLM` drives it directly; `AsyncLLME
 
 `LLMEngine` owns every request and every KV block of its replica. Invariants: a plan is
 applied in the order it was submitted, and results are asked for in that order; with async
-scheduling at most two plans are in flight (the one running and the one scheduled after it).
+scheduling at most two plans are in flight (the one running and the one scheduled after it);
+at pipeline_parallel_size pp > 1, pp plans of disjoint sequences (micro-batches, vLLM's batch
+queue: scheduler/ahead.py) are in flight, so that every stage has one to run; this replaces
+async scheduling's plan ahead there (engine_setup.plans_in_flight says why).
 
 Structured outputs (structured_output.py) hook in at three points: a plan's constrained rows
 are marked when it is scheduled; a step's tokens advance the matchers when its result is
@@ -31,6 +34,7 @@ from cluster.engine.engine_setup import (
     check_layer_partition,
     default_sampling,
     freeze_startup_heap,
+    plans_in_flight,
     rebuild_or_raise,
 )
 from cluster.engine.executor import Executor, WorkerDiedError
@@ -111,8 +115,12 @@ class LLMEngine:
             logger.info("speculative decoding is on: async scheduling is turned off (a verify "
                         "step's token count is known only once its result is in)")
             self.async_scheduling = False
-        self.executor: Executor = build_executor(config, worker_config, self.device,
-                                                 placement_group, self.async_scheduling)
+        # plans submitted before the oldest one's result is waited for
+        self.plans_in_flight = plans_in_flight(config.pipeline_parallel_size,
+                                               self.async_scheduling)
+        self.executor: Executor = build_executor(
+            config, worker_config, self.device, placement_group,
+            self.async_scheduling and config.pipeline_parallel_size == 1)
         kv = KVCacheManager(self.executor.num_gpu_blocks, self.executor.num_cpu_blocks,
                             config.block_size, enable_prefix_caching=config.enable_prefix_caching
                             and not (self.pooling and self.pooling.pooler.accumulates),
@@ -122,7 +130,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
                             max_model_len=self.max_model_len, preemption_mode=preemption,
-                            max_loras=worker_config.max_loras),
+                            max_loras=worker_config.max_loras,
+                            micro_batches=config.pipeline_parallel_size),
             kv, eos_token_ids=self.model_config.eos_token_ids, vocab_size=len(self.tokenizer),
             speculative=spec)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer,
@@ -140,6 +149,7 @@ class LLMEngine:
         # for a plan with nothing for the workers, time its scheduling began).
         self._inflight: deque[tuple[StepPlan, Any, float]] = deque()
         self._last_done = 0.0  # when the last step's result was applied
+        self.max_plans_in_flight = 0  # the most plans the workers held at once (a metric)
         self.recoveries = 0  # tensor-parallel groups rebuilt after a rank died
         freeze_startup_heap()
 
@@ -272,14 +282,15 @@ class LLMEngine:
             return []
 
     def next_step(self) -> tuple[StepPlan, concurrent.futures.Future | None, float]:
-        """Submit the next plan (with async scheduling, also the one after the step in flight)
-        and hand back the oldest step in flight: its plan, a future of its StepResult (None
-        when nothing went to the workers) and when its scheduling began, for `finish_step`."""
+        """Submit plans until `plans_in_flight` are in flight (one; with async scheduling also
+        the one after the step in flight; pp micro-batches) and hand back the oldest step in
+        flight: its plan, a future of its StepResult (None when nothing went to the workers)
+        and when its scheduling began, for `finish_step`."""
         if not self._inflight:
             self.kv_transfers.admit_ready()  # (KV imports: only with nothing in flight)
             self._submit()
-        if (self.async_scheduling and len(self._inflight) == 1
-                and self.scheduler.has_unfinished() and not self.kv_transfers.pending):
+        while (len(self._inflight) < self.plans_in_flight
+               and self.scheduler.has_unfinished() and not self.kv_transfers.pending):
             self._submit()
         plan, handle, start = self._inflight.popleft()
         return plan, None if handle is None else self.executor.result(handle), start
@@ -298,6 +309,8 @@ class LLMEngine:
         # A plan with nothing for the workers (everyone waits on a token in flight) stays here.
         handle = None if plan.is_noop else self.executor.submit(plan)
         self._inflight.append((plan, handle, start))
+        self.max_plans_in_flight = max(self.max_plans_in_flight,
+                                       sum(h is not None for _, h, _ in self._inflight))
         if len(self._inflight) == 1:
             self._provide_bitmask()
 
@@ -375,6 +388,7 @@ class LLMEngine:
             "num_preemptions_recompute": s.preemptions_recompute,
             "num_worker_recoveries": self.recoveries,
             **self.kv_transfers.stats(),
+            "max_plans_in_flight": self.max_plans_in_flight,
             **self._spec_metrics(),
             "request_success_total": dict(self.latency.finished),
             "time_to_first_token_seconds": self.latency.ttft.copy(),

@@ -308,7 +308,7 @@ def make(num_gpu_blocks: int = 16, num_cpu_blocks: int = 0, block_size: int = 4,
     sched = Scheduler(SchedulerConfig(**config), kv, eos_token_ids=[EOS],
                       vocab_size=len(tokenizer) if tokenizer is not None else None,
                       speculative=speculative)
-    if speculative is None:
+    if speculative is None and not sched.inflight.disjoint:  # (micro-batches: no lane)
         sched.lane.min_running = lane_min_running
     return Core(sched, tokenizer), kv, FakeWorker(num_gpu_blocks, num_cpu_blocks, block_size,
                                                   num_offload_blocks)
@@ -348,11 +348,13 @@ def step(sched: Core, worker: FakeWorker) -> tuple[StepPlan, list[RequestOutput]
 
 class Pipeline:
     """Async scheduling as the engine drives it: step N+1 is scheduled (and, the fake worker
-    being synchronous, executed) before step N's result is applied."""
+    being synchronous, executed) before step N's result is applied; with `depth` > 2 (micro-
+    batches) that many plans are in flight."""
 
-    def __init__(self, sched: Core, worker: FakeWorker) -> None:
+    def __init__(self, sched: Core, worker: FakeWorker, depth: int = 2) -> None:
         self.sched = sched
         self.worker = worker
+        self.depth = depth
         self.inflight: list[tuple[StepPlan, StepResult]] = []
 
     def launch(self) -> StepPlan:
@@ -361,10 +363,10 @@ class Pipeline:
         return plan
 
     def step(self) -> list[RequestOutput]:
-        """Keep two plans in flight while requests remain; apply the oldest."""
+        """Keep `depth` plans in flight while requests remain; apply the oldest."""
         if not self.inflight:
             self.launch()
-        if self.sched.has_unfinished():
+        while len(self.inflight) < self.depth and self.sched.has_unfinished():
             self.launch()
         plan, result = self.inflight.pop(0)
         return self.sched.apply_result(plan, result)
@@ -374,11 +376,11 @@ class Pipeline:
 
 
 def run_to_completion(sched: Core, kv: KVCacheManager, worker: FakeWorker,
-                      max_steps: int = 10_000,
-                      pipelined: bool = False) -> dict[tuple[str, int], Collected]:
+                      max_steps: int = 10_000, pipelined: bool = False,
+                      depth: int = 2) -> dict[tuple[str, int], Collected]:
     got: dict[tuple[str, int], Collected] = {}
     finished: set[str] = set()
-    pipe = Pipeline(sched, worker)
+    pipe = Pipeline(sched, worker, depth)
     for _ in range(max_steps):
         if not pipe.busy():
             return got

@@ -1,7 +1,8 @@
-"""Pipeline parallelism with async scheduling on one node (the shared `ray_cluster`): the
-sampled ids of the last stage reach the first stage's pending tokens (workers/pipeline.py
-`OutputBroadcast`), so greedy tokens are transformers' with chunked prefill beside decodes,
-a prefix hit, and a constrained request whose bitmask goes to the last stage."""
+"""Pipeline parallelism on one node (the shared `ray_cluster`): micro-batches (two plans of
+disjoint sequences in flight at pp 2, scheduler/ahead.py), with async scheduling on or off,
+give transformers' greedy tokens with chunked prefill beside decodes, a prefix hit, and a
+constrained request whose bitmask goes to the last stage once every plan before its own has
+been applied."""
 
 from __future__ import annotations
 
@@ -44,3 +45,32 @@ def test_pp2_async_scheduling_chunked_prefix_and_structured(ray_cluster: None) -
             StructuredOutputsParams(choice=colours)))
         (out,) = llm.generate("Pick one:", constrained, use_tqdm=False)
         assert out.outputs[0].text in colours
+
+
+def test_pp2_micro_batches_keep_two_plans_in_flight(ray_cluster: None) -> None:
+    """24 requests over max_num_seqs 16: each plan takes at most 8 sequences, so two disjoint
+    plans are in flight (the engine's max_plans_in_flight metric), with chunked prefill and a
+    constrained request among them."""
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 150000) for _ in range(rng.randrange(4, 40))]
+               for _ in range(24)]
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(TINY_MODEL_NAME))
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)
+                [0, len(p):].tolist() for p in prompts]
+    colours = ["red", "green", "blue"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=(
+        StructuredOutputsParams(choice=colours)))
+    with LLM(TINY_MODEL_NAME, pipeline_parallel_size=2, device="cpu", worker_num_cpus=0.5,
+             max_num_seqs=16, max_model_len=256, max_num_batched_tokens=32,
+             async_scheduling=False) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:12]] + ["Pick one:"]
+                            + [{"prompt_token_ids": p} for p in prompts[12:]],
+                            [greedy] * 12 + [constrained] + [greedy] * 12, use_tqdm=False)
+        assert outs[12].outputs[0].text in colours
+        del outs[12]
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert llm.engine.metrics()["max_plans_in_flight"] == 2
