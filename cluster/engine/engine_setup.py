@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from typing import Any
 
 from cluster.engine.config import EngineConfig
@@ -31,14 +32,22 @@ logger = logging.getLogger(__name__)
 MIN_BATCHED_TOKENS = 8192
 
 # How many times the engine tries to rebuild its workers after a rank died before it gives
-# up (then it is dead, and Serve replaces the replica).
-MAX_REBUILD_ATTEMPTS = 2
+# up (then it is dead, and Serve replaces the replica), and the wait before the second try,
+# doubled before each later one (1 + 2 + 4 s). The waits are for a node that is dying: until
+# Ray's GCS declares it dead (health_check_failure_threshold x period: 15 s by Ray's defaults)
+# its bundles still look placed there, and a rank put there is cancelled when it is declared.
+MAX_REBUILD_ATTEMPTS = 4
+REBUILD_BACKOFF_S = 1.0
 
 
 def rebuild_or_raise(executor: Executor, error: WorkerDiedError) -> None:
     """Rebuild the executor's workers; WorkerDiedError once MAX_REBUILD_ATTEMPTS failed."""
     last: BaseException = error
-    for _ in range(MAX_REBUILD_ATTEMPTS):
+    for attempt in range(MAX_REBUILD_ATTEMPTS):
+        if attempt:
+            logger.warning("engine: rebuilding the workers failed (%s: %s); retrying in %.0f s",
+                           type(last).__name__, last, REBUILD_BACKOFF_S * 2 ** (attempt - 1))
+            time.sleep(REBUILD_BACKOFF_S * 2 ** (attempt - 1))
         try:
             executor.rebuild()
             return

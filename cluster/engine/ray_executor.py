@@ -122,6 +122,7 @@ class RayExecutor(Executor):
         """After a rank died: new actors for every rank in the same bundles, weights reloaded,
         empty KV caches of the sizes the engine's scheduler already has."""
         self._stop()
+        self._placement.wait_placed()
         if self._config.world_size > 1:  # a fresh rendezvous port
             self._config = dataclasses.replace(
                 self._config, dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")

@@ -11,6 +11,7 @@ wherever Ray finds room. Groups this module made are removed with `remove()`.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,22 @@ class StagePlacement:
         return PlacementGroupSchedulingStrategy(
             placement_group=self.groups[stage],
             placement_group_bundle_index=self.offsets[stage] + rank % self.tp)
+
+    def wait_placed(self, timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+        """Until every group's bundles are placed (state CREATED): after a node died, Ray
+        moves its bundles to a node with room (RESCHEDULING) and a rank started before that
+        is cancelled. RuntimeError after `timeout_s`."""
+        from ray.util import placement_group_table
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = [placement_group_table(g).get("state") for g in self.groups]
+            if all(s == "CREATED" for s in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine's placement groups are {states}, not placed "
+                                   f"within {timeout_s} s of a rank's death; free or add a node")
+            time.sleep(0.2)
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group

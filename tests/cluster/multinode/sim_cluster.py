@@ -99,11 +99,16 @@ def kill_node(cluster: Any, node: Any) -> list[int]:
 def simulated_cluster(node_cpus: tuple[int, ...] = (1, 1)) -> Iterator[Sim]:
     """The head with no CPU (Serve's controller, the HeadOnly proxy) and worker nodes of
     `node_cpus` CPUs (two 1-CPU nodes by default), Serve started on a free port; all stopped
-    on exit (bench/node_loss.py and bench/autoscale.py run on it too)."""
+    on exit (bench/node_loss.py and bench/autoscale.py run on it too). A Ray this process is
+    connected to already (the test session's one-node cluster, tests/cluster/conftest.py) is
+    left first: a process talks to one cluster."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "_system_config": GCS_HEALTH_CHECKS})
     try:
@@ -120,3 +125,11 @@ def simulated_cluster(node_cpus: tuple[int, ...] = (1, 1)) -> Iterator[Sim]:
         finally:
             ray.shutdown()
             cluster.shutdown()
+
+
+def alive_actors(class_name: str) -> list[dict[str, Any]]:
+    """The cluster's live actors of one class (their "Address" names their node)."""
+    import ray
+
+    return [a for a in ray._private.state.actors().values()
+            if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]

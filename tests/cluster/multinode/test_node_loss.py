@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sim_cluster import Sim, add_node, kill_node, simulated_cluster
+from sim_cluster import Sim, add_node, alive_actors, kill_node, simulated_cluster
 
 from cluster.api.prometheus import parse_prometheus
 
@@ -54,22 +54,9 @@ SERVED_BY: dict[str, str] = {}
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[Sim]:
-    import ray
-    from ray import serve
-
-    if ray.is_initialized():  # the session's one-node cluster (tests/cluster/conftest.py)
-        serve.shutdown()
-        ray.shutdown()
     with simulated_cluster() as sim:
         _deploy(ARGS)
         yield sim
-
-
-def _actors(class_name: str) -> list[dict[str, Any]]:
-    import ray
-
-    return [a for a in ray._private.state.actors().values()
-            if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
 
 
 def _node_of(actor: dict[str, Any]) -> str:
@@ -184,7 +171,7 @@ def _wait_for_replicas(count: int, timeout: float = 120, gone_pid: int | None = 
     while time.monotonic() - start < timeout:
         app = serve.status().applications[APP]
         status = app.deployments["LLMServer"]
-        pids = [a["Pid"] for a in _actors(REPLICA_CLASS)]
+        pids = [a["Pid"] for a in alive_actors(REPLICA_CLASS)]
         if (status.replica_states.get("RUNNING", 0) == count and status.status == "HEALTHY"
                 and app.status == "RUNNING"
                 and (gone_pid is None or (gone_pid not in pids and len(pids) == count))):
@@ -208,11 +195,11 @@ def test_placement_ingress_beside_the_proxy_replicas_on_different_nodes(sim: Sim
     import ray
 
     head = ray.get_runtime_context().get_node_id()  # the driver runs on the head node
-    ingress = _actors(INGRESS_CLASS)
+    ingress = alive_actors(INGRESS_CLASS)
     assert [_node_of(a) for a in ingress] == [head]
-    proxies = [a for a in _actors("ProxyActor")]
+    proxies = [a for a in alive_actors("ProxyActor")]
     assert [_node_of(a) for a in proxies] == [head]
-    nodes = [_node_of(a) for a in _actors(REPLICA_CLASS)]
+    nodes = [_node_of(a) for a in alive_actors(REPLICA_CLASS)]
     assert len(nodes) == 2 and len(set(nodes)) == 2 and head not in nodes
 
 
@@ -221,7 +208,7 @@ def test_node_killed_under_load_loses_nothing_and_capacity_returns(
     """A worker node's raylet and every process on it SIGKILLed at once while every prompt
     streams: the requests on its replica resume on the other node's, which is not touched."""
     before = _resumes_logged()
-    replicas = _actors(REPLICA_CLASS)
+    replicas = alive_actors(REPLICA_CLASS)
     victim_node = _node_of(replicas[0])
     survivor = replicas[1]
     node = next(n for n in sim.cluster.worker_nodes if n.node_id == victim_node)
@@ -236,7 +223,7 @@ def test_node_killed_under_load_loses_nothing_and_capacity_returns(
     # Serve put the lost replica on the spare node (once the GCS declared the killed node
     # dead: until then Serve counts its replica RUNNING). The survivor served throughout.
     _wait_for_replicas(2, gone_pid=replicas[0]["Pid"])
-    now = _actors(REPLICA_CLASS)
+    now = alive_actors(REPLICA_CLASS)
     nodes = {_node_of(a) for a in now}
     assert victim_node not in nodes and len(nodes) == 2
     assert survivor["Pid"] in [a["Pid"] for a in now]
@@ -251,7 +238,7 @@ def _busier_replica() -> dict[str, Any]:
     """The LLMServer replica actor that started most of PROMPTS' last streams."""
     ids = [SERVED_BY[p] for p in PROMPTS]
     busier = max(set(ids), key=ids.count)
-    return next(a for a in _actors(REPLICA_CLASS) if a["Name"].endswith(busier))
+    return next(a for a in alive_actors(REPLICA_CLASS) if a["Name"].endswith(busier))
 
 
 def test_replica_killed_mid_stream_loses_nothing(sim: Sim, reference: list[tuple]) -> None:
@@ -439,7 +426,7 @@ def _wait_until_replaced(pid: int, timeout: float = 60) -> None:
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         states = serve.status().applications[APP].deployments["LLMServer"].replica_states
-        if (pid not in [a["Pid"] for a in _actors(REPLICA_CLASS)] and states.get("STOPPING", 0) == 0
+        if (pid not in [a["Pid"] for a in alive_actors(REPLICA_CLASS)] and states.get("STOPPING", 0) == 0
                 and states.get("STARTING", 0) + states.get("RUNNING", 0) == 2):
             return
         time.sleep(0.2)
@@ -458,9 +445,9 @@ def test_tp2_group_on_one_node_and_a_stalled_one_is_replaced_its_requests_going_
 
     serve.delete(APP)  # both replicas start at once, not one by one as a rolling update would
     _deploy(STALL_ARGS)
-    replica_nodes = sorted(_node_of(a) for a in _actors(REPLICA_CLASS))
+    replica_nodes = sorted(_node_of(a) for a in alive_actors(REPLICA_CLASS))
     assert len(set(replica_nodes)) == 2
-    assert sorted(_node_of(a) for a in _actors("RayWorker")) == sorted(replica_nodes * 2)
+    assert sorted(_node_of(a) for a in alive_actors("RayWorker")) == sorted(replica_nodes * 2)
     lost, resumed = _losses_logged(), _resumes_logged()
     failed_before = len(_failed_health_checks())
     stopped: dict[str, Any] = {}
@@ -468,7 +455,7 @@ def test_tp2_group_on_one_node_and_a_stalled_one_is_replaced_its_requests_going_
     def stall_the_busier_replica() -> None:  # (one replica per node: its rank is beside it)
         stopped["replica"] = _busier_replica()
         stopped["id"] = stopped["replica"]["Name"].rsplit("#", 1)[-1]
-        stopped["worker"] = next(a for a in _actors("RayWorker")
+        stopped["worker"] = next(a for a in alive_actors("RayWorker")
                                  if _node_of(a) == _node_of(stopped["replica"]))
         os.kill(stopped["worker"]["Pid"], signal.SIGSTOP)
 

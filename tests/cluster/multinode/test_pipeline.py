@@ -49,12 +49,6 @@ def _repetitive() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[Sim]:
-    import ray
-    from ray import serve
-
-    if ray.is_initialized():  # the session's one-node cluster (tests/cluster/conftest.py)
-        serve.shutdown()
-        ray.shutdown()
     with simulated_cluster() as sim:
         yield sim
 

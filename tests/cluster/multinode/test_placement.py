@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sim_cluster import Sim, simulated_cluster
+from sim_cluster import Sim, alive_actors, simulated_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -38,21 +38,8 @@ ARGS: dict[str, Any] = dict(
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[Sim]:
-    import ray
-    from ray import serve
-
-    if ray.is_initialized():  # the session's one-node cluster (tests/cluster/conftest.py)
-        serve.shutdown()
-        ray.shutdown()
     with simulated_cluster(node_cpus=(1, 3)) as sim:
         yield sim
-
-
-def _actors(class_name: str) -> list[dict[str, Any]]:
-    import ray
-
-    return [a for a in ray._private.state.actors().values()
-            if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
 
 
 def _deploy(sim: Sim, args: dict[str, Any], replicas: int) -> list[str]:
@@ -75,7 +62,7 @@ def _deploy(sim: Sim, args: dict[str, Any], replicas: int) -> list[str]:
         for _ in range(replicas):
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
-    replica_actors = _actors(REPLICA_CLASS)
+    replica_actors = alive_actors(REPLICA_CLASS)
     assert len(replica_actors) == replicas
     return [a["Address"]["NodeID"] for a in replica_actors]
 
@@ -95,7 +82,7 @@ def test_spread_keeps_each_tp2_group_beside_its_replica(sim: Sim) -> None:
             "worker_num_cpus": 0.2}
     nodes = _deploy(sim, args, 2)
     assert len(set(nodes)) == 2, nodes
-    workers = [a["Address"]["NodeID"] for a in _actors("RayWorker")]
+    workers = [a["Address"]["NodeID"] for a in alive_actors("RayWorker")]
     assert sorted(workers) == sorted(nodes * 2), (nodes, workers)
 
 
@@ -116,7 +103,7 @@ def test_pp2_replica_serves_transformers_tokens_with_its_stages_on_two_nodes(sim
     args = {**ARGS, "executor": "ray", "pipeline_parallel_size": 2, "replica_placement": "pack",
             "replica_num_cpus": 2.0, "worker_num_cpus": 1.0}
     (node,) = _deploy(sim, args, 1)
-    workers = [a["Address"]["NodeID"] for a in _actors("RayWorker")]
+    workers = [a["Address"]["NodeID"] for a in alive_actors("RayWorker")]
     assert len(workers) == 2 and node in workers and len(set(workers)) == 2, (node, workers)
     prompt = [151, 2000, 30000, 42, 7, 99999, 1234]
     path = resolve_model("qwen3-tiny")
