@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--burst-tokens", type=int, default=16, help="tokens each burst request generates")
     p.add_argument("--burst-at", type=float, default=2.0, help="seconds after the streams start")
     p.add_argument("--replica-cpus", type=float, default=0.8, help="CPUs of each LLMServer replica")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="every replica's token budget per step (the CPU manifests' 512: chunked "
+                        "prefill, so a colocated replica's streams wait one chunk, not a prompt)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8431)
     p.add_argument("--json", default=None, help="write the rows here")
@@ -66,9 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def app_args(mode: str, replica_cpus: float) -> dict[str, Any]:
-    """The manifest args of a mode (same total CPUs in both)."""
-    base = {**BASE, "replica_num_cpus": replica_cpus}
+def app_args(mode: str, replica_cpus: float, batched_tokens: int = 512) -> dict[str, Any]:
+    """The manifest args of a mode (same total CPUs and step budget in both)."""
+    base = {**BASE, "replica_num_cpus": replica_cpus, "max_num_batched_tokens": batched_tokens}
     if mode == "colocated":
         return {**base, "num_replicas": 2}
     return {**base, "pd": {"prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}}}
@@ -151,7 +154,7 @@ def run_mode(mode: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
 
     from cluster.api.serve_app import build_app
 
-    serve.run(build_app(app_args(mode, args.replica_cpus)), name="pd-bench", route_prefix="/")
+    serve.run(build_app(app_args(mode, args.replica_cpus, args.max_num_batched_tokens)), name="pd-bench", route_prefix="/")
     try:
         warm = argparse.Namespace(**{**vars(args), "streams": 2, "burst": 2, "burst_at": 0.0,
                                      "stream_tokens": 4, "burst_tokens": 2, "seed": 999})
