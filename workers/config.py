@@ -117,9 +117,7 @@ class WorkerConfig:
         refused = {"a draft-model speculative_config (its draft runs beside every target "
                    "layer)": self.speculative_model is not None,
                    "enable_lora": self.max_loras > 0,
-                   "the pooling runner": self.pooler is not None,
-                   "CUDA graphs (set enforce_eager)": self.device == "cuda"
-                   and not self.enforce_eager}
+                   "the pooling runner": self.pooler is not None}
         for what, on in refused.items():
             if on:
                 raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} does "

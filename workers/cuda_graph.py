@@ -32,6 +32,17 @@ draft's q - 1 one-token forwards over every row (`DraftRunner.propose_uniform`),
 argmax into the next token's input and into the graph's proposal matrix, which the
 acceptance count then reads.
 
+Pipeline stages (workers/pipeline.py) capture their own part of the step: the first stage
+from input ids to the (hidden states, residual) it sends, a middle stage from received ones to
+sent ones, the last stage from received ones through the final norm, the logits and the
+sampling; a single stage is first and last at once (the whole step, no hand-over). The
+send/recv stays outside the graph: a stage after the first receives into its graph's static
+`received` buffers before the replay, a stage before the last sends its graph's static `sent`
+outputs after it, every row of the padded batch (each stage pads a plan alike: the same
+captured sizes, the same plan), so a replay and its hand-over allocate nothing. Draft models
+are whole-model only (refused at pp > 1: workers/config.py), so `follow` and `propose` are
+captured on a single stage only.
+
 Static inputs are laid out as the model runner stages them: the int64 ones back to back in
 `GRAPH_I64_FIELDS` order, so a step hands them over with one device copy (plus seq_lens,
 temperature and a gather of the block-table rows). `graph_factory` makes the graphs: CUDA
@@ -50,6 +61,7 @@ from torch import Tensor
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftRunner
 from workers.layers.attention import AttentionMetadata
+from workers.pipeline import PipelineStage
 from workers.qwen3 import Qwen3ForCausalLM
 from workers.sampler import sample_simple
 
@@ -109,7 +121,8 @@ class _StepGraph:
     """Static inputs, outputs and the graphs of one padded batch size (bs sequences of q
     tokens each: T = bs * q token rows)."""
 
-    def __init__(self, bs: int, q: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, bs: int, q: int, max_blocks: int, device: torch.device,
+                 received: tuple[int, torch.dtype] | None = None) -> None:
         t = bs * q
         self.i64 = torch.zeros(len(GRAPH_I64_FIELDS) * t, dtype=torch.int64, device=device)
         (self.input_ids, self.positions, self.slot_mapping, self.rng_key,
@@ -120,7 +133,15 @@ class _StepGraph:
         self.temperature = torch.zeros(t, dtype=torch.float32, device=device)
         self.block_tables = torch.zeros(bs, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(0, t + 1, q, dtype=torch.int32, device=device)
-        self.logits: Tensor | None = None
+        # a stage after the first: the previous stage's (hidden states, residual) land here
+        self.received: tuple[Tensor, Tensor] | None = None
+        if received is not None:
+            hidden_size, dtype = received
+            self.received = tuple(torch.zeros(t, hidden_size, dtype=dtype, device=device)
+                                  for _ in range(2))
+        # a stage before the last: the graph's (hidden states, residual), sent on after replay
+        self.sent: tuple[Tensor, Tensor] | None = None
+        self.logits: Tensor | None = None  # the last stage's
         self.tokens: Tensor | None = None
         self.graph: Any = None
         self.follow: Any = None  # the draft's forward over the same inputs (or None)
@@ -137,10 +158,12 @@ class CUDAGraphRunner:
                  max_model_len: int, device: torch.device,
                  graph_factory: Callable[[], Any] | None = None, query_len: int = 1,
                  drafter: DraftRunner | None = None,
-                 tp: TensorParallelGroup | None = None) -> None:
+                 tp: TensorParallelGroup | None = None,
+                 stage: PipelineStage | None = None) -> None:
         self.model = model
         self.drafter = drafter
         self.tp = tp or TensorParallelGroup.single()
+        self.stage = stage or PipelineStage.single()
         self.query_len = query_len
         self.max_model_len = max_model_len
         self.max_blocks = max_blocks_per_seq
@@ -156,7 +179,11 @@ class CUDAGraphRunner:
             max_query_len=self.query_len, max_seq_len=self.max_model_len)
 
     def _step(self, g: _StepGraph) -> tuple[Tensor | None, Tensor | None]:
-        hidden = self.model(g.input_ids, g.positions, self._metadata(g))
+        """This stage's part of the step: (logits, tokens) on the last stage (None, None on
+        its ranks > 0), the (hidden states, residual) to send on before it."""
+        hidden = self.model(g.input_ids, g.positions, self._metadata(g), g.received)
+        if not self.stage.is_last:
+            return hidden
         logits = self.model.compute_logits(hidden)
         if logits is None:  # ranks > 0
             return None, None
@@ -176,11 +203,17 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every batch size, largest first so smaller graphs reuse its pool."""
+        received = None if self.stage.is_first else (self.model.config.hidden_size,
+                                                      self.model.dtype)
         for bs in reversed(self.batch_sizes):
-            g = _StepGraph(bs, self.query_len, self.max_blocks, self.device)
+            g = _StepGraph(bs, self.query_len, self.max_blocks, self.device, received)
             if self.drafter is not None and self.query_len > 1:
                 g.propose, _ = self._capture(lambda g=g: self._propose(g))
-            g.graph, (g.logits, g.tokens) = self._capture(lambda g=g: self._step(g))
+            g.graph, out = self._capture(lambda g=g: self._step(g))
+            if self.stage.is_last:
+                g.logits, g.tokens = out
+            else:
+                g.sent = out
             if self.drafter is not None:
                 g.follow, _ = self._capture(lambda g=g: self._follow(g))
             self.graphs[bs] = g
@@ -213,7 +246,9 @@ class CUDAGraphRunner:
         """Run a staged step (a model_runner.StepBatch with `graph_size` set): its inputs
         into the graph's, the draft's proposals when its rows wait for them
         (`batch.draft_in_graph`: then `batch.verify` takes the graph's proposal matrix), then
-        the graph; (logits [bs * q, V], tokens [bs * q]) on rank 0."""
+        the graph; (logits [bs * q, V], tokens [bs * q]) on the output rank. A pipeline
+        stage receives into the graph's inputs first, or sends its outputs on after it (then
+        (None, None))."""
         g = self.graphs[batch.graph_size]
         g.i64.copy_(batch.graph_i64[:g.i64.shape[0]])
         g.seq_lens.copy_(batch.attn_metadata.seq_lens)
@@ -224,7 +259,12 @@ class CUDAGraphRunner:
             g.propose.replay()
             n = batch.verify[0].shape[0]
             batch.verify = (batch.verify[0], g.proposal[:n])
+        if g.received is not None:
+            self.stage.recv_into(*g.received)
         g.graph.replay()
+        if g.sent is not None:
+            self.stage.send(*g.sent)
+            return None, None
         return g.logits, g.tokens
 
     def replay_follow(self, graph_size: int) -> None:
@@ -236,17 +276,19 @@ class CUDAGraphRunner:
 def capture_step_graphs(model: Qwen3ForCausalLM, drafter: DraftRunner | None,
                         tp: TensorParallelGroup, max_num_seqs: int, max_blocks_per_seq: int,
                         max_model_len: int, device: torch.device, num_speculative_tokens: int = 0,
-                        max_verify_seqs: int = 0, graph_factory: Callable[[], Any] | None = None
+                        max_verify_seqs: int = 0, graph_factory: Callable[[], Any] | None = None,
+                        stage: PipelineStage | None = None
                         ) -> tuple[CUDAGraphRunner, dict[int, CUDAGraphRunner]]:
     """The decode graphs and, with speculation (k = num_speculative_tokens > 0), the verify
     graphs by query length q: q = k + 1 up to `max_verify_seqs` sequences, q in 2..k for one
     sequence. All in one memory pool, the runner with the most token rows first; each with
-    the draft's follow graphs (and, verify graphs, its propose graphs) when there is one."""
+    the draft's follow graphs (and, verify graphs, its propose graphs) when there is one;
+    `stage`'s part of each step at pp > 1."""
     factory = graph_factory or CUDAGraphFactory()
 
     def runner(num_seqs: int, q: int) -> CUDAGraphRunner:
         return CUDAGraphRunner(model, num_seqs, max_blocks_per_seq, max_model_len, device,
-                               factory, q, drafter, tp)
+                               factory, q, drafter, tp, stage)
 
     decode = runner(max_num_seqs, 1)
     verify: dict[int, CUDAGraphRunner] = {}

@@ -13,6 +13,8 @@ states and residual); their shape is known on both sides from the plan (its toke
 The last stage's first rank is the output rank: it samples and its StepResult is the
 replica's. Async scheduling's pending tokens are broadcast from it to every rank
 (`OutputBroadcast`), so the first stage embeds the token the last stage sampled.
+A step that replays a CUDA graph hands over the same way, from and into the stage graph's
+static buffers (`recv_into`; workers/cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -136,12 +138,17 @@ class PipelineStage:
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
              device: torch.device) -> tuple[Tensor, Tensor]:
         """The previous stage's (hidden states, residual) of a step of `num_tokens` tokens."""
-        src = self.global_rank - self.tp_size
         hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
         residual = torch.empty_like(hidden)
+        self.recv_into(hidden, residual)
+        return hidden, residual
+
+    def recv_into(self, hidden: Tensor, residual: Tensor) -> None:
+        """Receive the previous stage's (hidden states, residual) into these tensors (a CUDA
+        graph's static inputs: workers/cuda_graph.py), whose shapes the step's plan fixes."""
+        src = self.global_rank - self.tp_size
         dist.recv(hidden, src=src)
         dist.recv(residual, src=src)
-        return hidden, residual
 
 
 class PPMissingLayer(nn.Module):

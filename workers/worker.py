@@ -178,15 +178,15 @@ class Worker(KVCacheSizing):
             arm_kv_scale_calculation(self._attention_layers())
 
     def capture_graphs(self, graph_factory: Callable[[], Any] | None = None) -> None:
-        """Capture the decode and verify graphs, with the draft's (workers/cuda_graph.py);
-        `graph_factory` EagerGraph runs the graph path on CPU."""
+        """Capture the decode and verify graphs, with the draft's, of this rank's pipeline
+        stage (workers/cuda_graph.py); `graph_factory` EagerGraph runs the graph path on CPU."""
         cfg, runner = self.config, loaded(self.model_runner)
         if self.lora is not None:  # the graphs always hold the LoRA products
             self.lora.batch.active = True
         runner.graph_runner, runner.verify_graph_runners = capture_step_graphs(
             loaded(self.model), self.drafter, self.tp, cfg.max_num_seqs,
             runner.table.max_blocks_per_seq, cfg.max_model_len, self.device,
-            cfg.num_speculative_tokens, cfg.speculative_max_num_seqs, graph_factory)
+            cfg.num_speculative_tokens, cfg.speculative_max_num_seqs, graph_factory, self.stage)
 
     def warm_up(self) -> None:
         """Run the start-up warm-up's plans (workers/warmup.py) on the real cache; the worker

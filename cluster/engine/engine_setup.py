@@ -84,12 +84,8 @@ def build_worker_config(config: EngineConfig, model_path: str, device: str, max_
                         batched: int, spec: SpeculativeConfig | None, draft_path: str | None,
                         pooling: PoolingInfo | None) -> WorkerConfig:
     """The workers' config for this engine config (every rank gets it, with its own rank)."""
+    # (at pp > 1 each stage captures its own part of the step: workers/cuda_graph.py)
     eager = config.enforce_eager or pooling is not None
-    if config.pipeline_parallel_size > 1 and device == "cuda" and not eager:
-        logger.info("pipeline_parallel_size %d: the stages run eager (no CUDA graphs: a graph "
-                    "holds the whole model's forward, logits and sampling)",
-                    config.pipeline_parallel_size)
-        eager = True
     return WorkerConfig(
         model=model_path, dtype=config.dtype, device=device,
         tensor_parallel_size=config.tensor_parallel_size,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from workers_testlib import LocalExecutor
+from workers_testlib import LocalExecutor, same_results, step_plan
 
 from scheduler.plan import DRAFT_TOKEN, NewSeq, StepPlan
 from scheduler.sampling_params import SamplingParams
@@ -22,13 +22,6 @@ PARAMS = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=5)
           SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=9)]
 PROMPTS = [list(range(300, 310)), list(range(500, 517)), list(range(700, 705)),
            list(range(900, 930))]
-
-
-def _plan(step: int, seq_ids, qlens, starts, ids, drafts=None, **kw) -> StepPlan:
-    n = len(seq_ids)
-    return StepPlan(step, np.array(seq_ids, np.int64), np.array(qlens, np.int32),
-                    np.array(starts, np.int32), np.array(ids, np.int64), np.ones(n, bool),
-                    num_draft_tokens=None if drafts is None else np.array(drafts, np.int32), **kw)
 
 
 def _new(i: int) -> NewSeq:
@@ -50,17 +43,6 @@ def _logged_sizes(ex: LocalExecutor) -> list[tuple[int, int]]:
     return sizes
 
 
-def _both(eager: LocalExecutor, graphs: LocalExecutor, plan: StepPlan, atol: float):
-    """Run the plan on both workers; the graph worker's results, after checking that they are
-    eager's (tokens, accepted counts, logits)."""
-    (want, want_logits), (got, got_logits) = eager.execute(plan), graphs.execute(plan)
-    np.testing.assert_array_equal(got.token_ids, want.token_ids)
-    if want.num_tokens is not None:
-        np.testing.assert_array_equal(got.num_tokens, want.num_tokens)
-    np.testing.assert_allclose(got_logits, want_logits, atol=atol, rtol=0)
-    return got
-
-
 def check_verify_steps(eager: LocalExecutor, graphs: LocalExecutor, atol: float) -> None:
     """The same plans on a worker without graphs and one with them: equal results; which
     steps replayed which graph; the caches equal at the end. With a draft model (the target's
@@ -74,45 +56,45 @@ def check_verify_steps(eager: LocalExecutor, graphs: LocalExecutor, atol: float)
         ex.worker.cache_engine.gpu_cache.zero_()
 
     def both(plan: StepPlan):
-        return _both(eager, graphs, plan, atol)
+        return same_results(eager, graphs, plan, atol)
 
-    first = both(_plan(1, [0, 1, 2], [len(p) for p in PROMPTS[:3]], [0, 0, 0],
-                       sum(PROMPTS[:3], []), new_seqs=[_new(i) for i in range(3)]))
+    first = both(step_plan(1, [0, 1, 2], [len(p) for p in PROMPTS[:3]], [0, 0, 0],
+                           sum(PROMPTS[:3], []), new_seqs=[_new(i) for i in range(3)]))
     last = first.token_ids.tolist()
     pos = [len(p) for p in PROMPTS[:3]]
     # three verify rows of K proposals each (made-up proposals)
     ids = [last[0], 0, 0, last[1], 11, 12, last[2], 13, 14]
-    out = both(_plan(2, [0, 1, 2], [K + 1] * 3, pos, ids, [K] * 3))
+    out = both(step_plan(2, [0, 1, 2], [K + 1] * 3, pos, ids, [K] * 3))
     assert sizes[-1] == (K + 1, 4)  # padded: 3 rows replay the graph of 4
     # a lone row's graph; with its true greedy tokens as proposals it accepts them all
     g0 = int(out.token_ids[0])
-    g1 = int(both(_plan(3, [0], [K + 1], [pos[0]], [last[0], g0, 0], [K])).token_ids[1])
+    g1 = int(both(step_plan(3, [0], [K + 1], [pos[0]], [last[0], g0, 0], [K])).token_ids[1])
     assert sizes[-1] == (K + 1, 1)
-    out = both(_plan(4, [0], [K + 1], [pos[0]], [last[0], g0, g1], [K]))
+    out = both(step_plan(4, [0], [K + 1], [pos[0]], [last[0], g0, g1], [K]))
     assert out.num_tokens.tolist() == [K + 1]
     if graphs.worker.drafter is not None:  # the draft proposes what the target then accepts
-        out = both(_plan(5, [0, 1, 2], [K + 1] * 3, pos,
-                         [t for x in last for t in (x, DRAFT_TOKEN, DRAFT_TOKEN)], [K] * 3))
+        out = both(step_plan(5, [0, 1, 2], [K + 1] * 3, pos,
+                             [t for x in last for t in (x, DRAFT_TOKEN, DRAFT_TOKEN)], [K] * 3))
         # (the greedy rows accept everything; row 1 samples at temperature 1)
         assert sizes[-1] == (K + 1, 4) and out.num_tokens[[0, 2]].tolist() == [K + 1] * 2
         assert out.token_ids[:K].tolist() == [g0, g1]
         # the draft's proposals beside given ones: eager
-        both(_plan(6, [0, 2], [K + 1] * 2, [pos[0], pos[2]],
-                   [last[0], DRAFT_TOKEN, DRAFT_TOKEN, last[2], 41, 42], [K] * 2))
+        both(step_plan(6, [0, 2], [K + 1] * 2, [pos[0], pos[2]],
+                       [last[0], DRAFT_TOKEN, DRAFT_TOKEN, last[2], 41, 42], [K] * 2))
         assert sizes[-1] == (0, 0)
     # one row of fewer proposals: the lone sequence's graph of q = 2
-    both(_plan(14, [1], [2], [pos[1]], [last[1], 21], [1]))
+    both(step_plan(14, [1], [2], [pos[1]], [last[1], 21], [1]))
     assert sizes[-1] == (2, 1)
     # verify rows beside a prefill chunk, and rows of different proposal counts: eager
-    both(_plan(15, [0, 2, 3], [K + 1, K + 1, 12], [pos[0] + 1, pos[2], 0],
-               [g0, 31, 32, last[2], 33, 34, *PROMPTS[3][:12]], [K, K, 0], new_seqs=[_new(3)]))
-    both(_plan(16, [0, 2], [K + 1, 2], [pos[0] + 2, pos[2] + 1], [5, 6, 7, 8, 9], [K, 1]))
+    both(step_plan(15, [0, 2, 3], [K + 1, K + 1, 12], [pos[0] + 1, pos[2], 0],
+                   [g0, 31, 32, last[2], 33, 34, *PROMPTS[3][:12]], [K, K, 0], new_seqs=[_new(3)]))
+    both(step_plan(16, [0, 2], [K + 1, 2], [pos[0] + 2, pos[2] + 1], [5, 6, 7, 8, 9], [K, 1]))
     assert sizes[-2:] == [(0, 0), (0, 0)]
     # padding rows wrote no K/V (the target's nor the draft's): the caches hold the same values
     np.testing.assert_allclose(graphs.worker.cache_engine.gpu_cache.cpu().numpy(),
                                eager.worker.cache_engine.gpu_cache.cpu().numpy(), atol=atol,
                                rtol=0)
-    done = _plan(17, [], [], [], [], dropped_seq_ids=[0, 1, 2, 3])
+    done = step_plan(17, [], [], [], [], dropped_seq_ids=[0, 1, 2, 3])
     eager.execute(done)
     graphs.execute(done)
 
@@ -153,15 +135,15 @@ def test_cuda_verify_step_with_a_draft_never_syncs(tiny_dir) -> None:
                        **CONFIG)
     try:
         w = ex.worker
-        w.execute(_plan(1, [0, 1, 2], [len(p) for p in PROMPTS[:3]], [0, 0, 0],
-                        sum(PROMPTS[:3], []), new_seqs=[_new(i) for i in range(3)]))
+        w.execute(step_plan(1, [0, 1, 2], [len(p) for p in PROMPTS[:3]], [0, 0, 0],
+                            sum(PROMPTS[:3], []), new_seqs=[_new(i) for i in range(3)]))
         pos = [len(p) for p in PROMPTS[:3]]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for step in range(2, 6):
-                w.launch(_plan(step, [0, 1, 2], [K + 1] * 3, pos,
-                               [7, DRAFT_TOKEN, DRAFT_TOKEN] * 3, [K] * 3))
+                w.launch(step_plan(step, [0, 1, 2], [K + 1] * 3, pos,
+                                   [7, DRAFT_TOKEN, DRAFT_TOKEN] * 3, [K] * 3))
                 assert w._launched[-1].batch.graph_size == 4
                 result = w.collect(step)[0]  # the designed wait
                 assert result.num_tokens[[0, 2]].tolist() == [K + 1] * 2  # (greedy rows)

@@ -18,6 +18,7 @@ import torch
 from scheduler.plan import NewSeq, StepPlan, StepResult, empty_pairs
 from scheduler.sampling_params import SamplingParams
 from workers.config import WorkerConfig
+from workers.cuda_graph import EagerGraph
 from workers.distributed import get_free_port
 from workers.worker import Worker
 
@@ -252,6 +253,26 @@ class PlanBuilder:
         raise RuntimeError("plan builder did not finish")
 
 
+def step_plan(step: int, seq_ids: list[int], qlens: list[int], starts: list[int],
+              ids: list[int], drafts: list[int] | None = None, **kw: Any) -> StepPlan:
+    """A plan whose every sequence samples, from plain lists (`drafts`: proposals per row)."""
+    n = len(seq_ids)
+    return StepPlan(step, np.array(seq_ids, np.int64), np.array(qlens, np.int32),
+                    np.array(starts, np.int32), np.array(ids, np.int64), np.ones(n, bool),
+                    num_draft_tokens=None if drafts is None else np.array(drafts, np.int32), **kw)
+
+
+def same_results(eager: Any, other: Any, plan: StepPlan, atol: float) -> StepResult:
+    """Run the plan on both executors; the other's result, after checking that it is eager's
+    (tokens, accepted counts, logits)."""
+    (want, want_logits), (got, got_logits) = eager.execute(plan), other.execute(plan)
+    np.testing.assert_array_equal(got.token_ids, want.token_ids)
+    if want.num_tokens is not None:
+        np.testing.assert_array_equal(got.num_tokens, want.num_tokens)
+    np.testing.assert_allclose(got_logits, want_logits, atol=atol, rtol=0)
+    return got
+
+
 # ------------------------------------------------------------------------------------------
 # executors
 
@@ -282,6 +303,7 @@ class LocalExecutor:
 def _child_main(rank: int, commands: Any, replies: Any) -> None:
     torch.set_num_threads(1)
     worker: Worker | None = None
+    graph_steps: list[int] = []
     while True:
         cmd, arg = commands.get()
         try:
@@ -291,12 +313,15 @@ def _child_main(rank: int, commands: Any, replies: Any) -> None:
                 replies.put(("ok", None))
                 return
             if cmd == "init":
-                config, num_gpu_blocks, num_cpu_blocks, num_offload_blocks = arg
+                config, num_gpu_blocks, num_cpu_blocks, num_offload_blocks, eager_graphs = arg
                 worker = Worker(WorkerConfig(**config, rank=rank))
                 worker.init_distributed()
                 worker.load_model()
                 counts = worker.determine_num_blocks()
                 worker.init_cache(num_gpu_blocks, num_cpu_blocks, num_offload_blocks)
+                if eager_graphs:  # the graph path on CPU (workers/cuda_graph.py EagerGraph)
+                    worker.capture_graphs(EagerGraph)
+                graph_steps = log_graph_sizes(worker)
                 replies.put(("ok", counts))
             elif cmd == "shutdown":
                 worker.shutdown()
@@ -308,12 +333,31 @@ def _child_main(rank: int, commands: Any, replies: Any) -> None:
             elif cmd == "kv":
                 replies.put(("ok", _kv_blocks(worker, *arg)))
             elif cmd == "state":
-                replies.put(("ok", {"seqs": sorted(worker.model_runner.seqs),
+                runner = worker.model_runner
+                replies.put(("ok", {"seqs": sorted(runner.seqs),
+                                    "graph_sizes": (None if runner.graph_runner is None
+                                                    else sorted(runner.graph_runner.graphs)),
+                                    "graph_steps": list(graph_steps),
                                     "num_gpu_blocks": worker.cache_engine.num_gpu_blocks,
                                     "kv_scales": [(a.k_scale.tolist(), a.v_scale.tolist())
                                                   for a in worker.model.attention_layers()]}))
         except Exception:  # report to the test process instead of hanging it
             replies.put(("error", traceback.format_exc()))
+
+
+def log_graph_sizes(worker: Worker) -> list[int]:
+    """The graph size (0: eager) of every non-empty step the worker prepares from now on."""
+    runner = worker.model_runner
+    sizes: list[int] = []
+    prepare = runner.prepare
+
+    def logged(plan: StepPlan) -> Any:
+        batch = prepare(plan)
+        sizes.append(batch.graph_size)
+        return batch
+
+    runner.prepare = logged
+    return sizes
 
 
 def _kv_blocks(worker: Worker, gpu_ids: list[int], tier_ids: list[int]
@@ -328,12 +372,14 @@ def _kv_blocks(worker: Worker, gpu_ids: list[int], tier_ids: list[int]
 class ProcessGroupExecutor:
     """`world_size` Worker ranks in spawned processes, driven like the engine drives Ray actors.
 
-    Spawned once and reused: `init(...)` (re)builds the workers on a fresh port.
+    Spawned once and reused: `init(...)` (re)builds the workers on a fresh port, as
+    `pipeline_parallel_size` stages of world_size / pp tensor-parallel ranks (default one).
     """
 
     def __init__(self, world_size: int = 2, timeout: float = 120.0) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
+        self.output_rank = 0  # the last stage's first rank (set by init)
         self.timeout = timeout
         self.commands = [ctx.Queue() for _ in range(world_size)]
         self.replies = [ctx.Queue() for _ in range(world_size)]
@@ -357,10 +403,16 @@ class ProcessGroupExecutor:
         return out
 
     def init(self, num_gpu_blocks: int = 128, num_cpu_blocks: int = 32,
-             num_offload_blocks: int = 0, **config: Any) -> list[tuple[int, int, int]]:
-        config = dict(config, tensor_parallel_size=self.world_size,
+             num_offload_blocks: int = 0, pipeline_parallel_size: int = 1,
+             eager_graphs: bool = False, **config: Any) -> list[tuple[int, int, int]]:
+        """`eager_graphs`: every rank also captures EagerGraph graphs (the graph path on CPU)."""
+        tp = self.world_size // pipeline_parallel_size
+        config = dict(config, tensor_parallel_size=tp,
+                      pipeline_parallel_size=pipeline_parallel_size,
                       dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")
-        return self._call("init", (config, num_gpu_blocks, num_cpu_blocks, num_offload_blocks))
+        self.output_rank = (pipeline_parallel_size - 1) * tp
+        return self._call("init", (config, num_gpu_blocks, num_cpu_blocks, num_offload_blocks,
+                                   eager_graphs))
 
     def kv(self, gpu_ids: list[int], tier_ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per rank: its GPU blocks gpu_ids ([2, layers, n, ...]) and offload-tier blocks
@@ -372,9 +424,10 @@ class ProcessGroupExecutor:
 
     def execute(self, plan: StepPlan) -> tuple[StepResult, np.ndarray | None]:
         replies = self._call("execute", plan)
-        for other in replies[1:]:
-            assert other == (None, None), "only rank 0 returns a result"
-        return replies[0]
+        for rank, other in enumerate(replies):
+            if rank != self.output_rank:
+                assert other == (None, None), "only the output rank returns a result"
+        return replies[self.output_rank]
 
     def state(self) -> list[dict[str, Any]]:
         return self._call("state")
