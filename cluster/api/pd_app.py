@@ -4,8 +4,9 @@ manifest's `pd` key, and the ingress's client that runs each request on both rol
 Manifest: one model's args as usual plus `pd: {prefill: {...}, decode: {...}}`, each role's
 overrides of them (num_replicas or autoscaling_config, tensor_parallel_size, engine keys,
 router keys). `pd_entries` turns them into two (EngineConfig, serving) pairs with `kv_role`
-set (a role's `autoscaling_config` without a `policy` gets its role's, scaling on its own
-signal: cluster/api/pd_autoscaling.py); each becomes its own LLMServer deployment (`LLMServer-prefill`, `LLMServer-decode`),
+set (a role's `autoscaling_config` is checked key by key and, unless it names a policy
+function of its own, gets its role's policy, scaling on its own signal:
+cluster/api/pd_autoscaling.py); each becomes its own LLMServer deployment (`LLMServer-prefill`, `LLMServer-decode`),
 and the ingress and its routes are the same as for one deployment.
 
 The handshake, per request (`PDEngineClient.generate`): the prefill deployment's router
@@ -28,7 +29,7 @@ from typing import Any
 
 from cluster.api.engine_client import ModelInfo
 from cluster.api.failover import replica_lost
-from cluster.api.pd_autoscaling import default_policy
+from cluster.api.pd_autoscaling import role_autoscaling_config
 from cluster.engine.kv_transfers import prefill_sampling
 from scheduler.lora import LoRARequest
 from scheduler.sampling_params import SamplingParams
@@ -57,10 +58,10 @@ def pd_entries(args: dict[str, Any], split: Callable[[dict[str, Any]], tuple[Any
         if "kv_role" in pd[role]:
             raise ValueError(f"pd.{role} sets kv_role; the role is the key it sits under")
         over = dict(pd[role])
-        auto = over.get("autoscaling_config", base.get("autoscaling_config"))
-        if isinstance(auto, dict) and "policy" not in auto:  # the role's own signal
-            over["autoscaling_config"] = {**auto, "policy": default_policy(role)}
         try:
+            auto = over.get("autoscaling_config", base.get("autoscaling_config"))
+            if auto is not None:  # the role's own signal
+                over["autoscaling_config"] = role_autoscaling_config(role, auto)
             entries.append(split({**base, **over, "kv_role": role}))
         except ValueError as e:
             raise ValueError(f"pd.{role}: {e}") from None

@@ -117,3 +117,53 @@ def test_a_replica_reports_its_engines_queue(tiny_model_path: str) -> None:
             engine.step()
     finally:
         engine.shutdown()
+
+
+def _pd_args(**roles: dict[str, Any]) -> dict[str, Any]:
+    args: dict[str, Any] = dict(yaml.safe_load(MANIFEST.read_text())["applications"][0]["args"])
+    for role, over in roles.items():
+        args["pd"][role] = over
+    return args
+
+
+@pytest.mark.parametrize("auto, message", [
+    ({**AUTO, "upscale_dely_s": 1}, r"pd.decode: autoscaling_config has unknown key\(s\) "
+                                     r"\['upscale_dely_s'\]"),
+    ({**AUTO, "min_replicas": 3, "max_replicas": 2},
+     r"pd.decode: autoscaling_config: max_replicas \(2\) must be greater than or equal to "
+     r"min_replicas \(3\)"),
+    ({**AUTO, "look_back_period_s": -1}, r"pd.decode: autoscaling_config.look_back_period_s: "
+                                         r"Input should be greater than 0"),
+    ({**AUTO, "policy": {"policy_kwargs": {"target": 8}}},
+     r"pd.decode: autoscaling_config.policy.policy_kwargs has unknown key\(s\) \['target'\]; "
+     r"RoleAutoscalingPolicy takes \['metric', 'target_per_replica', 'kv_usage_target'\]"),
+    ({**AUTO, "policy": {"policy_kwargs": {"target_per_replica": "8"}}},
+     r"pd.decode: autoscaling_config.policy.policy_kwargs: target_per_replica must be > 0; "
+     r"got '8'"),
+    ({**AUTO, "policy": {"policy_kwargs": {"kv_usage_target": 80}}},
+     r"policy_kwargs: kv_usage_target must be in \(0, 1\]; got 80"),
+    ({**AUTO, "policy": {"function": "x"}}, r"autoscaling_config.policy must be a mapping "
+                                            r"with the keys \['policy_function', "
+                                            r"'policy_kwargs'\]"),
+    (4, r"pd.decode: autoscaling_config must be a mapping of Serve's autoscaling keys; got 4"),
+])
+def test_a_roles_bad_autoscaling_key_is_named(auto: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        pd_entries(_pd_args(decode={"autoscaling_config": auto}), split_args)
+
+
+def test_policy_kwargs_alone_tune_the_roles_own_policy() -> None:
+    """A `policy` with kwargs and no function keeps the role's policy and its other
+    targets; Serve itself would run its request-count policy on those kwargs."""
+    tuned = {**AUTO, "policy": {"policy_kwargs": {"target_per_replica": 8}}}
+    (_, prefill), (_, decode) = pd_entries(
+        _pd_args(prefill={"autoscaling_config": tuned}, decode={"autoscaling_config": tuned}),
+        split_args)
+    fn = "cluster.api.pd_autoscaling:RoleAutoscalingPolicy"
+    assert prefill["autoscaling_config"]["policy"] == {
+        "policy_function": fn,
+        "policy_kwargs": {"metric": QUEUED_PROMPT_TOKENS, "target_per_replica": 8}}
+    assert decode["autoscaling_config"]["policy"] == {
+        "policy_function": fn, "policy_kwargs": {"metric": RUNNING_SEQS,
+                                                 "target_per_replica": 8,
+                                                 "kv_usage_target": 0.8}}
