@@ -116,8 +116,6 @@ class WorkerConfig:
         """ValueError for what pipeline parallelism does not run (yet), naming it."""
         refused = {"a draft-model speculative_config (its draft runs beside every target "
                    "layer)": self.speculative_model is not None,
-                   "enable_lora": self.max_loras > 0,
-                   "the pooling runner": self.pooler is not None,
                    "CUDA graphs (set enforce_eager)": self.device == "cuda"
                    and not self.enforce_eager}
         for what, on in refused.items():
