@@ -7,7 +7,8 @@ On the shared Ray cluster (fractional CPUs): a batch mixing base rows and three 
 two slots gives the greedy tokens of transformers with each adapter merged by peft (the LoRA
 tests' oracle) and of the same batch at pp 1, at pp 2 x tp 1 and pp 2 x tp 2; embeddings at
 pp 2 equal pp 1's to fp32 tolerance and sentence-transformers' (the pooling tests' oracle),
-with chunked prefill, also with mean pooling; the reranker's scores equal the model card's.
+with chunked prefill, also with mean pooling; the reranker's scores equal the model card's
+at pp 2 x tp 1 and pp 2 x tp 2.
 """
 
 from __future__ import annotations
@@ -210,14 +211,16 @@ def test_mean_pooling_at_pp2_sums_chunks_on_the_last_stage(ray_cluster: None,
 
 
 @pytest.mark.slow
-def test_reranker_scores_at_pp2_equal_the_model_card(ray_cluster: None,
+@pytest.mark.parametrize("tp", [1, 2])
+def test_reranker_scores_at_pp2_equal_the_model_card(ray_cluster: None, tp: int,
                                                      rerank_card_scores: Any) -> None:
-    """The yes/no logits come from the last stage's LM head."""
+    """The yes/no logits come from the last stage's LM head (at tp 2 its vocabulary shards
+    gathered within the last stage's group)."""
     query = "What is the capital of China?"
     docs = ["The capital of China is Beijing.",
             "Gravity is a force that attracts two bodies towards each other. " * 3]
     want = rerank_card_scores(resolve_model("qwen3-reranker-tiny"), [(query, d) for d in docs])
-    with LLM("qwen3-reranker-tiny", pipeline_parallel_size=2, worker_num_cpus=0.5,
-             hf_overrides=RERANKER_OVERRIDES, **SMALL) as llm:
+    with LLM("qwen3-reranker-tiny", pipeline_parallel_size=2, tensor_parallel_size=tp,
+             worker_num_cpus=0.5, hf_overrides=RERANKER_OVERRIDES, **SMALL) as llm:
         got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
     assert got == pytest.approx(want, abs=1e-5)
