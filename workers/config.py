@@ -115,9 +115,7 @@ class WorkerConfig:
     def _check_pipeline(self) -> None:
         """ValueError for what pipeline parallelism does not run (yet), naming it."""
         refused = {"a draft-model speculative_config (its draft runs beside every target "
-                   "layer)": self.speculative_model is not None,
-                   "enable_lora": self.max_loras > 0,
-                   "the pooling runner": self.pooler is not None}
+                   "layer)": self.speculative_model is not None}
         for what, on in refused.items():
             if on:
                 raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} does "

@@ -15,6 +15,10 @@ replica's. Async scheduling's pending tokens are broadcast from it to every rank
 (`OutputBroadcast`), so the first stage embeds the token the last stage sampled.
 A step that replays a CUDA graph hands over the same way, from and into the stage graph's
 static buffers (`recv_into`; workers/cuda_graph.py).
+A stage's LoRA wrappers cover only its layers (workers/lora/model.py); the pooling runner's
+pooler is the last stage's alone (the other stages pass hidden states on as for generation).
+A base model saved alone (Qwen3-Embedding: `layers.0...`, no `model.`) is split by the same
+rule as a causal LM's names (`checkpoint_target`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+# the first part of a tensor name of a base model saved alone (Qwen3-Embedding: no `model.`)
+_BARE_MODEL_PREFIXES = ("layers", "embed_tokens", "norm")
 # vLLM's environment variable for the partition; the engine key `pp_layer_partition` wins.
 PP_LAYER_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
 
@@ -101,6 +107,9 @@ class PipelineStage:
         With tied embeddings the last stage's own LM head loads the embedding's table."""
         if self.size == 1:
             return name
+        if name.split(".", 1)[0] in _BARE_MODEL_PREFIXES:  # a base model saved alone
+            target = self.checkpoint_target("model." + name, tied)
+            return name if target == "model." + name else target
         if name.startswith("model.layers."):
             return name if self.holds_layer(int(name.split(".")[2])) else None
         if name.startswith("model.embed_tokens."):

@@ -3,7 +3,9 @@ states into one vector per finishing sequence instead of sampling (vLLM's `runne
 
 A pooling request is a prefill that finishes with its last chunk (max_tokens 1): its final
 chunk's row is the step's "sampled" row, and the pooler's output for it goes back in the
-StepResult (`pooled`, rank 0) with a placeholder token id 0 that nothing reads.
+StepResult (`pooled`, rank 0) with a placeholder token id 0 that nothing reads. At
+pipeline_parallel_size > 1 only the last stage has a pooler (workers/worker.py): it holds the
+final hidden states, the final norm and the LM head, and its first rank is the output rank.
 
 - LAST: the hidden state of the sequence's last token (Qwen3-Embedding, the reranker).
 - MEAN / CLS: chunked prefill splits a prompt over steps, so each step adds its chunk's rows

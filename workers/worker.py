@@ -151,7 +151,7 @@ class Worker(KVCacheSizing):
             self.lora = LoRAModel(model, cfg.max_loras, cfg.max_lora_rank,
                                   max(cfg.max_num_batched_tokens, rows),
                                   ops_backend(cfg.attention_backend))
-        pooler = None if cfg.pooler is None else Pooler(
+        pooler = None if cfg.pooler is None or not stage.is_last else Pooler(
             cfg.pooler, cfg.max_num_seqs, mc.hidden_size, self.device, self.tp.is_first)
         self.model_runner = ModelRunner(model, self.device, cfg.block_size, cfg.max_model_len,
                                         cfg.max_num_seqs, mc.vocab_size, cfg.seed, self.lora,

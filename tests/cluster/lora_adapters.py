@@ -4,6 +4,7 @@ adapter merged into the base weights (peft's merge_and_unload), greedy in fp32."
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -53,3 +54,32 @@ def merged_greedy(base_path: str, adapter_dir: str | None, prompts: list[list[in
     with torch.no_grad():
         return [model.generate(torch.tensor([p]), max_new_tokens=max_new,
                                do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
+def mixed_prompts() -> list[list[int]]:
+    """Four prompts: two sharing a 40-token prefix (2.5 blocks of 16), two of their own."""
+    rng = random.Random(3)
+    shared = [rng.randrange(100, 150000) for _ in range(40)]
+    return [shared + [rng.randrange(100, 150000) for _ in range(k)] for k in (2, 11)] + \
+        [[rng.randrange(100, 150000) for _ in range(k)] for k in (5, 23)]
+
+
+def three_adapters(base_path: str, root: Path) -> dict[str, str]:
+    """name -> adapter dir: "a" every module r 8, "b" r 4 on four modules, "c" rsLoRA on k
+    and the MLP's gate/up (so q/v/o/down of "c" and k/gate/up of "b" stay zero)."""
+    return {
+        "a": make_adapter(base_path, root / "a", r=8, seed=1),
+        "b": make_adapter(base_path, root / "b", r=4, lora_alpha=8, seed=2,
+                          target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
+        "c": make_adapter(base_path, root / "c", r=8, seed=3, use_rslora=True,
+                          target_modules=["k_proj", "gate_proj", "up_proj"]),
+    }
+
+
+def merged_greedy_by_name(base_path: str, adapters: dict[str, str], prompts: list[list[int]],
+                          max_new: int) -> dict[str | None, list[list[int]]]:
+    """name (None: the base model) -> `merged_greedy` of each prompt."""
+    out = {name: merged_greedy(base_path, path, prompts, max_new)
+           for name, path in adapters.items()}
+    out[None] = merged_greedy(base_path, None, prompts, max_new)
+    return out

@@ -2,6 +2,10 @@
 dense decoder layers' projections, the per-step token slots they read, and the device slots'
 contents, changed only by the plan's `LoRALoad`s (scheduler/lora.py decides them).
 
+At pipeline_parallel_size > 1 a stage wraps only the layers it holds (workers/pipeline.py), so
+its slots hold, and a load copies, only those layers' tensors of an adapter; every stage gets
+the same plan, so a slot holds the same adapter on every stage.
+
 Invariants: slot `max_loras` (index -1) of every wrapper is zero; a slot holds exactly one
 adapter's tensors, or zeros, in every wrapper at once; `batch.token_slots[:T]` are the step's
 tokens' slots before its forward pass (the model runner writes them).
@@ -46,6 +50,8 @@ class LoRAModel:
                                active=False, backend=backend)
         self.layers: list[tuple[int, BaseLinearWithLoRA]] = []
         for i, layer in enumerate(model.model.layers):
+            if not model.stage.holds_layer(i):  # another pipeline stage's: its adapter there
+                continue
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_proj = self._wrap(i, ColumnParallelLinearWithLoRA, attn.qkv_proj, _QKV)
             attn.o_proj = self._wrap(i, RowParallelLinearWithLoRA, attn.o_proj, [("o_proj", None)])

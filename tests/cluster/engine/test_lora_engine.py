@@ -5,11 +5,9 @@ prefix hits, speculative decoding, and the prefix cache kept apart between adapt
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
-from lora_adapters import make_adapter, merged_greedy
+from lora_adapters import merged_greedy, merged_greedy_by_name, mixed_prompts, three_adapters
 
 from cluster import LLM, LoRARequest, SamplingParams
 
@@ -17,23 +15,12 @@ MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
 
-def _prompts() -> list[list[int]]:
-    rng = random.Random(3)
-    shared = [rng.randrange(100, 150000) for _ in range(40)]  # 2.5 blocks of 16
-    return [shared + [rng.randrange(100, 150000) for _ in range(k)] for k in (2, 11)] + \
-        [[rng.randrange(100, 150000) for _ in range(k)] for k in (5, 23)]
+_prompts = mixed_prompts
 
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("adapters")
-    return {
-        "a": make_adapter(tiny_model_path, root / "a", r=8, seed=1),
-        "b": make_adapter(tiny_model_path, root / "b", r=4, lora_alpha=8, seed=2,
-                          target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
-        "c": make_adapter(tiny_model_path, root / "c", r=8, seed=3, use_rslora=True,
-                          target_modules=["k_proj", "gate_proj", "up_proj"]),
-    }
+    return three_adapters(tiny_model_path, tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +31,7 @@ def requests(adapters: dict) -> dict:
 @pytest.fixture(scope="module")
 def oracle(tiny_model_path: str, adapters: dict) -> dict:
     """name (None: the base model) -> greedy tokens of each of _prompts()."""
-    out = {name: merged_greedy(tiny_model_path, path, _prompts(), MAX_NEW)
-           for name, path in adapters.items()}
-    out[None] = merged_greedy(tiny_model_path, None, _prompts(), MAX_NEW)
-    return out
+    return merged_greedy_by_name(tiny_model_path, adapters, _prompts(), MAX_NEW)
 
 
 def _mixed(requests: dict, names: list[str | None]) -> tuple[list[dict], list]:

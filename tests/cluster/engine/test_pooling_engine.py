@@ -15,23 +15,11 @@ from typing import Any
 
 import pytest
 import torch
+from pooling_testlib import COS, RERANKER_OVERRIDES, SMALL, TEXTS
+from pooling_testlib import cos as _cos
 
 from cluster import LLM
 from workers.tiny_model import resolve_model
-
-COS = 0.9999
-TEXTS = ["hello world", "x",
-         "The quick brown fox jumps over the lazy dog while the sleepy cat watches. " * 6,
-         "Paged attention stores the KV cache in fixed-size blocks."]
-RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"],
-                      "classifier_from_token": ["no", "yes"],
-                      "is_original_qwen3_reranker": True}
-# small steps, so the long text (~110 tokens) is prefilled in several chunks
-SMALL = {"max_num_batched_tokens": 32, "max_num_seqs": 4, "max_model_len": 512}
-
-
-def _cos(a: list[float], b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(torch.tensor(a), b.float(), dim=0))
 
 
 @pytest.fixture(scope="module")
