@@ -174,6 +174,9 @@ class EngineConfig:
                              f"got {self.async_scheduling!r}")
         if self.kv_role is not None:
             self._check_kv_role()
+        elif self.kv_transport is not None:
+            raise ValueError(f"kv_transport {self.kv_transport!r} is how a prefill/decode role's "
+                             "KV travels; this engine has no kv_role (colocated): remove it")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError("enable_expert_parallel must be true or false; "
                              f"got {self.enable_expert_parallel!r}")

@@ -24,6 +24,8 @@ def test_kv_transport_is_validated() -> None:
     with pytest.raises(ValueError, match=r"kv_transport must be one of \[None, 'object_store', "
                                          r"'rdt'\]; got 'nixl'"):
         _config(kv_role="decode", kv_transport="nixl")
+    with pytest.raises(ValueError, match="has no kv_role .colocated.: remove it"):
+        _config(kv_transport="rdt")
 
 
 def test_the_default_is_the_object_store_on_cpu_and_rdt_on_cuda_where_it_runs() -> None:
