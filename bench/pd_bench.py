@@ -135,10 +135,14 @@ def summarize(mode: str, streams: list[Stream], bursts: list[Stream], wall: floa
 
 
 def transfer_stats(metrics_text: str) -> dict[str, float]:
-    """The decode side's KV transfers, from /metrics (0 for colocated serving)."""
+    """The decode side's KV transfers, from /metrics (0 for colocated serving): the series
+    labelled role="decode", or the one series of a text without roles."""
     def value(name: str) -> float:
-        m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", metrics_text, re.M)
-        return float(m.group(1)) if m else 0.0
+        for role in (r'[^}]*role="decode"', ""):
+            m = re.search(rf"^{re.escape(name)}\{{{role}[^}}]*\}} (\S+)$", metrics_text, re.M)
+            if m:
+                return float(m.group(1))
+        return 0.0
 
     count = value("qwen3_serve:kv_transfer_imports_total")
     seconds_n = value("qwen3_serve:kv_transfer_seconds_count")

@@ -2,7 +2,8 @@
 unpack a payload into other block ids (prefill/decode disaggregation).
 
 A payload is one contiguous tensor `[2 (K, V), num_layers, n, block_size, num_kv_heads,
-head_dim]` on the host: blocks `block_ids[i]` of every layer at index i, this rank's shard of
+head_dim]`, on the host (`to_host`, the object-store transport's) or on the cache's device (Ray
+Direct Transport's, which sends it device to device): blocks `block_ids[i]` of every layer at index i, this rank's shard of
 the KV heads. Its transport between replicas is the engine's (cluster/engine/kv_transport.py);
 this module only copies between the cache tensor and the payload, with one gather or scatter
 per contiguous run of block ids (a single run is one strided slice; scattered ids one
@@ -59,8 +60,10 @@ def _check_ids(cache: torch.Tensor, block_ids: Sequence[int]) -> None:
         raise ValueError(f"KV transfer block ids {bad} are outside [0, {n})")
 
 
-def pack_blocks(cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-    """Blocks `block_ids` of every layer, K and V, as one contiguous host tensor."""
+def pack_blocks(cache: torch.Tensor, block_ids: Sequence[int], to_host: bool = True
+                ) -> torch.Tensor:
+    """Blocks `block_ids` of every layer, K and V, as one contiguous tensor: on the host, or
+    with `to_host` False a copy on the cache's device (never a view of the cache)."""
     _check_ids(cache, block_ids)
     runs = block_runs(block_ids)
     if len(runs) == 1:
@@ -69,7 +72,9 @@ def pack_blocks(cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
     else:
         index = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=cache.device)
         packed = cache.index_select(2, index)
-    return packed.to("cpu").contiguous()
+    if to_host:
+        return packed.to("cpu").contiguous()
+    return packed.clone(memory_format=torch.contiguous_format)
 
 
 def unpack_blocks(cache: torch.Tensor, block_ids: Sequence[int], payload: torch.Tensor) -> None:

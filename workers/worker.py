@@ -371,9 +371,9 @@ class Worker(KVCacheSizing):
             result = StepResult(step_id, seq_ids, _EMPTY)
         return result, step.logits if step.keep_logits else None
 
-    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """This rank's KV of `block_ids` as one host payload (workers/kv_transfer.py)."""
-        return pack_blocks(self._cache_tensor(), block_ids)
+    def export_kv(self, block_ids: list[int], to_host: bool = True) -> torch.Tensor:
+        """This rank's KV of `block_ids` as one payload (workers/kv_transfer.py)."""
+        return pack_blocks(self._cache_tensor(), block_ids, to_host)
 
     def import_kv(self, block_ids: list[int], payload: torch.Tensor, first: int = 0) -> None:
         """Write payload blocks `first ..` into `block_ids` (workers/kv_transfer.py)."""

@@ -66,7 +66,7 @@ def pd_entries(args: dict[str, Any], split: Callable[[dict[str, Any]], tuple[Any
         except ValueError as e:
             raise ValueError(f"pd.{role}: {e}") from None
     (p, ps), (d, ds) = entries
-    for key in ("model", "tensor_parallel_size", "block_size", "kv_cache_dtype"):
+    for key in ("model", "tensor_parallel_size", "block_size", "kv_cache_dtype", "kv_transport"):
         if getattr(p, key) != getattr(d, key):
             raise ValueError(f"pd: prefill's {key} is {getattr(p, key)!r}, decode's "
                              f"{getattr(d, key)!r}; the KV moves block by block and rank by "

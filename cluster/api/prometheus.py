@@ -4,11 +4,14 @@
 text a Prometheus server scrapes from GET /metrics: counters and histograms are summed over
 replicas, request gauges summed, and KV-cache usage averaged (it is a fraction per replica).
 Counters follow the Prometheus convention vLLM uses: `# TYPE vllm:prompt_tokens counter`
-with the sample `vllm:prompt_tokens_total`.
+with the sample `vllm:prompt_tokens_total`. The KV-transfer series (TRANSFER_COUNTERS, the
+transfer-time histogram and the per-replica transfer series) carry the replicas' role,
+`role="prefill" | "decode" | "colocated"` (a snapshot's `kv_role`), summed per role, so a
+dashboard splits a PD app's two sides.
 
 `RayMetricsExporter` pushes the same numbers into Ray's metrics agent from inside a replica,
 so they reach Ray's dashboard and Prometheus tagged with the Serve replica's id (`replica`: one
-series per replica for its KV usage, queue and running requests), under the same names with
+series per replica for its KV usage, queue and running requests) and role (`role`), under the same names with
 ":" spelled "_" (Ray refuses colons; its exporter adds a `ray_` prefix, e.g.
 `ray_vllm_num_requests_running`). Ray histograms only
 take observations, so each bucket's new count is replayed as that many observations of the
@@ -113,6 +116,8 @@ PER_REPLICA = (
      "Transfers one decode replica gave up on (it computed the prompt)."),
 )
 _GAUGE_KEYS = {key for key, _, _ in GAUGES}
+# The series labelled with the replicas' role.
+_ROLE_KEYS = {key for key, _, _ in TRANSFER_COUNTERS} | {"kv_transfer_seconds"}
 # LoRA (snapshots with `max_lora` > 0, cluster/engine/lora.py `lora_metrics`): vLLM's info gauge,
 # set to the scrape time, its labels the adapters of running and of waiting requests (comma
 # separated, over every replica) and the device slots; and requests per adapter.
@@ -145,14 +150,28 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         per_pos = [a + b for a, b in zip(per_pos, lst + [0] * (len(per_pos) - len(lst)))]
     merged["spec_decode_num_accepted_tokens_per_pos"] = per_pos
     for key, _, _ in HISTOGRAMS:
-        hists = [s[key] for s in snapshots]
-        buckets = tuple(hists[0].buckets)
-        if any(tuple(h.buckets) != buckets for h in hists):
-            raise ValueError(f"replicas disagree on {key} buckets; they run different versions")
-        counts = [sum(c) for c in zip(*(h.counts for h in hists))]
-        merged[key] = _Hist(buckets, counts, sum(h.sum for h in hists),
-                            sum(h.count for h in hists))
+        merged[key] = _merge_hists(key, [s[key] for s in snapshots])
     return merged
+
+
+def _merge_hists(key: str, hists: list[Any]) -> _Hist:
+    buckets = tuple(hists[0].buckets)
+    if any(tuple(h.buckets) != buckets for h in hists):
+        raise ValueError(f"replicas disagree on {key} buckets; they run different versions")
+    counts = [sum(c) for c in zip(*(h.counts for h in hists))]
+    return _Hist(buckets, counts, sum(h.sum for h in hists), sum(h.count for h in hists))
+
+
+def role_of(snapshot: dict[str, Any]) -> str:
+    """A replica's role label: its engine's `kv_role`, "colocated" without one."""
+    return snapshot.get("kv_role") or "colocated"
+
+
+def _by_role(snapshots: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    roles: dict[str, list[dict[str, Any]]] = {}
+    for s in snapshots:
+        roles.setdefault(role_of(s), []).append(s)
+    return sorted(roles.items())
 
 
 class _Hist:
@@ -167,6 +186,7 @@ def render_prometheus(snapshots: list[dict[str, Any]], model_name: str) -> str:
     """Prometheus text exposition (format 0.0.4) of the merged snapshots."""
     m = merge_snapshots(snapshots)
     label = f'model_name="{_escape(model_name)}"'
+    roles = [(f'{label},role="{_escape(role)}"', group) for role, group in _by_role(snapshots)]
     lines: list[str] = []
 
     def header(name: str, help_text: str, kind: str) -> None:
@@ -178,7 +198,11 @@ def render_prometheus(snapshots: list[dict[str, Any]], model_name: str) -> str:
         lines.append(f"{name}{{{label}}} {_num(m[key])}")
     for key, name, help_text in COUNTERS:
         header(name, help_text, "counter")
-        lines.append(f"{name}_total{{{label}}} {_num(m[key])}")
+        if key in _ROLE_KEYS:
+            lines += [f"{name}_total{{{labels}}} {_num(sum(s[key] for s in group))}"
+                      for labels, group in roles]
+        else:
+            lines.append(f"{name}_total{{{label}}} {_num(m[key])}")
     header(*PREEMPTIONS, "counter")
     preemptions = m["num_preemptions_swap"] + m["num_preemptions_recompute"]
     lines.append(f"{PREEMPTIONS[0]}_total{{{label}}} {preemptions}")
@@ -190,15 +214,13 @@ def render_prometheus(snapshots: list[dict[str, Any]], model_name: str) -> str:
         for pos, n in enumerate(m["spec_decode_num_accepted_tokens_per_pos"]):
             lines.append(f'{PER_POS[0]}_total{{{label},position="{pos}"}} {n}')
     for key, name, help_text in HISTOGRAMS:
-        h = m[key]
         header(name, help_text, "histogram")
-        cumulative = 0
-        for bound, c in zip(h.buckets, h.counts):
-            cumulative += c
-            lines.append(f'{name}_bucket{{{label},le="{_num(float(bound))}"}} {cumulative}')
-        lines.append(f'{name}_bucket{{{label},le="+Inf"}} {h.count}')
-        lines.append(f"{name}_sum{{{label}}} {_num(h.sum)}")
-        lines.append(f"{name}_count{{{label}}} {h.count}")
+        if key in _ROLE_KEYS:
+            for labels, group in roles:
+                lines += _histogram_lines(name, _merge_hists(key, [s[key] for s in group]),
+                                          labels)
+        else:
+            lines += _histogram_lines(name, m[key], label)
     lines += _lora_lines([s for s in snapshots if s.get("max_lora")], label)
     replicas = sorted((s["replica_id"], s) for s in snapshots if s.get("replica_id"))
     for key, name, help_text in PER_REPLICA if replicas else ():
@@ -206,8 +228,21 @@ def render_prometheus(snapshots: list[dict[str, Any]], model_name: str) -> str:
         header(name, help_text, kind)
         suffix = "_total" if kind == "counter" else ""
         for rid, s in replicas:
-            lines.append(f'{name}{suffix}{{{label},replica="{_escape(rid)}"}} {_num(s[key])}')
+            role = f',role="{_escape(role_of(s))}"' if key in _ROLE_KEYS else ""
+            lines.append(f'{name}{suffix}{{{label},replica="{_escape(rid)}"{role}}} '
+                         f'{_num(s[key])}')
     return "\n".join(lines) + "\n"
+
+
+def _histogram_lines(name: str, h: Any, label: str) -> list[str]:
+    lines, cumulative = [], 0
+    for bound, c in zip(h.buckets, h.counts):
+        cumulative += c
+        lines.append(f'{name}_bucket{{{label},le="{_num(float(bound))}"}} {cumulative}')
+    lines.append(f'{name}_bucket{{{label},le="+Inf"}} {h.count}')
+    lines.append(f"{name}_sum{{{label}}} {_num(h.sum)}")
+    lines.append(f"{name}_count{{{label}}} {h.count}")
+    return lines
 
 
 def _lora_lines(snapshots: list[dict[str, Any]], label: str) -> list[str]:
@@ -257,13 +292,15 @@ class RayMetricsExporter:
     """Mirrors one engine's snapshots into `ray.util.metrics` (call `update` periodically)."""
 
     def __init__(self, model_name: str, ray_metrics: Any = None,
-                 replica_id: str | None = None) -> None:
+                 replica_id: str | None = None, role: str | None = None) -> None:
         if ray_metrics is None:  # tests pass a stand-in with Gauge/Counter/Histogram
             from ray.util import metrics as ray_metrics
 
         self._tags = {"model_name": model_name}
         if replica_id is not None:
             self._tags["replica"] = replica_id
+        if role is not None:  # the engine's kv_role, "colocated" without one
+            self._tags["role"] = role
         tags = tuple(self._tags)
 
         def ray_name(name: str) -> str:

@@ -123,7 +123,8 @@ class LLMServer:
         config = EngineConfig.from_dict(engine_args)
         self.engine = AsyncLLMEngine(config, placement_group=ray.util.get_current_placement_group())
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self._exporter = RayMetricsExporter(self.engine.model_name, replica_id=self.replica_id)
+        self._exporter = RayMetricsExporter(self.engine.model_name, replica_id=self.replica_id,
+                                            role=config.kv_role or "colocated")
         self._export_task: asyncio.Task | None = None
         self._drain = Drain(self.engine.abort)
         watch_drain(self._drain.begin)

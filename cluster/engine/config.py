@@ -55,6 +55,11 @@ class EngineConfig:
     # kv_transfer_timeout_s seconds.
     kv_role: str | None = None
     kv_transfer_timeout_s: float = 10.0
+    # How payloads travel (cluster/engine/kv_transport.py): "object_store" (Ray's object store,
+    # through host memory), "rdt" (Ray Direct Transport: NCCL on CUDA, gloo on CPU, between the
+    # Ray executor's ranks; cluster/engine/rdt_transport.py), None: rdt on CUDA when it can run
+    # there, else object_store.
+    kv_transport: str | None = None
     preemption_mode: str | None = None
     seed: int = 0
     enforce_eager: bool = False
@@ -144,6 +149,7 @@ class EngineConfig:
         _choice(self, "device", _DEVICES)
         _choice(self, "attention_backend", _BACKENDS)
         _choice(self, "executor", _EXECUTORS)
+        _choice(self, "kv_transport", (None, "object_store", "rdt"))
         _choice(self, "preemption_mode", (None, "swap", "recompute"))
         _choice(self, "reasoning_parser", (None, *REASONING_PARSERS))
         _choice(self, "tool_call_parser", (None, *TOOL_CALL_PARSERS))
@@ -168,6 +174,9 @@ class EngineConfig:
                              f"got {self.async_scheduling!r}")
         if self.kv_role is not None:
             self._check_kv_role()
+        elif self.kv_transport is not None:
+            raise ValueError(f"kv_transport {self.kv_transport!r} is how a prefill/decode role's "
+                             "KV travels; this engine has no kv_role (colocated): remove it")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError("enable_expert_parallel must be true or false; "
                              f"got {self.enable_expert_parallel!r}")

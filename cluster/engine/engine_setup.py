@@ -19,6 +19,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.executor import Executor, InProcessExecutor, WorkerDiedError
 from cluster.engine.pooling import PoolingInfo
 from cluster.engine.ray_executor import RayExecutor
+from cluster.engine.rdt_transport import RDT_BACKENDS, resolve_kv_transport
 from scheduler import SamplingParams
 from scheduler.speculative import SpeculativeConfig
 from workers.config import WorkerConfig
@@ -133,12 +134,16 @@ def plans_in_flight(pipeline_parallel_size: int, async_scheduling: bool) -> int:
 def build_executor(config: EngineConfig, worker_config: WorkerConfig, device: str,
                    placement_group: Any, lagged: bool) -> Executor:
     """The executor of `worker_config`'s ranks: a Ray group (`config.uses_ray`, in
-    `placement_group` when the replica has one) or this process."""
+    `placement_group` when the replica has one) or this process; a PD role's KV moves over
+    Ray Direct Transport when `resolve_kv_transport` says so (ValueError if it cannot)."""
+    rdt = config.kv_role is not None and resolve_kv_transport(config, device) == "rdt"
     if config.uses_ray:
         return RayExecutor(
             worker_config, num_cpus=config.worker_num_cpus, use_gpu=device == "cuda",
             placement_group=placement_group, bundle_offset=1 if placement_group else 0,
-            compiled_graph=config.compiled_graph, lagged=lagged)
+            compiled_graph=config.compiled_graph, lagged=lagged,
+            rdt_backend=RDT_BACKENDS[device] if rdt else None,
+            kv_ttl_s=config.kv_transfer_timeout_s)
     return InProcessExecutor(worker_config)
 
 

@@ -3,8 +3,9 @@ KV payloads, a decode engine's requests arrive with them (`EngineConfig.kv_role`
 
 Prefill side (`export`): the request ran with max_tokens 1; when its output finishes, its
 prompt's full blocks (cached, free until reused) are held (kvcache/transfer.py), every rank
-packs its shard into one payload and publishes it (Executor.export_kv,
-cluster/engine/kv_transport.py), and the hold is released: the blocks are freed as soon as
+packs its shard into one payload and publishes it (Executor.export_kv: the object store,
+cluster/engine/kv_transport.py, or with `kv_transport: rdt` kept on the rank's device for
+the decode side's pull, rdt_transport.py), and the hold is released: the blocks are freed as soon as
 the copy is out, never while it is read, with no timer. The output carries
 `KVTransferParams` (payload handles, block count, first token).
 

@@ -11,9 +11,10 @@ where the rank that packed it runs and fetched where the rank that unpacks it ru
     dies takes its objects with it, and the fetch fails (OwnerDiedError, ObjectLostError):
     the decode side then computes the prompt itself.
   - without Ray (one process: tests, the offline engine), the payload itself is the handle.
-On GPU the same two calls are where Ray's GPU object transport (Ray Direct Transport over
-NCCL, tensors kept on the device) or a torch.distributed group between the two replicas'
-ranks would go; they are not implemented here (no GPU in CI).
+The other transport, `kv_transport: rdt` (cluster/engine/rdt_transport.py: Ray Direct
+Transport, NCCL on CUDA, gloo on CPU), keeps the payload on the prefill rank's device and hands
+over an `RDTHandle`, which is always ready: its pull is the decode engine's executor's. The
+engine picks one per device (`EngineConfig.kv_transport`: the object store on CPU by default).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ class KVTransferError(RuntimeError):
 class KVTransferParams:
     """What the prefill side hands the decode side with a request.
 
-    `payloads[r]`: tensor-parallel rank r's payload handle (an ObjectRef, or the tensor
-    itself without Ray), covering the first `num_blocks` full blocks of the prompt;
+    `payloads[r]`: tensor-parallel rank r's payload handle (an ObjectRef, an RDTHandle, or
+    the tensor itself without Ray), covering the first `num_blocks` full blocks of the prompt;
     `first_token` is the token the prefill side sampled; `block_size` and
     `tensor_parallel_size` are the prefill engine's, checked against the decode engine's.
     """
@@ -102,8 +103,11 @@ def fetch(handle: Any, timeout_s: float) -> torch.Tensor:
 def ready(handles: list[Any]) -> bool:
     """Whether every payload exists (or is known lost: its fetch then fails at once), without
     waiting or copying anything. A handle that no fetch here can serve is never ready (its
-    request waits out the bound, then computes its prompt)."""
-    pending = [h for h in handles if not isinstance(h, torch.Tensor)]
+    request waits out the bound, then computes its prompt). An RDTHandle is ready: its payload
+    is pulled (or found gone) by the import itself."""
+    from cluster.engine.rdt_transport import RDTHandle
+
+    pending = [h for h in handles if not isinstance(h, (torch.Tensor, RDTHandle))]
     if not pending:
         return True
     import ray

@@ -21,6 +21,7 @@ import numpy as np
 
 from cluster.engine.executor import Executor, WorkerDiedError
 from cluster.engine.kv_transport import KVTransferError
+from cluster.engine.rdt_transport import RDTHandle, RDTPeers, new_key
 from cluster.engine.stage_placement import place_stages
 from cluster.engine.wakeup import Park, WakeSockets
 from scheduler.plan import StepPlan, StepResult
@@ -58,7 +59,8 @@ class RayExecutor(Executor):
 
     def __init__(self, config: WorkerConfig, *, num_cpus: float, use_gpu: bool,
                  placement_group: Any = None, bundle_offset: int = 0,
-                 compiled_graph: bool = True, lagged: bool = False) -> None:
+                 compiled_graph: bool = True, lagged: bool = False,
+                 rdt_backend: str | None = None, kv_ttl_s: float = 10.0) -> None:
         bundle = {"GPU": 1, "CPU": num_cpus} if use_gpu else {"CPU": num_cpus}
         # One STRICT_PACK group per pipeline stage (stage_placement.py)
         self._placement = place_stages(config.pipeline_parallel_size,
@@ -76,6 +78,10 @@ class RayExecutor(Executor):
         self._dag: Any = None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._wake_sockets: WakeSockets | None = None
+        # KV transfers over Ray Direct Transport (rdt_transport.py), else the object store;
+        # a payload this executor exports waits kv_ttl_s to be pulled.
+        self._rdt = RDTPeers(rdt_backend) if rdt_backend else None
+        self._kv_ttl_s = kv_ttl_s
         self._start(None)
 
     def _start(self, blocks: tuple[int, int, int] | None) -> None:
@@ -259,13 +265,27 @@ class RayExecutor(Executor):
             self._fail(e)
 
     def export_kv(self, block_ids: list[int]) -> tuple[list, int]:
+        if self._rdt is not None:
+            key = new_key()
+            sizes = self._wait_all([w.stash_kv.remote(key, block_ids, self._kv_ttl_s)
+                                    for w in self.workers])
+            return [RDTHandle(w, key, self._rdt.backend) for w in self.workers], sum(sizes)
         out = self._wait_all([w.export_kv.remote(block_ids) for w in self.workers])
         return [refs[0] for refs, _ in out], sum(n for _, n in out)
 
     def import_kv(self, block_ids: list[int], handles: list, first: int,
                   timeout_s: float) -> None:
-        errors = self._wait_all([w.import_kv.remote(block_ids, [h], first, timeout_s)
-                                 for w, h in zip(self.workers, handles)])
+        self.check_health()
+        if self._rdt is not None:
+            try:
+                errors = self._rdt.import_kv(self.workers, handles, block_ids, first, timeout_s)
+            except KVTransferError:
+                raise
+            except Exception as e:  # noqa: BLE001 — a decode rank failed: the executor is done
+                self._fail(e)
+        else:
+            errors = self._wait_all([w.import_kv.remote(block_ids, [h], first, timeout_s)
+                                     for w, h in zip(self.workers, handles)])
         failed = next((e for e in errors if e is not None), None)
         if failed is not None:
             raise KVTransferError(failed)
@@ -293,6 +313,9 @@ class RayExecutor(Executor):
         """Stop every rank and the graph (best effort: this also runs after a rank died)."""
         import ray
 
+        if self._rdt is not None:  # (the pairs with this group's ranks end with them)
+            with contextlib.suppress(Exception):
+                self._rdt.close()
         # Parked ranks wake first, so their loops can see the teardown.
         with contextlib.suppress(Exception):
             self._unpark()

@@ -5,18 +5,24 @@ The compiled graph's loop calls `execute` (or `execute_lagged`) on one thread; `
 second thread. A grammar bitmask is only posted there: the step loop's thread takes it and
 hands it to the worker (the Worker's steps run on one thread only). A KV transfer copies
 blocks that no step in flight writes (the engine orders it: cluster/engine/kv_transfers.py),
-so on CPU it runs beside a step.
+so on CPU it runs beside a step. With `kv_transport: rdt` a prefill rank keeps its payload
+on its device (`stash_kv`) until the decode rank's `import_kv_rdt` pulls it through `take_kv`
+over Ray Direct Transport (cluster/engine/rdt_transport.py; Ray runs the send and receive on
+the actor's `_ray_system` thread).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import ray
+import torch
 
 from cluster.engine.kv_transport import KVTransferError, fetch, publish
+from cluster.engine.rdt_transport import PayloadStash
 from cluster.engine.wakeup import Park, WakeReader
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
@@ -26,7 +32,7 @@ from workers.config import WorkerConfig
 BITMASK_TIMEOUT_S = 120.0
 
 
-@ray.remote
+@ray.remote(enable_tensor_transport=True)
 class RayWorker:
     def __init__(self, config: WorkerConfig) -> None:
         from workers.worker import Worker
@@ -35,6 +41,7 @@ class RayWorker:
         self._bitmasks: dict[int, np.ndarray] = {}
         self._posted = threading.Condition()
         self._wake: WakeReader | None = None
+        self._stash = PayloadStash()  # KV payloads waiting for an RDT pull
 
     def init(self) -> tuple[int, int, int]:
         """Join the process group, load this rank's shard, and report its KV block counts."""
@@ -108,5 +115,36 @@ class RayWorker:
         self.worker.import_kv(block_ids, payload, first)
         return None
 
+    def stash_kv(self, key: str, block_ids: list[int], ttl_s: float) -> int:
+        """Keep this rank's payload of `block_ids` on its device under `key` for `ttl_s`
+        seconds (or until taken); its bytes."""
+        payload = self.worker.export_kv(block_ids, to_host=False)
+        self._stash.put(key, payload, ttl_s)
+        return payload.numel() * payload.element_size()
+
+    def has_kv(self, key: str) -> bool:
+        return self._stash.has(key)
+
+    def take_kv(self, key: str) -> torch.Tensor:
+        """The payload under `key`, handed over once (called with a tensor_transport: the
+        tensor stays here until Ray sends it to the rank the ref is passed to)."""
+        return self._stash.take(key)
+
+    def import_kv_rdt(self, block_ids: list[int], payload: torch.Tensor, first: int,
+                      deadline: float) -> str | None:
+        """Write a payload Ray delivered over RDT, unless it came after `deadline` (wall
+        clock: the engine may have given the blocks back by then); why not, or None."""
+        if time.time() > deadline:
+            return "the KV payload arrived after the transfer's bound"
+        self.worker.import_kv(block_ids, payload, first)
+        return None
+
     def ping(self) -> bool:
         return True
+
+
+# A compiled graph runs its execution loop on the actor's `_ray_system` thread for the graph's
+# life, and Ray Direct Transport runs its sends and receives there too; Ray 2.60 gives an actor
+# with tensor transport one such thread (ray#54639), so RDT would wait forever behind the loop.
+# A second one serves RDT (one transfer at a time per pair: cluster/engine/rdt_transport.py).
+RayWorker.__ray_metadata__.concurrency_groups["_ray_system"] = 2

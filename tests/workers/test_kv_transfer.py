@@ -52,3 +52,15 @@ def test_out_of_range_ids_and_counts_are_errors() -> None:
         pack_blocks(a, [3, 10])
     with pytest.raises(ValueError, match="holds 2 blocks, 3 ids"):
         unpack_blocks(a, [0, 1, 2], pack_blocks(a, [4, 5]))
+
+
+@pytest.mark.parametrize("ids", [[2, 3, 4], [8, 1, 6]])
+def test_a_device_payload_is_a_contiguous_copy_not_a_view(ids: list[int]) -> None:
+    """(Ray Direct Transport's: it stays on the cache's device, and a later write to the
+    blocks, once they are freed, must not change what the decode side receives.)"""
+    cache = _cache()
+    payload = pack_blocks(cache, ids, to_host=False)
+    assert payload.device == cache.device and payload.is_contiguous()
+    assert torch.equal(payload, pack_blocks(cache, ids))
+    cache.zero_()
+    assert payload.abs().sum() > 0

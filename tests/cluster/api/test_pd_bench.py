@@ -52,3 +52,19 @@ def test_transfer_figures_come_from_the_metrics_text() -> None:
             'qwen3_serve:kv_transfer_seconds_count{model_name="m"} 8\n')
     assert pd_bench.transfer_stats(text) == {"transfers": 4.0, "fallbacks": 0.0,
                                              "transfer_mib": 2.0, "transfer_mean_s": 0.025}
+
+
+def test_transfer_figures_are_the_decode_roles_when_the_series_carry_roles() -> None:
+    """(/metrics labels the transfer series by role; the prefill side's come first.)"""
+    text = ('qwen3_serve:kv_transfer_seconds_sum{model_name="m",role="colocated"} 0.0\n'
+            'qwen3_serve:kv_transfer_seconds_sum{model_name="m",role="prefill"} 9.0\n'
+            'qwen3_serve:kv_transfer_seconds_sum{model_name="m",role="decode"} 0.3\n'
+            'qwen3_serve:kv_transfer_seconds_count{model_name="m",role="prefill"} 3\n'
+            'qwen3_serve:kv_transfer_seconds_count{model_name="m",role="decode"} 3\n'
+            'qwen3_serve:kv_transfer_imports_total{model_name="m",role="prefill"} 0\n'
+            'qwen3_serve:kv_transfer_imports_total{model_name="m",role="decode"} 3\n'
+            'qwen3_serve:kv_transfer_fallbacks_total{model_name="m",role="decode"} 1\n'
+            'qwen3_serve:kv_transfer_bytes_in_total{model_name="m",role="decode"} 1048576\n')
+    assert pd_bench.transfer_stats(text) == {"transfers": 3.0, "fallbacks": 1.0,
+                                             "transfer_mib": 1.0,
+                                             "transfer_mean_s": pytest.approx(0.1)}

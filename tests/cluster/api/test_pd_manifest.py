@@ -33,6 +33,8 @@ def test_the_manifest_makes_a_prefill_and_a_decode_role() -> None:
     ({"decode": {"tensor_parallel_size": 2, "executor": "ray"}},
      "prefill's tensor_parallel_size is 1, decode's 2; .* same tensor_parallel_size"),
     ({"prefill": {"block_size": 32}}, "same block_size"),
+    ({"decode": {"kv_transport": "rdt", "executor": "ray"}},
+     "prefill's kv_transport is None, decode's 'rdt'; .* same kv_transport"),
     ({"prefill": {"kv_role": "decode"}}, "pd.prefill sets kv_role"),
     ({"decode": {"max_num_seqz": 3}}, r"pd.decode: unknown engine argument"),
     ({"prefill": {"served_model_name": "a"}}, "set served_model_name at the top level"),

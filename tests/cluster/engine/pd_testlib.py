@@ -4,10 +4,26 @@ generates the rest (cluster/engine/kv_transfers.py). Shared by the engine tests.
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
+from cluster.engine.config import EngineConfig
 from cluster.engine.kv_transfers import prefill_sampling
 from cluster.engine.kv_transport import KVTransferParams
 from cluster.engine.llm_engine import LLMEngine
 from scheduler import RequestOutput, SamplingParams
+
+# The Ray tests' prompt (3 full blocks of 16 + 5) and their greedy and seeded requests.
+RAY_PROMPT = [(i * 104729) % 150000 + 100 for i in range(53)]
+RAY_PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=77, max_tokens=10,
+                             ignore_eos=True)]
+
+
+def ray_engine(**kw: object) -> LLMEngine:
+    """A qwen3-tiny engine as the Ray PD tests make them."""
+    return LLMEngine(EngineConfig(model="qwen3-tiny", max_num_seqs=8, swap_space=0.01, **kw))
 
 
 def drain(engine: LLMEngine) -> list[RequestOutput]:
@@ -55,3 +71,28 @@ def assert_no_block_held(engine: LLMEngine) -> None:
     kv = engine.scheduler.kv
     kv.check_invariants()
     assert kv.num_free_gpu_blocks == kv.num_gpu_blocks
+
+
+def kill_group(engine: LLMEngine) -> None:
+    """Kill every rank of a Ray engine's group and wait until each is gone (ray.kill returns
+    before the actor is)."""
+    import ray
+
+    for worker in engine.executor.workers:
+        ray.kill(worker, no_restart=True)
+    for worker in engine.executor.workers:
+        with pytest.raises(ray.exceptions.RayActorError):
+            for _ in range(300):
+                ray.get(worker.ping.remote(), timeout=30)
+                time.sleep(0.1)
+
+
+def assert_imported(before: dict, after: dict, transfer: KVTransferParams) -> None:
+    """Between two decode-side `metrics()`: one import of all of `transfer`'s bytes, no
+    fallback, and its blocks hit in the prefix cache."""
+    assert after["kv_transfer_imports_total"] == before["kv_transfer_imports_total"] + 1
+    assert after["kv_transfer_fallbacks_total"] == before["kv_transfer_fallbacks_total"]
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= \
+        transfer.num_blocks * transfer.block_size
+    assert after["kv_transfer_bytes_in_total"] - before["kv_transfer_bytes_in_total"] \
+        == transfer.nbytes > 0

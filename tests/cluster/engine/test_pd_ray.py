@@ -11,19 +11,22 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from pd_testlib import assert_no_block_held, colocated, decode, disaggregated, prefill
+from pd_testlib import (
+    RAY_PARAMS,
+    RAY_PROMPT,
+    assert_imported,
+    assert_no_block_held,
+    colocated,
+    decode,
+    disaggregated,
+    kill_group,
+    prefill,
+    ray_engine,
+)
 
-from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import LLMEngine
 from scheduler import SamplingParams
 
-PROMPT = [(i * 104729) % 150000 + 100 for i in range(53)]  # 3 full blocks of 16 + 5
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-          SamplingParams(temperature=1.0, top_p=0.9, seed=77, max_tokens=10, ignore_eos=True)]
-
-
-def _engine(**kw: object) -> LLMEngine:
-    return LLMEngine(EngineConfig(model="qwen3-tiny", max_num_seqs=8, swap_space=0.01, **kw))
+PROMPT, PARAMS, _engine = RAY_PROMPT, RAY_PARAMS, ray_engine
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +50,7 @@ def test_tp2_to_tp2_outputs_equal_colocated(engines: tuple, params: SamplingPara
     transfer = prefill(p, rid, prompt, params)
     assert len(transfer.payloads) == 2 and transfer.num_blocks == 3
     assert decode(d, rid, prompt, params, transfer) == want
-    after = d.metrics()
-    assert after["kv_transfer_imports_total"] == before["kv_transfer_imports_total"] + 1
-    assert after["kv_transfer_fallbacks_total"] == before["kv_transfer_fallbacks_total"]
-    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 3 * 16
-    assert after["kv_transfer_bytes_in_total"] - before["kv_transfer_bytes_in_total"] \
-        == transfer.nbytes
+    assert_imported(before, d.metrics(), transfer)
     for e in (p, d):
         assert_no_block_held(e)
 
@@ -96,17 +94,13 @@ def test_prefill_group_killed_after_the_export_loses_nothing(engines: tuple) -> 
     the node's store (seen here), which is the right KV; else the decode side computes the
     prompt. Either way the output is the colocated one, and the prefill engine rebuilds its
     group and serves again."""
-    import ray
 
     p, d, c = engines
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = [300] + PROMPT[1:45]
     want = colocated(c, "dead", prompt, params)
     transfer = prefill(p, "dead", prompt, params)
-    for worker in p.executor.workers:
-        ray.kill(worker, no_restart=True)
-    for worker in p.executor.workers:
-        _wait_dead(worker)
+    kill_group(p)
     before = d.metrics()
     assert decode(d, "dead", prompt, params, transfer) == want
     after = d.metrics()
@@ -118,12 +112,3 @@ def test_prefill_group_killed_after_the_export_loses_nothing(engines: tuple) -> 
         colocated(c, "after-c", [301] + prompt[1:], params)
     assert_no_block_held(p)
 
-
-def _wait_dead(actor: object) -> None:
-    """ray.kill returns before the actor is gone."""
-    import ray
-
-    with pytest.raises(ray.exceptions.RayActorError):
-        for _ in range(300):
-            ray.get(actor.ping.remote(), timeout=30)
-            time.sleep(0.1)
