@@ -56,7 +56,8 @@ class StagePlacement:
     def wait_placed(self, timeout_s: float = REBUILD_PLACEMENT_WAIT_S) -> None:
         """Until every group's bundles are placed (state CREATED): after a node died, Ray
         moves its bundles to a node with room (RESCHEDULING) and a rank started before that
-        is cancelled. StagesUnplacedError after `timeout_s`."""
+        is cancelled. StagesUnplacedError after `timeout_s`, or at once for a group that was
+        removed (its owner's job or node died: it is never placed again)."""
         from ray.util import placement_group_table
 
         deadline = time.monotonic() + timeout_s
@@ -64,6 +65,10 @@ class StagePlacement:
             states = [placement_group_table(g).get("state") for g in self.groups]
             if all(s == "CREATED" for s in states):
                 return
+            if "REMOVED" in states:
+                raise StagesUnplacedError(
+                    f"the engine's placement groups are {states}: a removed group is never "
+                    "placed again (the job or node of the process that made it died)")
             if time.monotonic() > deadline:
                 raise StagesUnplacedError(
                     f"the engine's placement groups are {states}, not placed within "

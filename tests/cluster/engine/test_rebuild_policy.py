@@ -74,3 +74,19 @@ def test_wait_placed_gives_up_on_a_group_with_no_room_and_remove_frees_it(
         placement.remove()
     assert placement_group_table(group)["state"] == "REMOVED"
     placement.remove()  # (again: nothing left to remove)
+
+
+def test_wait_placed_gives_up_at_once_on_a_removed_group(ray_cluster: None) -> None:
+    """A group removed (its creator's job or node died) is never placed again: no wait."""
+    import time
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([{"CPU": 0.01}], strategy="STRICT_PACK")
+    group.wait(30)
+    remove_placement_group(group)
+    placement = StagePlacement([group], [0], [False], tp=1)
+    start = time.monotonic()
+    with pytest.raises(StagesUnplacedError, match=r"\['REMOVED'\]: a removed group is never"):
+        placement.wait_placed(timeout_s=30.0)
+    assert time.monotonic() - start < 10
