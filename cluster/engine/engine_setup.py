@@ -20,6 +20,7 @@ from cluster.engine.executor import Executor, InProcessExecutor, WorkerDiedError
 from cluster.engine.pooling import PoolingInfo
 from cluster.engine.ray_executor import RayExecutor
 from cluster.engine.rdt_transport import RDT_BACKENDS, resolve_kv_transport
+from cluster.engine.stage_placement import StagesUnplacedError
 from scheduler import SamplingParams
 from scheduler.speculative import SpeculativeConfig
 from workers.config import WorkerConfig
@@ -37,12 +38,16 @@ MIN_BATCHED_TOKENS = 8192
 # doubled before each later one (1 + 2 + 4 s). The waits are for a node that is dying: until
 # Ray's GCS declares it dead (health_check_failure_threshold x period: 15 s by Ray's defaults)
 # its bundles still look placed there, and a rank put there is cancelled when it is declared.
+# A rebuild whose stages found no node with room (StagesUnplacedError, after
+# stage_placement.REBUILD_PLACEMENT_WAIT_S) is not tried again: it already waited for room.
 MAX_REBUILD_ATTEMPTS = 4
 REBUILD_BACKOFF_S = 1.0
 
 
 def rebuild_or_raise(executor: Executor, error: WorkerDiedError) -> None:
-    """Rebuild the executor's workers; WorkerDiedError once MAX_REBUILD_ATTEMPTS failed."""
+    """Rebuild the executor's workers; once that failed MAX_REBUILD_ATTEMPTS times, or found
+    no room for a lost stage, shut the executor down and raise WorkerDiedError (the engine
+    dies; the ingress resumes its requests on another replica)."""
     last: BaseException = error
     for attempt in range(MAX_REBUILD_ATTEMPTS):
         if attempt:
@@ -52,10 +57,17 @@ def rebuild_or_raise(executor: Executor, error: WorkerDiedError) -> None:
         try:
             executor.rebuild()
             return
+        except StagesUnplacedError as e:
+            last = e
+            break
         except Exception as e:  # noqa: BLE001 — any failure counts as one attempt
             last = e
-    raise WorkerDiedError(f"{error}; rebuilding the workers failed "
-                          f"{MAX_REBUILD_ATTEMPTS} times: {type(last).__name__}: {last}") from last
+    # Dead: release the ranks' placement groups now, not when Serve stops the replica. A lost
+    # stage's group stays pending (RESCHEDULING) and would take the room a node frees or
+    # joins with, before Serve's replacement replica can be placed there.
+    executor.shutdown()
+    raise WorkerDiedError(f"{error}; rebuilding the workers failed after {attempt + 1} "
+                          f"attempt(s): {type(last).__name__}: {last}") from last
 
 
 # Allocations of container objects between two young-generation collections (CPython's

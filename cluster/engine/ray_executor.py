@@ -126,7 +126,8 @@ class RayExecutor(Executor):
 
     def rebuild(self) -> None:
         """After a rank died: new actors for every rank in the same bundles, weights reloaded,
-        empty KV caches of the sizes the engine's scheduler already has."""
+        empty KV caches of the sizes the engine's scheduler already has. StagesUnplacedError
+        when a lost stage's group finds no node with room (stage_placement.wait_placed)."""
         self._stop()
         self._placement.wait_placed()
         if self._config.world_size > 1:  # a fresh rendezvous port

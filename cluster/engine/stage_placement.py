@@ -6,6 +6,9 @@ one step's hidden states). Stage 0 is the Serve replica's own placement group fr
 `bundle_offset` when it has one (`replica_placement: pack`), else a group soft-targeting the
 node of this process (the replica's), as with a single stage; the later stages' groups go
 wherever Ray finds room. Groups this module made are removed with `remove()`.
+
+After a stage's node died, a rebuild waits for its group to be placed again
+(`wait_placed`) for REBUILD_PLACEMENT_WAIT_S at most, then gives up with StagesUnplacedError.
 """
 
 from __future__ import annotations
@@ -17,6 +20,18 @@ from typing import Any
 
 # How long an engine waits for its ranks' placement groups before it fails to start.
 PLACEMENT_TIMEOUT_S = 120
+# How long a rebuild waits for a lost stage's group to be placed again. When some node has
+# room, Ray's GCS moves the group there within a second or two of declaring the old node dead
+# (the rebuild's first attempt has already waited that declaration out); a group still
+# unplaced after this has no node with room, and only a new node (an autoscaler's: minutes)
+# would place it. Meanwhile the replica's streams stall, while the ingress's failover resumes
+# them on another replica in seconds once the engine is dead (cluster/api/failover.py): so
+# the engine gives up after this, with headroom for a GCS slow under load.
+REBUILD_PLACEMENT_WAIT_S = 20.0
+
+
+class StagesUnplacedError(RuntimeError):
+    """A rebuild found no room for its stages' placement groups within the wait."""
 
 
 @dataclass(slots=True)
@@ -38,10 +53,11 @@ class StagePlacement:
             placement_group=self.groups[stage],
             placement_group_bundle_index=self.offsets[stage] + rank % self.tp)
 
-    def wait_placed(self, timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+    def wait_placed(self, timeout_s: float = REBUILD_PLACEMENT_WAIT_S) -> None:
         """Until every group's bundles are placed (state CREATED): after a node died, Ray
         moves its bundles to a node with room (RESCHEDULING) and a rank started before that
-        is cancelled. RuntimeError after `timeout_s`."""
+        is cancelled. StagesUnplacedError after `timeout_s`, or at once for a group that was
+        removed (its owner's job or node died: it is never placed again)."""
         from ray.util import placement_group_table
 
         deadline = time.monotonic() + timeout_s
@@ -49,12 +65,19 @@ class StagePlacement:
             states = [placement_group_table(g).get("state") for g in self.groups]
             if all(s == "CREATED" for s in states):
                 return
+            if "REMOVED" in states:
+                raise StagesUnplacedError(
+                    f"the engine's placement groups are {states}: a removed group is never "
+                    "placed again (the job or node of the process that made it died)")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the engine's placement groups are {states}, not placed "
-                                   f"within {timeout_s} s of a rank's death; free or add a node")
+                raise StagesUnplacedError(
+                    f"the engine's placement groups are {states}, not placed within "
+                    f"{timeout_s:.0f} s of a rank's death: no node has room for a lost stage; "
+                    "free or add a node")
             time.sleep(0.2)
 
     def remove(self) -> None:
+        """Remove the groups this executor made (not the Serve replica's own); idempotent."""
         from ray.util.placement_group import remove_placement_group
 
         for group, owned in zip(self.groups, self.owned):

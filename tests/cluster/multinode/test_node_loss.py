@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import json
 import os
 import signal
 import time
@@ -30,6 +29,7 @@ from typing import Any
 import httpx
 import pytest
 from sim_cluster import Sim, add_node, alive_actors, kill_node, simulated_cluster
+from sse_client import stream_completion
 
 from cluster.api.prometheus import parse_prometheus
 
@@ -66,27 +66,7 @@ def _node_of(actor: dict[str, Any]) -> str:
 async def _stream(client: httpx.AsyncClient, prompt: str, started: asyncio.Event | None = None
                   ) -> tuple[str, int, str | None]:
     """(text, usage.completion_tokens, finish_reason) of one greedy streamed completion."""
-    body = {"model": "qwen3-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    text, usage, reason, chunks = "", -1, None, 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        SERVED_BY[prompt] = r.headers.get("x-replica-id", "")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            for choice in chunk["choices"]:
-                text += choice["text"]
-                reason = choice["finish_reason"] or reason
-            if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
-            chunks += 1
-            if started is not None and chunks == 3:
-                started.set()
-    return text, usage, reason
+    return await stream_completion(client, prompt, MAX_TOKENS, started, SERVED_BY)
 
 
 async def _get_as_a_client_does(client: httpx.AsyncClient, path: str) -> httpx.Response:

@@ -1,0 +1,92 @@
+"""The engine's rebuild policy after a rank died (engine_setup.rebuild_or_raise) and the wait
+it puts on a lost stage's placement group (stage_placement.StagePlacement.wait_placed):
+a failure is retried MAX_REBUILD_ATTEMPTS times, but a stage no node has room for ends the
+engine after one wait of REBUILD_PLACEMENT_WAIT_S; either way the executor is shut down
+(its placement groups removed) before the engine dies, so nothing of a dead engine's waits
+for room that Serve's replacement replica needs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.engine import engine_setup
+from cluster.engine.engine_setup import MAX_REBUILD_ATTEMPTS, rebuild_or_raise
+from cluster.engine.executor import WorkerDiedError
+from cluster.engine.stage_placement import StagePlacement, StagesUnplacedError
+
+
+class Rebuilds:
+    """An executor whose `rebuild` raises each of `failures` in turn, then succeeds; it
+    records every rebuild and shutdown called on it."""
+
+    def __init__(self, *failures: BaseException) -> None:
+        self.failures = list(failures)
+        self.calls: list[str] = []
+
+    def rebuild(self) -> None:
+        self.calls.append("rebuild")
+        if self.failures:
+            raise self.failures.pop(0)
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_setup, "REBUILD_BACKOFF_S", 0.0)
+
+
+def test_a_stage_no_node_has_room_for_ends_the_engine_after_one_wait() -> None:
+    executor = Rebuilds(RuntimeError("cancelled: its node died"),
+                        StagesUnplacedError("groups ['CREATED', 'RESCHEDULING'] not placed"))
+    with pytest.raises(WorkerDiedError, match=r"rank 1 died; rebuilding the workers failed "
+                       r"after 2 attempt\(s\): StagesUnplacedError: groups"):
+        rebuild_or_raise(executor, WorkerDiedError("rank 1 died"))
+    assert executor.calls == ["rebuild", "rebuild", "shutdown"]
+
+
+def test_other_failures_are_retried_and_a_rebuild_that_succeeds_keeps_the_executor() -> None:
+    executor = Rebuilds(RuntimeError("cancelled"), RuntimeError("cancelled"))
+    rebuild_or_raise(executor, WorkerDiedError("rank 1 died"))
+    assert executor.calls == ["rebuild"] * 3
+
+
+def test_a_rebuild_failing_every_attempt_shuts_the_executor_down() -> None:
+    executor = Rebuilds(*[RuntimeError(f"try {i}") for i in range(MAX_REBUILD_ATTEMPTS)])
+    with pytest.raises(WorkerDiedError, match=f"after {MAX_REBUILD_ATTEMPTS} attempt.*try 3"):
+        rebuild_or_raise(executor, WorkerDiedError("rank 1 died"))
+    assert executor.calls == ["rebuild"] * MAX_REBUILD_ATTEMPTS + ["shutdown"]
+
+
+def test_wait_placed_gives_up_on_a_group_with_no_room_and_remove_frees_it(
+        ray_cluster: None) -> None:
+    from ray.util import placement_group_table
+    from ray.util.placement_group import placement_group
+
+    group = placement_group([{"CPU": 1000.0}], strategy="STRICT_PACK")  # no node has room
+    placement = StagePlacement([group], [0], [True], tp=1)
+    try:
+        with pytest.raises(StagesUnplacedError, match=r"\['PENDING'\], not placed within 1 s"):
+            placement.wait_placed(timeout_s=1.0)
+    finally:
+        placement.remove()
+    assert placement_group_table(group)["state"] == "REMOVED"
+    placement.remove()  # (again: nothing left to remove)
+
+
+def test_wait_placed_gives_up_at_once_on_a_removed_group(ray_cluster: None) -> None:
+    """A group removed (its creator's job or node died) is never placed again: no wait."""
+    import time
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([{"CPU": 0.01}], strategy="STRICT_PACK")
+    group.wait(30)
+    remove_placement_group(group)
+    placement = StagePlacement([group], [0], [False], tp=1)
+    start = time.monotonic()
+    with pytest.raises(StagesUnplacedError, match=r"\['REMOVED'\]: a removed group is never"):
+        placement.wait_placed(timeout_s=30.0)
+    assert time.monotonic() - start < 10
