@@ -320,15 +320,23 @@ class RayExecutor(Executor):
         # Parked ranks wake first, so their loops can see the teardown.
         with contextlib.suppress(Exception):
             self._unpark()
-        # The compiled graph first, while its actors live: tearing it down cancels their
-        # execution loops cleanly (killed first, each cancel fails with ActorDiedError).
+        # A clean stop tears the compiled graph down first, while its actors live: that
+        # cancels their execution loops cleanly (killed first, each cancel fails with
+        # ActorDiedError). After a rank died the live ranks are killed first: a teardown that
+        # closes a channel on one node while a rank on another still pushes into it can crash
+        # that node's raylet (Ray 2.60, experimental_mutable_object_provider.cc "Channel
+        # closed"; seen when a stage's node was lost), taking a second node with the first.
         dag, self._dag = self._dag, None
-        if dag is not None:
+        kill_first = self._dead is not None
+        if not kill_first and dag is not None:
             with contextlib.suppress(Exception):  # a dead worker: its loop is gone already
                 dag.teardown()
         for w in self.workers:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(w, no_restart=True)
+        if kill_first and dag is not None:
+            with contextlib.suppress(Exception):  # (its actors are gone: this frees the driver's side)
+                dag.teardown()
         self.workers = []
         thread, self._thread = self._thread, None
         if thread is not None:
