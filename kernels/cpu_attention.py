@@ -81,7 +81,9 @@ class DecodePlan:
             members = order[lo:hi]
             seqs = torch.tensor([decode[i] for i in members], dtype=torch.long)
             bucket_lens = torch.tensor([lens[decode[i]] for i in members], dtype=torch.long)
-            positions = torch.arange(lens[decode[order[hi - 1]]])
+            # Padded to whole blocks, as the block-gathering path was: SDPA then splits the
+            # keys the same way, so the sums (and bf16 greedy tokens) are unchanged.
+            positions = torch.arange(-(-lens[decode[order[hi - 1]]] // block_size) * block_size)
             valid = positions[None, :] < bucket_lens[:, None]  # [n, L]
             pos = torch.where(valid, positions[None, :], 0)
             tables = block_tables.index_select(0, seqs).long()
