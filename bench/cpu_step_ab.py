@@ -1,10 +1,10 @@
 """The engine's decode on CPU with this tree's attention against another git ref's, one process.
 
 Runs bench/throughput.py's request generator through one offline `LLM` (tp 1, in-process
-executor) and alternates, round by round, `kernels.ops`' CPU attention module between this
+executor) and alternates, round by round (after an uncounted pass of each, in alternating order), `kernels.ops`' CPU attention module between this
 tree's `kernels/cpu_attention.py` and the one at `--against` (loaded by
-bench/cpu_decode_bench.py's `load_ref`), so the machine's load hits both alike. Reports tok/s
-per round and whether the greedy tokens of the two are equal.
+bench/cpu_decode_bench.py's `load_ref`), so the machine's load hits both alike. Reports tok/s (wall)
+and tokens per CPU-second of the process (less swayed by other processes' load) per round and whether the greedy tokens of the two are equal.
 
     python bench/cpu_step_ab.py [--model qwen3-0.6b-random] [--dtype bfloat16] [--rounds 2]
 """
@@ -55,20 +55,32 @@ def main() -> None:
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     impls = {"ours": cpu_attention, args.against: _Ref(load_ref(args.against))}
     rates: dict[str, list[float]] = {k: [] for k in impls}
+    cpu_rates: dict[str, list[float]] = {k: [] for k in impls}
     tokens: dict[str, list] = {}
-    for _ in range(args.rounds):
-        for name, impl in impls.items():
+    # One uncounted pass each first (the KV cache's pages are touched on first use), then the
+    # order alternates round by round so neither side always runs first.
+    pairs = list(impls.items())
+    schedule = [(pairs, False)] + [(pairs[::-1] if r % 2 else pairs, True)
+                                   for r in range(args.rounds)]
+    for order, counted in schedule:
+        for name, impl in order:
             ops.cpu_attention = impl
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             outs = llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
-            rates[name].append(sum(map(len, tokens[name])) / wall)
-            print(f"{name:6s} {rates[name][-1]:7.1f} tok/s  ({wall:.1f} s)", flush=True)
+            rate, per_cpu = sum(map(len, tokens[name])) / wall, sum(map(len, tokens[name])) / cpu
+            if counted:
+                rates[name].append(rate)
+                cpu_rates[name].append(per_cpu)
+            print(f"{name:6s} {rate:7.1f} tok/s  {per_cpu:7.1f} tok per CPU-s  ({wall:.1f} s)"
+                  f"{'' if counted else ' warm-up'}", flush=True)
     ops.cpu_attention = cpu_attention
     same = sum(a == b for a, b in zip(*tokens.values()))
-    print(f"median tok/s: " + ", ".join(f"{k} {statistics.median(v):.1f}"
+    print("median tok/s: " + ", ".join(f"{k} {statistics.median(v):.1f}"
                                        for k, v in rates.items())
+          + "; tok per CPU-second: " + ", ".join(f"{k} {statistics.median(v):.1f}"
+                                                 for k, v in cpu_rates.items())
           + f"; greedy outputs equal: {same} of {len(reqs)}")
 
 
