@@ -43,7 +43,8 @@ DECODE_CHUNK_ELEMENTS = 1 << 24
 
 @dataclass(frozen=True, slots=True)
 class DecodeBucket:
-    """Decode rows of similar lengths attended by one SDPA call, padded to the longest (L)."""
+    """Decode rows of similar lengths attended by one SDPA call, padded to the longest in
+    whole blocks (L positions)."""
 
     rows: Tensor | None  # long [n]: its rows of the decode queries; None: all, in order
     slots: Tensor  # long [n * L]: the flat cache row of each (row, position); padding: position 0
