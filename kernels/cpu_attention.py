@@ -4,23 +4,29 @@ What `backend="auto"` runs for CPU tensors (`kernels.ops.paged_attention`); the 
 twin in `kernels/reference.py` (HF's eager attention, operation for operation) stays the oracle
 this path is tested against, and is what `backend="torch"` runs.
 
-Each sequence's blocks are read from the cache once, with one `index_select` of whole blocks
-(contiguous rows), and handed to `F.scaled_dot_product_attention` as strided views: no per-head
-copies, no float32 copies of a float32 cache, no [Hq, L] score tensor with a mask filled in.
-Decode rows (one query token) of the whole batch go through one SDPA call, the query heads of
-one KV head standing in for its query rows (GQA without repeating K/V); the other sequences
-(prefill chunks, verify rows) go one at a time, causal over their cached prefix.
+Decode rows (one query token) go through one SDPA call per bucket of similar lengths, the
+query heads of one KV head standing in for its query rows (GQA without repeating K/V); their
+K/V rows are read with one `index_select` of token rows each, and the padding up to the
+bucket's longest is masked in the scores. The buckets, their row indices and masks depend on
+the step's metadata only: `DecodePlan` makes them once per step (kept in the metadata's
+`step_cache`) and every layer reuses them. The other sequences (prefill chunks, verify rows)
+go one at a time, causal over their cached prefix, on whole blocks (`index_select` of blocks,
+sliced to seq_len, handed to SDPA as strided views).
 
 Invariants:
 - Only cache rows at positions < seq_len are ever weighted: block-table entries past a
-  sequence's ceil(seq_len / block_size) are never read (padding reads block 0), and the rows
-  gathered beyond a sequence's length are zeroed before the product, so whatever they hold
-  (stale rows, NaN in tests) never leaks in.
+  sequence's ceil(seq_len / block_size) are never read, and a decode row's padding positions
+  read that sequence's own position 0 (a row it wrote) with an additive -inf mask, so whatever
+  the rest of the cache holds (stale rows, NaN in tests) never leaks in.
+- A `DecodePlan` in a step cache is only used with the metadata tensors it was made from
+  (the cache lives in that `AttentionMetadata`), keyed by the query dtype and cache geometry.
 - fp32 in, fp32 math; bf16/fp16 attend in their own dtype (SDPA accumulates in float32); an
   FP8 cache is dequantized to the query's dtype.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,42 +41,98 @@ DECODE_BUCKET_ROWS = 16
 DECODE_CHUNK_ELEMENTS = 1 << 24
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeBucket:
+    """Decode rows of similar lengths attended by one SDPA call, padded to the longest in
+    whole blocks (L positions)."""
+
+    rows: Tensor | None  # long [n]: its rows of the decode queries; None: all, in order
+    slots: Tensor  # long [n * L]: the flat cache row of each (row, position); padding: position 0
+    mask: Tensor  # [n, 1, 1, L], the query dtype: 0 where attended, -inf on padding
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """What a step's metadata says about its attention, made once and used by every layer."""
+
+    rows: Tensor | None  # long: the decode sequences' query rows; None: every sequence decodes
+    buckets: tuple[DecodeBucket, ...]
+    others: tuple[tuple[int, int, int, int], ...]  # (sequence, q start, q end, seq_len)
+
+    @staticmethod
+    def make(block_tables: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
+             cache_shape: torch.Size, dtype: torch.dtype) -> DecodePlan:
+        """Buckets of the single-token sequences, in order of length, of at most
+        DECODE_BUCKET_ROWS rows and DECODE_CHUNK_ELEMENTS gathered elements each."""
+        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+        decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+        others = tuple((b, starts[b], starts[b + 1], lens[b]) for b in range(len(lens))
+                       if starts[b + 1] - starts[b] > 1)
+        rows = (None if len(decode) == len(lens)
+                else torch.tensor([starts[b] for b in decode], dtype=torch.long))
+        block_size, num_kv_heads, head_dim = cache_shape[1:]
+        longest_allowed = max(1, DECODE_CHUNK_ELEMENTS // (num_kv_heads * head_dim))
+        order = sorted(range(len(decode)), key=lambda i: lens[decode[i]])
+        buckets, lo = [], 0
+        while lo < len(order):
+            hi = lo + 1
+            while (hi < len(order) and hi - lo < DECODE_BUCKET_ROWS
+                   and (hi + 1 - lo) * lens[decode[order[hi]]] <= longest_allowed):
+                hi += 1
+            members = order[lo:hi]
+            seqs = torch.tensor([decode[i] for i in members], dtype=torch.long)
+            bucket_lens = torch.tensor([lens[decode[i]] for i in members], dtype=torch.long)
+            # Padded to whole blocks, as the block-gathering path was: SDPA then splits the
+            # keys the same way, so the sums (and bf16 greedy tokens) are unchanged.
+            positions = torch.arange(-(-lens[decode[order[hi - 1]]] // block_size) * block_size)
+            valid = positions[None, :] < bucket_lens[:, None]  # [n, L]
+            pos = torch.where(valid, positions[None, :], 0)
+            tables = block_tables.index_select(0, seqs).long()
+            slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
+            mask = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))
+            in_order = members == list(range(len(order)))
+            buckets.append(DecodeBucket(None if in_order else torch.tensor(members),
+                                        slots.flatten(), mask[:, None, None, :]))
+            lo = hi
+        return DecodePlan(rows, tuple(buckets), others)
+
+
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     query_start_loc: Tensor, seq_lens: Tensor, scale: float,
-                    k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+                    k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                    step_cache: dict | None = None) -> Tensor:
     """Causal attention of a mixed prefill/decode batch over a paged KV cache: `[T, Hq, D]`.
 
     Same contract as `kernels.reference.paged_attention` (arguments already checked by
     `kernels.ops`): query token j of sequence b (q_len_b tokens) sits at position
-    `seq_lens[b] - q_len_b + j` and attends the keys at positions <= its own.
+    `seq_lens[b] - q_len_b + j` and attends the keys at positions <= its own. `step_cache`:
+    a dict that lives as long as these metadata tensors (one step: `AttentionMetadata`); the
+    decode plan is made once into it and reused by every layer.
     """
+    key = ("cpu_attention.DecodePlan", q.dtype, tuple(k_cache.shape[1:]))
+    plan = None if step_cache is None else step_cache.get(key)
+    if plan is None:
+        plan = DecodePlan.make(block_tables, query_start_loc, seq_lens, k_cache.shape, q.dtype)
+        if step_cache is not None:
+            step_cache[key] = plan
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    if len(decode) == len(lens):
-        _decode_into(out, q, k_cache, v_cache, block_tables, seq_lens, lens, scale,
-                     k_scale, v_scale)
+    if plan.rows is None:  # every sequence decodes: query row b is sequence b
+        _decode_into(out, q, k_cache, v_cache, plan, scale, k_scale, v_scale)
         return out
-    if decode:
-        idx = torch.tensor(decode, dtype=torch.long)
-        rows = query_start_loc.index_select(0, idx).long()
-        part = torch.empty_like(q[:len(decode)])
-        _decode_into(part, q.index_select(0, rows), k_cache, v_cache,
-                     block_tables.index_select(0, idx), seq_lens.index_select(0, idx),
-                     [lens[b] for b in decode], scale, k_scale, v_scale)
-        out.index_copy_(0, rows, part)
-    is_decode = set(decode)
-    for b in range(len(lens)):
-        if b not in is_decode and starts[b + 1] > starts[b]:
-            out[starts[b]:starts[b + 1]] = _sequence(q[starts[b]:starts[b + 1]], k_cache, v_cache,
-                                                     block_tables[b], lens[b], scale,
-                                                     k_scale, v_scale)
+    if plan.buckets:
+        part = torch.empty_like(q[:plan.rows.shape[0]])
+        _decode_into(part, q.index_select(0, plan.rows), k_cache, v_cache, plan, scale,
+                     k_scale, v_scale)
+        out.index_copy_(0, plan.rows, part)
+    for b, start, end, seq_len in plan.others:
+        out[start:end] = _sequence(q[start:end], k_cache, v_cache, block_tables[b], seq_len,
+                                   scale, k_scale, v_scale)
     return out
 
 
 def _gather(cache: Tensor, blocks: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """Whole blocks `[n, block_size, Hkv, D]` of the cache, as values of `dtype`."""
+    """Rows `blocks` of the cache (whole blocks, or token rows of the flattened cache), as
+    values of `dtype`."""
     rows = cache.index_select(0, blocks)
     return dequantize_kv(rows, scale).to(dtype)
 
@@ -96,51 +158,25 @@ def _sequence(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, 
     return o.transpose(0, 1)
 
 
-def _decode_into(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                 seq_lens: Tensor, lens: list[int], scale: float, k_scale: Tensor | None,
-                 v_scale: Tensor | None) -> None:
-    """Single-token queries `[B, Hq, D]` into `out`: rows in order of length, in buckets of
-    at most DECODE_BUCKET_ROWS, each padded to its own longest (so a short context is not
-    padded to the batch's longest), and of at most DECODE_CHUNK_ELEMENTS gathered."""
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    order = sorted(range(len(lens)), key=lens.__getitem__)
-    lo = 0
-    while lo < len(order):
-        longest_allowed = max(1, DECODE_CHUNK_ELEMENTS // (num_kv_heads * head_dim))
-        hi = lo + 1
-        while (hi < len(order) and hi - lo < DECODE_BUCKET_ROWS
-               and (hi + 1 - lo) * lens[order[hi]] <= longest_allowed):
-            hi += 1
-        rows = torch.tensor(order[lo:hi], dtype=torch.long)
-        out.index_copy_(0, rows, _decode(q.index_select(0, rows), k_cache, v_cache,
-                                         block_tables.index_select(0, rows),
-                                         seq_lens.index_select(0, rows), lens[order[hi - 1]],
-                                         scale, k_scale, v_scale))
-        lo = hi
-
-
-def _decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-            seq_lens: Tensor, longest: int, scale: float, k_scale: Tensor | None,
-            v_scale: Tensor | None) -> Tensor:
-    """B single-token queries, padded to the longest context: one SDPA call."""
-    batch, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = -(-longest // block_size)
-    length = num_blocks * block_size
-    needed = (seq_lens + block_size - 1) // block_size
-    cols = torch.arange(num_blocks)
-    blocks = torch.where(cols[None, :] < needed[:, None], block_tables[:, :num_blocks].long(), 0)
-    valid = torch.arange(length)[None, :] < seq_lens[:, None]  # [B, L]
-    k = _gather(k_cache, blocks.flatten(), k_scale, q.dtype).view(batch * length, -1)
-    v = _gather(v_cache, blocks.flatten(), v_scale, q.dtype).view(batch * length, -1)
-    pad = (~valid).flatten().nonzero().flatten()
-    if pad.numel():  # fresh gathers: zeroing their padding rows in place is safe
-        k.index_fill_(0, pad, 0.0)
-        v.index_fill_(0, pad, 0.0)
-    # [B, Hkv, L, D] views; a KV head's `group` query heads are its query rows.
-    k = k.view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
-    v = v.view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
-    query = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(query, k, v, attn_mask=valid[:, None, None, :],
-                                       scale=scale)
-    return o.reshape(batch, num_q_heads, head_dim)
+def _decode_into(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: DecodePlan,
+                 scale: float, k_scale: Tensor | None, v_scale: Tensor | None) -> None:
+    """The plan's single-token queries `[n, Hq, D]` into `out`, bucket by bucket: each
+    bucket's K/V rows gathered token by token (padding reads the sequence's first row, which
+    the mask then weighs zero), one SDPA call per bucket."""
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    for bucket in plan.buckets:
+        n, length = bucket.mask.shape[0], bucket.mask.shape[-1]
+        query = q if bucket.rows is None else q.index_select(0, bucket.rows)
+        # [n, Hkv, L, D] views of [n, L, Hkv, D] rows; a KV head's query heads are its rows.
+        k = _gather(flat_k, bucket.slots, k_scale, q.dtype).view(n, length, num_kv_heads, -1)
+        v = _gather(flat_v, bucket.slots, v_scale, q.dtype).view(n, length, num_kv_heads, -1)
+        o = F.scaled_dot_product_attention(
+            query.view(n, num_kv_heads, num_q_heads // num_kv_heads, head_dim),
+            k.transpose(1, 2), v.transpose(1, 2), attn_mask=bucket.mask, scale=scale)
+        o = o.reshape(n, num_q_heads, head_dim)
+        if bucket.rows is None:
+            out.copy_(o)
+        else:
+            out.index_copy_(0, bucket.rows, o)

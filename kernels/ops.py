@@ -92,7 +92,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                     query_start_loc: Tensor, seq_lens: Tensor, scale: float,
                     max_query_len: int, max_seq_len: int, backend: Backend = "auto",
                     key: Tensor | None = None, value: Tensor | None = None,
-                    k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+                    k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                    step_cache: dict | None = None) -> Tensor:
     """Causal paged attention over a mixed prefill/decode batch; returns `[T, Hq, D]` in q's dtype.
 
     Query token j of sequence b (q_len_b tokens) sits at position `seq_lens[b] - q_len_b + j`;
@@ -104,6 +105,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     written to the cache: the Triton kernel then reads each chunk's own keys from them
     (contiguous) instead of through the block table; the other backends ignore them.
     An FP8 cache is read times each head's `k_scale` / `v_scale` (float32 `[Hkv]`).
+    `step_cache`, optional: a dict that lives exactly as long as this metadata (one step's
+    `AttentionMetadata`), where the CPU path keeps what it derives from the metadata once for
+    every layer; the other backends ignore it.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q must be [T, Hq, D] and k/v caches [num_blocks, block_size, Hkv, D]; "
@@ -131,9 +135,11 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     _check_kv_scales(k_cache, k_scale, v_scale, chosen)
     if chosen == "torch":
         # "auto" on CPU: the fused-SDPA path; "torch" asked for by name: the reference twin.
-        impl = cpu_attention if backend == "auto" else reference
-        return impl.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                    seq_lens, scale, k_scale, v_scale)
+        if backend == "torch":
+            return reference.paged_attention(q, k_cache, v_cache, block_tables,
+                                             query_start_loc, seq_lens, scale, k_scale, v_scale)
+        return cpu_attention.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                             seq_lens, scale, k_scale, v_scale, step_cache)
     if chosen == "flash_attn":
         from kernels.flash_attn_backend import paged_attention as flash_paged_attention
         return flash_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,

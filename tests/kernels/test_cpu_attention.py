@@ -80,3 +80,43 @@ def test_dispatch_auto_runs_the_cpu_path_and_torch_the_reference(
     kernels.paged_attention(*args)
     kernels.paged_attention(*args, backend="torch")
     assert calls == ["cpu", "reference"]
+
+
+@pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_step_cache_makes_the_plan_once_and_every_layer_reuses_it(
+        lens: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers sharing one step's metadata share one DecodePlan, and attend exactly as a call
+    without a cache does; another cache geometry (a draft model's layers) gets its own."""
+    batch = make_paged_batch(lens, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
+                             dtype=torch.float32, device="cpu", share_first_block=True, seed=12)
+    made: list[object] = []
+    real = cpu_attention.DecodePlan.make
+    monkeypatch.setattr(cpu_attention.DecodePlan, "make",
+                        staticmethod(lambda *a: made.append(a) or real(*a)))
+    alone = _run(batch, cpu_attention)
+    cache: dict = {}
+    layers = [_run(batch, cpu_attention, step_cache=cache) for _ in range(3)]
+    assert len(made) == 2 and len(cache) == 1
+    for out in layers:
+        torch.testing.assert_close(out, alone, atol=0, rtol=0)
+    wide = torch.cat([batch.k_cache, batch.k_cache], dim=-1)  # head_dim 32: another geometry
+    q = torch.cat([batch.q, batch.q], dim=-1)
+    cpu_attention.paged_attention(q, wide, wide, batch.block_tables, batch.query_start_loc,
+                                  batch.seq_lens, batch.scale, step_cache=cache)
+    assert len(made) == 3 and len(cache) == 2
+
+
+def test_decode_padding_is_masked_not_read_into_the_sum() -> None:
+    """A bucket padded to its longest row: the short rows' padding positions hold NaN in the
+    cache, yet every row equals the reference (the mask weighs their stand-in rows zero)."""
+    lens = [(1, 2), (1, 30), (1, 5), (1, 17)]
+    batch = make_paged_batch(lens, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                             dtype=torch.bfloat16, device="cpu", seed=13)
+    plan = cpu_attention.DecodePlan.make(batch.block_tables, batch.query_start_loc,
+                                         batch.seq_lens, batch.k_cache.shape, torch.bfloat16)
+    assert plan.rows is None and len(plan.buckets) == 1
+    assert plan.buckets[0].mask.shape == (4, 1, 1, 32)  # the longest, to whole blocks of 4
+    assert int(plan.buckets[0].mask.isinf().sum()) == 4 * 32 - (2 + 30 + 5 + 17)
+    got = _run(batch, cpu_attention)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, _run(batch, reference), atol=2e-2, rtol=2e-2)

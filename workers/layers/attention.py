@@ -7,7 +7,7 @@ state. Each `Attention` holds views of its layer's K and V in the stacked cache 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +23,9 @@ class AttentionMetadata:
     seq_lens[b] counts the sequence's cached tokens including this step's. slot_mapping[t]
     is block_id * block_size + offset for token t (-1 = padding, not written).
     `max_query_len` / `max_seq_len` are host-side upper bounds (no device sync).
+    `step_cache` holds what a kernel derives from these tensors once for every layer (the CPU
+    attention's decode plan); it lives and dies with this metadata, which must not change
+    after the first layer has read it.
     """
 
     slot_mapping: Tensor  # int64 [T]
@@ -31,6 +34,7 @@ class AttentionMetadata:
     seq_lens: Tensor  # int32 [B]
     max_query_len: int
     max_seq_len: int
+    step_cache: dict = field(default_factory=dict)
 
 
 class Attention(nn.Module):
@@ -76,4 +80,4 @@ class Attention(nn.Module):
                                        md.query_start_loc, md.seq_lens, self.scale,
                                        md.max_query_len, md.max_seq_len, backend=self.backend,
                                        key=k, value=v, k_scale=self.k_scale,
-                                       v_scale=self.v_scale)
+                                       v_scale=self.v_scale, step_cache=md.step_cache)
