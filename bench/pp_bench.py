@@ -51,7 +51,9 @@ def run(layout: str, args: argparse.Namespace) -> dict[str, Any]:
     with LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp, executor="ray",
              device="cpu", worker_num_cpus=0.5, max_num_seqs=args.batch,
              max_model_len=args.prompt + args.output + 16, swap_space=0.01,
-             enable_prefix_caching=False) as llm:
+             enable_prefix_caching=False,
+             **({"max_num_batched_tokens": args.max_num_batched_tokens}
+                if args.max_num_batched_tokens else {})) as llm:
         engine = llm.engine
         llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
         workers = engine.executor.workers
@@ -87,6 +89,10 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--model", default="qwen3-tiny")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step (engine default: 8192); keep a CPU step of a larger "
+                         "model under Ray's 10 s compiled-graph read timeout, which takes a "
+                         "longer step for a dead rank")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     import ray
