@@ -5,6 +5,7 @@ generates the rest (cluster/engine/kv_transfers.py). Shared by the engine tests.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -24,6 +25,16 @@ RAY_PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
 def ray_engine(**kw: object) -> LLMEngine:
     """A qwen3-tiny engine as the Ray PD tests make them."""
     return LLMEngine(EngineConfig(model="qwen3-tiny", max_num_seqs=8, swap_space=0.01, **kw))
+
+
+def ray_pd_engines(prefill: dict, decode: dict) -> Iterator[tuple]:
+    """A module fixture's body: (prefill engine, decode engine with async scheduling, a
+    colocated engine), shut down after the module."""
+    made = [ray_engine(kv_role="prefill", **prefill),
+            ray_engine(kv_role="decode", async_scheduling=True, **decode), ray_engine()]
+    yield tuple(made)
+    for e in made:
+        e.shutdown()
 
 
 def drain(engine: LLMEngine) -> list[RequestOutput]:

@@ -21,23 +21,18 @@ from pd_testlib import (
     disaggregated,
     kill_group,
     prefill,
-    ray_engine,
+    ray_pd_engines,
 )
 
 from scheduler import SamplingParams
 
-PROMPT, PARAMS, _engine = RAY_PROMPT, RAY_PARAMS, ray_engine
+PROMPT, PARAMS = RAY_PROMPT, RAY_PARAMS
 
 
 @pytest.fixture(scope="module")
 def engines(ray_cluster: None, tiny_model_path: str) -> Iterator[tuple]:
     tp2 = dict(tensor_parallel_size=2, worker_num_cpus=0.5)
-    made = [_engine(kv_role="prefill", **tp2),
-            _engine(kv_role="decode", async_scheduling=True, kv_transfer_timeout_s=5.0, **tp2),
-            _engine()]
-    yield tuple(made)
-    for e in made:
-        e.shutdown()
+    yield from ray_pd_engines(tp2, dict(kv_transfer_timeout_s=5.0, **tp2))
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])

@@ -23,7 +23,7 @@ from pd_testlib import (
     drain,
     kill_group,
     prefill,
-    ray_engine,
+    ray_pd_engines,
     tokens_of,
 )
 
@@ -31,18 +31,14 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.rdt_transport import RDTHandle
 from scheduler import SamplingParams
 
-PROMPT, PARAMS, _engine = RAY_PROMPT, RAY_PARAMS, ray_engine
+PROMPT, PARAMS = RAY_PROMPT, RAY_PARAMS
 RDT = dict(executor="ray", kv_transport="rdt", worker_num_cpus=0.25)
 
 
 @pytest.fixture(scope="module")
 def engines(ray_cluster: None, tiny_model_path: str) -> Iterator[tuple]:
-    made = [_engine(kv_role="prefill", kv_transfer_timeout_s=30.0, **RDT),
-            _engine(kv_role="decode", async_scheduling=True, kv_transfer_timeout_s=30.0, **RDT),
-            _engine()]
-    yield tuple(made)
-    for e in made:
-        e.shutdown()
+    both = dict(kv_transfer_timeout_s=30.0, **RDT)
+    yield from ray_pd_engines(both, both)
 
 
 def _held(p: LLMEngine, transfer: object) -> list[bool]:
