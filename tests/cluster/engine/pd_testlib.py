@@ -65,6 +65,16 @@ def prefill(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingPara
     return last.kv_transfer_params
 
 
+def fresh_export(engines: tuple, tag: str, first: int, params: SamplingParams
+                 ) -> tuple[list[int], list[int], dict, KVTransferParams]:
+    """A prompt cached on neither side (RAY_PROMPT with its first token `first`): (prompt,
+    the colocated engine's output, the decode engine's metrics before, the prefill's export)."""
+    p, d, c = engines
+    prompt = [first] + RAY_PROMPT[1:]
+    want = colocated(c, tag, prompt, params)
+    return prompt, want, d.metrics(), prefill(p, tag, prompt, params)
+
+
 def decode(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
            transfer: KVTransferParams) -> list[int]:
     """Run the decode half; the whole output (the prefill's first token, then the rest)."""

@@ -19,6 +19,7 @@ from pd_testlib import (
     colocated,
     decode,
     disaggregated,
+    fresh_export,
     kill_group,
     prefill,
     ray_pd_engines,
@@ -37,12 +38,10 @@ def engines(ray_cluster: None, tiny_model_path: str) -> Iterator[tuple]:
 
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
 def test_tp2_to_tp2_outputs_equal_colocated(engines: tuple, params: SamplingParams) -> None:
-    p, d, c = engines
+    p, d, _ = engines
     rid = f"ray-{params.temperature}"
-    prompt = [int(params.temperature) + 100] + PROMPT[1:]  # (nothing cached on either side)
-    want = colocated(c, rid, prompt, params)
-    before = d.metrics()
-    transfer = prefill(p, rid, prompt, params)
+    prompt, want, before, transfer = fresh_export(engines, rid, int(params.temperature) + 100,
+                                                  params)
     assert len(transfer.payloads) == 2 and transfer.num_blocks == 3
     assert decode(d, rid, prompt, params, transfer) == want
     assert_imported(before, d.metrics(), transfer)

@@ -21,6 +21,7 @@ from pd_testlib import (
     decode,
     disaggregated,
     drain,
+    fresh_export,
     kill_group,
     prefill,
     ray_pd_engines,
@@ -49,12 +50,10 @@ def _held(p: LLMEngine, transfer: object) -> list[bool]:
 
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
 def test_rdt_gloo_outputs_equal_colocated(engines: tuple, params: SamplingParams) -> None:
-    p, d, c = engines
+    p, d, _ = engines
     rid = f"rdt-{params.temperature}"
-    prompt = [int(params.temperature) + 400] + PROMPT[1:]  # (nothing cached on either side)
-    want = colocated(c, rid, prompt, params)
-    before = d.metrics()
-    transfer = prefill(p, rid, prompt, params)
+    prompt, want, before, transfer = fresh_export(engines, rid, int(params.temperature) + 400,
+                                                  params)
     assert transfer.num_blocks == 3 and len(transfer.payloads) == 1
     assert all(isinstance(h, RDTHandle) and h.backend == "gloo" for h in transfer.payloads)
     assert _held(p, transfer) == [True]  # on the prefill rank, its blocks already free
