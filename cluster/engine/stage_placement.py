@@ -7,8 +7,10 @@ one step's hidden states). Stage 0 is the Serve replica's own placement group fr
 node of this process (the replica's), as with a single stage; the later stages' groups go
 wherever Ray finds room. Groups this module made are removed with `remove()`.
 
-After a stage's node died, a rebuild waits for its group to be placed again
-(`wait_placed`) for REBUILD_PLACEMENT_WAIT_S at most, then gives up with StagesUnplacedError.
+After a stage's node died, a rebuild waits for its group to be placed again (`wait_placed`).
+It tells "no room" from "not yet": past REBUILD_PLACEMENT_WAIT_S it gives up
+(StagesUnplacedError) unless some alive node has the unplaced group's resources free, in which
+case Ray is only slow to move the group there and the wait goes on, to PLACEMENT_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -53,27 +55,42 @@ class StagePlacement:
             placement_group=self.groups[stage],
             placement_group_bundle_index=self.offsets[stage] + rank % self.tp)
 
-    def wait_placed(self, timeout_s: float = REBUILD_PLACEMENT_WAIT_S) -> None:
+    def wait_placed(self, timeout_s: float = REBUILD_PLACEMENT_WAIT_S,
+                    room_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
         """Until every group's bundles are placed (state CREATED): after a node died, Ray
         moves its bundles to a node with room (RESCHEDULING) and a rank started before that
-        is cancelled. StagesUnplacedError after `timeout_s`, or at once for a group that was
-        removed (its owner's job or node died: it is never placed again)."""
+        is cancelled. StagesUnplacedError at once for a group that was removed (its owner's
+        job or node died: it is never placed again); after `timeout_s` when no alive node has
+        room for an unplaced group; after `room_timeout_s` in any case."""
         from ray.util import placement_group_table
 
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
         while True:
-            states = [placement_group_table(g).get("state") for g in self.groups]
+            tables = [placement_group_table(g) for g in self.groups]
+            states = [t.get("state") for t in tables]
             if all(s == "CREATED" for s in states):
                 return
             if "REMOVED" in states:
                 raise StagesUnplacedError(
                     f"the engine's placement groups are {states}: a removed group is never "
                     "placed again (the job or node of the process that made it died)")
-            if time.monotonic() > deadline:
-                raise StagesUnplacedError(
-                    f"the engine's placement groups are {states}, not placed within "
-                    f"{timeout_s:.0f} s of a rank's death: no node has room for a lost stage; "
-                    "free or add a node")
+            waited = time.monotonic() - start
+            if waited > timeout_s:
+                free = _available_per_node()
+                unplaced = [list(t.get("bundles", {}).values())
+                            for t, s in zip(tables, states) if s != "CREATED"]
+                roomy = free is not None and all(room_for(b, free) for b in unplaced)
+                if not roomy:
+                    raise StagesUnplacedError(
+                        f"the engine's placement groups are {states}, not placed within "
+                        f"{timeout_s:.0f} s of a rank's death, and no alive node has room for "
+                        f"a lost stage (its bundles {unplaced}; free per node {free}); free or "
+                        "add a node")
+                if waited > room_timeout_s:
+                    raise StagesUnplacedError(
+                        f"the engine's placement groups are {states}, not placed within "
+                        f"{room_timeout_s:.0f} s of a rank's death although a node has room "
+                        f"(bundles {unplaced}; free per node {free})")
             time.sleep(0.2)
 
     def remove(self) -> None:
@@ -85,6 +102,29 @@ class StagePlacement:
                 with contextlib.suppress(Exception):  # removed with its job already
                     remove_placement_group(group)
         self.groups, self.offsets, self.owned = [], [], []
+
+
+def room_for(bundles: list[dict[str, float]], free: dict[str, dict[str, float]]) -> bool:
+    """Whether one node of `free` (node id -> its available resources) has every resource
+    the STRICT_PACK `bundles` need together. Ray's per-group resources (`CPU_group_...`) are
+    a placed group's own, not room."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            need[name] = need.get(name, 0.0) + amount
+    return any(all(avail.get(name, 0.0) >= amount - 1e-9 for name, amount in need.items())
+               for avail in free.values())
+
+
+def _available_per_node() -> dict[str, dict[str, float]] | None:
+    """Each alive node's available resources (Ray's DeveloperAPI); None when Ray cannot say."""
+    try:
+        from ray._private.state import available_resources_per_node
+
+        return {node: {k: v for k, v in res.items() if "_group_" not in k}
+                for node, res in available_resources_per_node().items()}
+    except Exception:  # noqa: BLE001 — then the wait gives up as if no node had room
+        return None
 
 
 def place_stages(pp: int, tp: int, bundle: dict[str, float], placement_group: Any = None,
