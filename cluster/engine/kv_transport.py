@@ -19,9 +19,9 @@ engine picks one per device (`EngineConfig.kv_transport`: the object store on CP
 `PayloadPuller`: where the rank that unpacks a payload is the engine's own process (the
 in-process executor), its object-store fetch runs on a background thread as soon as the
 request arrives, never on the engine loop's thread: a `ray.get` waits on the payload's owner
-(the prefill replica, whose cores are busy prefilling) and the object store, which under load
-took tens of milliseconds per request, a stall of every running stream. The loop only looks
-at whether the pull is done and then writes the fetched tensors into blocks.
+(the prefill replica, whose cores are busy prefilling) and the object store, and every running
+stream would wait with it (docs/benchmarks.md, prefill/decode). The loop only looks at whether
+the pull is done and then writes the fetched tensors into blocks.
 """
 
 from __future__ import annotations
