@@ -10,8 +10,11 @@ the copy is out, never while it is read, with no timer. The output carries
 `KVTransferParams` (payload handles, block count, first token).
 
 Decode side (`receive`, then `admit_ready`): the request waits here, not in the scheduler,
-until its payloads exist (Ray's object store: `ray.wait` without copying) or its bound
-(`kv_transfer_timeout_s`) passed. Then, with no plan in flight (the engine calls
+until its payloads are here or its bound (`kv_transfer_timeout_s`) passed. With the ranks in
+this process (the in-process executor), `receive` starts pulling the payloads into it on a
+background thread (kv_transport.PayloadPuller), so the engine loop never waits on the object
+store; with Ray ranks, each rank pulls its own, and the request waits until its payloads exist
+(`ray.wait` without copying). Then, with no plan in flight (the engine calls
 `admit_ready` only then, so no step reads or writes the blocks being written, and a freed
 block that a step in flight still writes is never reused under it), it takes free blocks for
 the hashes its prefix cache lacks, every rank fetches and writes its payload
@@ -28,6 +31,7 @@ after `export` returns or `admit_ready` admits (the invariant checker finds no l
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ from cluster.engine.kv_transport import (
     KVTransferError,
     KVTransferMetrics,
     KVTransferParams,
+    PayloadPuller,
     ready,
 )
 from kvcache.hashing import extra_key, prompt_block_hashes
@@ -62,6 +67,11 @@ class _Incoming:
     lora_request: LoRARequest | None
     transfer: KVTransferParams
     deadline: float
+    pull: concurrent.futures.Future | None  # PayloadPuller's, when this process pulls
+
+    def arrived(self) -> bool:
+        """Whether the payloads are here (or known lost), without waiting."""
+        return self.pull.done() if self.pull is not None else ready(self.transfer.payloads)
 
 
 def prefill_sampling(params: SamplingParams) -> SamplingParams:
@@ -84,6 +94,8 @@ class KVTransfers:
         self.metrics = KVTransferMetrics()
         self._exports: dict[str, bytes | None] = {}  # request id -> its blocks' extra key
         self._incoming: dict[str, _Incoming] = {}
+        # (Ray ranks pull their own payloads where they run: nothing to pull here)
+        self._puller = None if engine.config.uses_ray else PayloadPuller()
 
     @property
     def pending(self) -> bool:
@@ -140,7 +152,10 @@ class KVTransfers:
     def forget(self, request_id: str) -> bool:
         """An aborted request: nothing to export or import; whether it was waiting here."""
         self._exports.pop(request_id, None)
-        return self._incoming.pop(request_id, None) is not None
+        item = self._incoming.pop(request_id, None)
+        if item is not None and item.pull is not None:
+            item.pull.cancel()
+        return item is not None
 
     # ----- decode side ----------------------------------------------------------------
 
@@ -170,9 +185,10 @@ class KVTransfers:
         if params.max_tokens is not None and params.max_tokens < 2:
             raise ValueError("the prefill side generated the only token max_tokens allows; "
                              "send a request with max_tokens >= 2 to the decode side")
-        self._incoming[request_id] = _Incoming(
-            request_id, list(prompt), params, cache_salt, lora_request, transfer,
-            time.monotonic() + self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        pull = None if self._puller is None else self._puller.start(transfer.payloads, deadline)
+        self._incoming[request_id] = _Incoming(request_id, list(prompt), params, cache_salt,
+                                               lora_request, transfer, deadline, pull)
 
     def admit_ready(self) -> None:
         """Import the payloads that exist (or whose bound passed) and admit their requests.
@@ -183,7 +199,7 @@ class KVTransfers:
             time.sleep(_IDLE_POLL_S)  # (the loop would otherwise spin on empty steps)
         now = time.monotonic()
         for item in list(self._incoming.values()):
-            if now < item.deadline and not ready(item.transfer.payloads):
+            if now < item.deadline and not item.arrived():
                 continue
             del self._incoming[item.request_id]
             self._import(item, now >= item.deadline)
@@ -200,9 +216,16 @@ class KVTransfers:
                                      kv.block_size, _key(item.cache_salt, item.lora_request))
         if not hashes:
             return
-        if expired:
+        if expired and not (item.pull is not None and item.pull.done()):
             self.metrics.fallbacks += 1
             return
+        payloads, pulled_s = transfer.payloads, 0.0
+        if item.pull is not None:
+            try:
+                payloads, pulled_s = item.pull.result()
+            except KVTransferError:
+                self.metrics.fallbacks += 1
+                return
         start = time.perf_counter()
         try:
             cached, fresh = reserve(kv, hashes)
@@ -211,8 +234,8 @@ class KVTransfers:
             return
         try:
             if fresh.blocks:
-                engine.executor.import_kv(fresh.block_ids, transfer.payloads,
-                                          len(cached.blocks), self.timeout_s)
+                engine.executor.import_kv(fresh.block_ids, payloads, len(cached.blocks),
+                                          self.timeout_s)
         except KVTransferError:
             abandon(kv, cached, fresh)
             self.metrics.fallbacks += 1
@@ -222,8 +245,13 @@ class KVTransfers:
             raise
         self.metrics.imports += 1
         self.metrics.bytes_in += transfer.nbytes * len(fresh.blocks) // transfer.num_blocks
-        self.metrics.seconds.observe(time.perf_counter() - start)
+        self.metrics.seconds.observe(pulled_s + time.perf_counter() - start)
         adopt(kv, cached, fresh, hashes)
+
+    def shutdown(self) -> None:
+        """Stop pulling (the engine shuts down)."""
+        if self._puller is not None:
+            self._puller.shutdown()
 
     def stats(self) -> dict[str, Any]:
         """The role and the transfer metrics, for /metrics and `./dev status`."""

@@ -15,10 +15,19 @@ The other transport, `kv_transport: rdt` (cluster/engine/rdt_transport.py: Ray D
 Transport, NCCL on CUDA, gloo on CPU), keeps the payload on the prefill rank's device and hands
 over an `RDTHandle`, which is always ready: its pull is the decode engine's executor's. The
 engine picks one per device (`EngineConfig.kv_transport`: the object store on CPU by default).
+
+`PayloadPuller`: where the rank that unpacks a payload is the engine's own process (the
+in-process executor), its object-store fetch runs on a background thread as soon as the
+request arrives, never on the engine loop's thread: a `ray.get` waits on the payload's owner
+(the prefill replica, whose cores are busy prefilling) and the object store, and every running
+stream would wait with it (docs/benchmarks.md, prefill/decode). The loop only looks at whether
+the pull is done and then writes the fetched tensors into blocks.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,3 +126,45 @@ def ready(handles: list[Any]) -> bool:
         return False
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
     return len(done) == len(refs)
+
+
+def _needs_fetch(handle: Any) -> bool:
+    import ray
+
+    return isinstance(handle, ray.ObjectRef)
+
+
+def _pull(handles: list[Any], deadline: float) -> tuple[list[Any], float]:
+    """Every handle's payload (tensors and other handles as they are), and the seconds taken;
+    KVTransferError when one cannot be had by `deadline` (time.monotonic)."""
+    start = time.perf_counter()
+    out = [fetch(h, max(0.0, deadline - time.monotonic())) if _needs_fetch(h) else h
+           for h in handles]
+    return out, time.perf_counter() - start
+
+
+class PayloadPuller:
+    """Fetches a request's object-store payloads into this process on background threads
+    (see the module docstring). `start` gives a future of `(payloads, seconds)`, whose
+    payloads any `fetch` returns at once; its exception is a KVTransferError."""
+
+    # Pulls at once: a pull whose owner died waits for Ray to say so; the others go on.
+    MAX_PULLS = 4
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def start(self, handles: list[Any], deadline: float) -> concurrent.futures.Future | None:
+        """A future of the pulled payloads; None when none of `handles` needs a fetch (no
+        Ray, or a handle that no fetch here serves: its request waits on `ready`)."""
+        if _ray() is None or not any(_needs_fetch(h) for h in handles):
+            return None
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.MAX_PULLS, "kv-pull")
+        return self._pool.submit(_pull, list(handles), deadline)
+
+    def shutdown(self) -> None:
+        """Drop the pulls not yet started; one in progress ends by its deadline."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

@@ -411,5 +411,6 @@ class LLMEngine:
         # (tests, a notebook, a benchmark building the next engine) frees its device memory
         # in the executor's collect, cycles included.
         gc.unfreeze()
+        self.kv_transfers.shutdown()
         self.executor.shutdown()
 

@@ -1,0 +1,123 @@
+"""A decode engine whose ranks run in its own process (the in-process executor, what a tp 1
+Serve replica runs) pulls a request's payloads from Ray's object store on a background thread
+(kv_transport.PayloadPuller): its steps go on while a pull is in flight, the request is
+admitted once the payloads are here, and a pull that fails or is aborted leaves nothing
+behind (qwen3-tiny, tp 1, in-process engines on the session's Ray cluster)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pd_testlib import (
+    RAY_PROMPT,
+    assert_imported,
+    assert_no_block_held,
+    colocated,
+    drain,
+    prefill,
+    ray_engine,
+    tokens_of,
+)
+
+from cluster.engine import kv_transport
+from scheduler import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# How long a gated pull waits for the test to open its gate before it gives up (a loop that
+# pulled on its own thread would sit here, and the test would then fail, not hang).
+GATE_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster: None, tiny_model_path: str) -> Iterator[tuple]:
+    made = [ray_engine(kv_role="prefill"), ray_engine(kv_role="decode", kv_transfer_timeout_s=30.0),
+            ray_engine()]
+    assert not any(e.config.uses_ray for e in made)  # (in-process ranks, Ray up)
+    yield tuple(made)
+    for e in made:
+        e.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_leak(engines: tuple) -> Iterator[None]:
+    yield
+    for e in engines:
+        assert_no_block_held(e)
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, list[str]]]:
+    """Object-store fetches wait for the event; the list names the threads that fetched."""
+    opened, threads = threading.Event(), []
+    real = kv_transport.fetch
+
+    def gated(handle: Any, timeout_s: float) -> Any:
+        threads.append(threading.current_thread().name)
+        opened.wait(GATE_TIMEOUT_S)
+        return real(handle, timeout_s)
+
+    monkeypatch.setattr(kv_transport, "fetch", gated)
+    yield opened, threads
+    opened.set()
+
+
+def test_decode_steps_go_on_while_a_payload_is_pulled(engines: tuple, gate: tuple) -> None:
+    p, d, c = engines
+    opened, threads = gate
+    prompt = [301] + RAY_PROMPT[1:]
+    want = colocated(c, "pulled-c", prompt, GREEDY)
+    transfer = prefill(p, "pulled", prompt, GREEDY)
+    running = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    d.add_request("running", [302] + RAY_PROMPT[1:20], running)
+    outs = d.step()
+    before = d.metrics()
+    d.add_request("pulled", prompt, GREEDY, kv_transfer_params=transfer)
+    for _ in range(5):  # the pull waits at the gate; the running stream goes on
+        outs += d.step()
+    assert len(tokens_of(outs, "running")) == 6
+    assert d.kv_transfers.pending and tokens_of(outs, "pulled") == []
+    assert threads and all(t.startswith("kv-pull") for t in threads)
+    opened.set()
+    outs += drain(d)
+    assert [transfer.first_token] + tokens_of(outs, "pulled") == want
+    assert len(tokens_of(outs, "running")) == 40
+    assert_imported(before, d.metrics(), transfer)
+
+
+def test_a_pull_that_fails_falls_back_to_computing_the_prompt(engines: tuple) -> None:
+    import ray
+
+    @ray.remote(num_cpus=0.01)
+    def failed() -> None:
+        raise RuntimeError("payload lost")
+
+    p, d, c = engines
+    prompt = [303] + RAY_PROMPT[1:40]
+    want = colocated(c, "pull-failed-c", prompt, GREEDY)
+    transfer = prefill(p, "pull-failed", prompt, GREEDY)
+    transfer.payloads = [failed.remote()]
+    before = d.metrics()
+    d.add_request("pull-failed", prompt, GREEDY, kv_transfer_params=transfer)
+    assert [transfer.first_token] + tokens_of(drain(d), "pull-failed") == want
+    after = d.metrics()
+    assert after["kv_transfer_fallbacks_total"] == before["kv_transfer_fallbacks_total"] + 1
+    assert after["kv_transfer_imports_total"] == before["kv_transfer_imports_total"]
+
+
+def test_abort_during_a_pull_leaves_nothing(engines: tuple, gate: tuple) -> None:
+    p, d, _ = engines
+    opened, _ = gate
+    prompt = [304] + RAY_PROMPT[1:]
+    transfer = prefill(p, "pull-abort", prompt, GREEDY)
+    before = d.metrics()
+    d.add_request("pull-abort", prompt, GREEDY, kv_transfer_params=transfer)
+    d.step()
+    d.abort("pull-abort")
+    opened.set()
+    assert not d.has_unfinished() and tokens_of(drain(d), "pull-abort") == []
+    after = d.metrics()
+    assert after["kv_transfer_imports_total"] == before["kv_transfer_imports_total"]
+    assert after["kv_transfer_fallbacks_total"] == before["kv_transfer_fallbacks_total"]
