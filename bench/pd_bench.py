@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="every replica's token budget per step (the CPU manifests' 512: chunked "
                         "prefill, so a colocated replica's streams wait one chunk, not a prompt)")
+    p.add_argument("--prefill-nice", type=int, default=10,
+                   help="the prefill role's cpu_nice (manifests/qwen3-pd.yaml's 10; 0: the same "
+                        "CPU priority as the decode role)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8431)
     p.add_argument("--json", default=None, help="write the rows here")
@@ -69,12 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def app_args(mode: str, replica_cpus: float, batched_tokens: int = 512) -> dict[str, Any]:
+def app_args(mode: str, replica_cpus: float, batched_tokens: int = 512,
+             prefill_nice: int = 10) -> dict[str, Any]:
     """The manifest args of a mode (same total CPUs and step budget in both)."""
     base = {**BASE, "replica_num_cpus": replica_cpus, "max_num_batched_tokens": batched_tokens}
     if mode == "colocated":
         return {**base, "num_replicas": 2}
-    return {**base, "pd": {"prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}}}
+    return {**base, "pd": {"prefill": {"num_replicas": 1, "cpu_nice": prefill_nice},
+                           "decode": {"num_replicas": 1}}}
 
 
 def prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
@@ -158,7 +163,8 @@ def run_mode(mode: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
 
     from cluster.api.serve_app import build_app
 
-    serve.run(build_app(app_args(mode, args.replica_cpus, args.max_num_batched_tokens)), name="pd-bench", route_prefix="/")
+    serve.run(build_app(app_args(mode, args.replica_cpus, args.max_num_batched_tokens,
+                                 args.prefill_nice)), name="pd-bench", route_prefix="/")
     try:
         warm = argparse.Namespace(**{**vars(args), "streams": 2, "burst": 2, "burst_at": 0.0,
                                      "stream_tokens": 4, "burst_tokens": 2, "seed": 999})

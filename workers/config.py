@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from workers.cpu_threads import check_cpu_nice
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("cpu", "cuda")
 _BACKENDS = ("auto", "triton", "flash_attn", "torch")
@@ -83,6 +85,7 @@ class WorkerConfig:
     attention_backend: str = "auto"
     seed: int = 0
     enable_expert_parallel: bool = False
+    cpu_nice: int = 0  # this rank's process's nice value (workers/cpu_threads.py)
     # speculative decoding's draft model, a resolved checkpoint directory (None: no draft)
     speculative_model: str | None = None
     # speculative decoding's k (0: off) and the most sequences a verify step holds (the
@@ -122,6 +125,7 @@ class WorkerConfig:
                                  f"not support {what}; use pipeline_parallel_size 1")
 
     def __post_init__(self) -> None:
+        check_cpu_nice(self.cpu_nice)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}; got {self.dtype!r}")
         if self.device not in _DEVICES:

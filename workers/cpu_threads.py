@@ -10,6 +10,11 @@ Why fewer threads than cores: an intra-op parallel region waits for its slowest 
 another process holds a core (the engine's loop, a second replica, the proxy, other users of a
 shared machine), every small op of a decode step waits for a thread that is not scheduled, and
 a few-microsecond op takes milliseconds (docs/benchmarks.md, "CPU path", issue #43).
+
+A worker's process may also run at a lower CPU priority (`cpu_nice`, set per engine): Linux
+keeps a nice value per thread and a new thread inherits its creator's, so `set_process_nice`
+sets every thread the process has; the threads made later follow. It only ever lowers the
+priority (an unprivileged process cannot raise it back).
 """
 
 from __future__ import annotations
@@ -30,6 +35,29 @@ def model_threads(tensor_parallel_size: int, environ: Mapping[str, str] = os.env
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, ((cores or 1) - 1) // tensor_parallel_size)
+
+
+def check_cpu_nice(nice: object) -> None:
+    """ValueError unless `nice` is an integer nice value in 0..19."""
+    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+        raise ValueError("cpu_nice must be an integer in 0..19 (the nice value of the engine's "
+                         "worker processes; e.g. 10 for a prefill/decode app's prefill role); "
+                         f"got {nice!r}")
+
+
+def set_process_nice(nice: int) -> int:
+    """Lower every thread of this process to nice `nice` (those already lower stay); returns
+    the calling thread's nice value after it. 0 changes nothing."""
+    check_cpu_nice(nice)
+    if nice and hasattr(os, "setpriority"):
+        tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+        for tid in map(int, tasks):
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+                continue
+    return os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
 
 
 def set_model_threads(tensor_parallel_size: int) -> int:

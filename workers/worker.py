@@ -27,7 +27,7 @@ from scheduler.plan import StepPlan, StepResult
 from workers.cache_engine import CacheEngine
 from workers.cache_sizing import KVCacheSizing, dtype_bytes, loaded
 from workers.config import WorkerConfig
-from workers.cpu_threads import set_model_threads
+from workers.cpu_threads import set_model_threads, set_process_nice
 from workers.cuda_graph import capture_step_graphs
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftRunner
@@ -101,6 +101,7 @@ class Worker(KVCacheSizing):
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:  # the cores the engine's Python does not need (workers/cpu_threads.py)
             set_model_threads(cfg.tensor_parallel_size)
+        set_process_nice(cfg.cpu_nice)
         tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
         self.tp = TensorParallelGroup.initialize(tp, cfg.rank, cfg.dist_init_method, cfg.device,
                                                  pp)

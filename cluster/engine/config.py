@@ -10,6 +10,7 @@ from cluster.engine.reasoning import REASONING_PARSERS
 from cluster.engine.tool_parsers import TOOL_CALL_PARSERS
 from scheduler.speculative import SpeculativeConfig
 from workers.config import check_kv_cache_dtype
+from workers.cpu_threads import check_cpu_nice
 from workers.quantization import check_quantization_arg
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -66,6 +67,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     executor: str = "auto"
     worker_num_cpus: float = 1.0
+    # The nice value (0-19) of the engine's worker processes (the replica's own process with
+    # the in-process executor): a lower CPU priority, so that on shared cores the processes at
+    # nice 0 run first. A prefill/decode app gives its prefill role 10 on CPU
+    # (manifests/qwen3-pd.yaml): a burst of prompts then yields the cores to the decode
+    # streams, whose steps are short and latency-bound (workers/cpu_threads.py).
+    cpu_nice: int = 0
     compiled_graph: bool = True  # Ray executor: broadcast plans through a Ray Compiled Graph
     # Schedule step N+1 while step N runs (its decodes take N's tokens on the workers), as
     # vLLM's async scheduling does; False: schedule only after each step's result is applied.
@@ -212,6 +219,7 @@ class EngineConfig:
                              "kv_offloading_size 0")
         if not (isinstance(self.worker_num_cpus, (int, float)) and self.worker_num_cpus > 0):
             raise ValueError(f"worker_num_cpus must be > 0; got {self.worker_num_cpus!r}")
+        check_cpu_nice(self.cpu_nice)
         if not (isinstance(self.engine_stall_timeout_s, (int, float))
                 and not isinstance(self.engine_stall_timeout_s, bool)
                 and self.engine_stall_timeout_s > 0):

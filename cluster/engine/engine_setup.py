@@ -113,7 +113,7 @@ def build_worker_config(config: EngineConfig, model_path: str, device: str, max_
         num_gpu_blocks_override=config.num_gpu_blocks_override, swap_space=config.swap_space,
         kv_offloading_size=config.kv_offloading_size,
         enforce_eager=eager,
-        attention_backend=config.attention_backend, seed=config.seed,
+        attention_backend=config.attention_backend, seed=config.seed, cpu_nice=config.cpu_nice,
         enable_expert_parallel=config.enable_expert_parallel, speculative_model=draft_path,
         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         speculative_max_num_seqs=0 if spec is None else spec.disable_by_batch_size,

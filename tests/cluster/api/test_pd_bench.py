@@ -32,6 +32,9 @@ def test_both_modes_use_the_same_cpus_and_pass_the_manifest_checks() -> None:
     check_args(pd)
     assert colo["num_replicas"] * colo["replica_num_cpus"] == 2 * pd["replica_num_cpus"]
     assert set(pd["pd"]) == {"prefill", "decode"}
+    # the prefill role at manifests/qwen3-pd.yaml's lower CPU priority unless told otherwise
+    assert pd["pd"]["prefill"]["cpu_nice"] == pd_bench.parse_args([]).prefill_nice == 10
+    assert pd_bench.app_args("disaggregated", 0.8, 512, 0)["pd"]["prefill"]["cpu_nice"] == 0
 
 
 def test_itl_counts_only_the_burst_window() -> None:
