@@ -25,6 +25,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,11 +46,25 @@ class Sim:
 
 def add_node(cluster: Any, wait: bool = True, num_cpus: int = 1) -> Any:
     """A worker node (1 CPU unless told); from the main thread only (see the module
-    docstring)."""
+    docstring). With `wait`, it returns once the GCS's resource view holds the node's CPUs
+    (registered is not enough: a loaded host reports a new node's resources seconds later,
+    and a placement group needing them stays pending meanwhile)."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("add a simulated node from the main thread: its raylet dies with "
                            "the thread that started it (PR_SET_PDEATHSIG)")
-    return cluster.add_node(wait=wait, num_cpus=num_cpus)
+    node = cluster.add_node(wait=wait, num_cpus=num_cpus)
+    if wait and num_cpus:
+        import ray
+        from ray._private.state import total_resources_per_node
+
+        if ray.is_initialized():
+            deadline = time.monotonic() + 60
+            while total_resources_per_node().get(node.node_id, {}).get("CPU", 0) < num_cpus:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the new node {node.node_id}'s {num_cpus} CPU(s) are "
+                                       "not in the GCS's resource view after 60 s")
+                time.sleep(0.2)
+    return node
 
 
 def _process_tree(root: int) -> list[int]:
