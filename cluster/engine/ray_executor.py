@@ -249,7 +249,9 @@ class RayExecutor(Executor):
             self.workers[self._output_rank].provide_bitmask.remote(handle, bitmask))
 
     def _call_all(self, plan: StepPlan) -> StepResult:
-        return self._wait_all([w.execute.remote(plan) for w in self.workers])[self._output_rank]
+        result = self._wait_all([w.execute.remote(plan) for w in self.workers])
+        self.rebuilds_without_step = 0
+        return result[self._output_rank]
 
     def _dag_submit(self, plan: StepPlan) -> Any:
         self.check_health()
@@ -270,8 +272,10 @@ class RayExecutor(Executor):
         except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
             self._fail(e)
         result = outputs[self._output_rank]
-        # (copied out of the channel's buffer: see StepResult.owned)
-        return None if result is None else result.owned()
+        if result is None:  # (a Park's output, or a lagged call's that followed none)
+            return None
+        self.rebuilds_without_step = 0
+        return result.owned()  # (copied out of the channel's buffer: see StepResult.owned)
 
     def export_kv(self, block_ids: list[int]) -> tuple[list, int]:
         if self._rdt is not None:

@@ -136,6 +136,7 @@ def test_a_rank_killed_mid_step_is_noticed_within_seconds(
     assert rebuilds[0][0] - killed[0] < 10, rebuilds
     assert tokens(outputs) == reference  # recomputed on the new group
     assert llm.engine.recoveries == recoveries + 1
+    assert llm.engine.executor.rebuilds_without_step == 0  # its steps completed
 
 
 def test_a_step_past_the_bound_fails_the_group_naming_the_bound(
