@@ -40,20 +40,30 @@ MIN_BATCHED_TOKENS = 8192
 # its bundles still look placed there, and a rank put there is cancelled when it is declared.
 # A rebuild whose stages found no node with room (StagesUnplacedError, after
 # stage_placement.REBUILD_PLACEMENT_WAIT_S) is not tried again: it already waited for room.
+# The attempts count across failures until a step completes (Executor.rebuilds_without_step):
+# a step that kills every group it runs on (one past dag_calls.STEP_BOUND_S, a rank that
+# crashes on it) ends the engine after MAX_REBUILD_ATTEMPTS rebuilds, not in a loop of them.
 MAX_REBUILD_ATTEMPTS = 4
 REBUILD_BACKOFF_S = 1.0
 
 
 def rebuild_or_raise(executor: Executor, error: WorkerDiedError) -> None:
-    """Rebuild the executor's workers; once that failed MAX_REBUILD_ATTEMPTS times, or found
-    no room for a lost stage, shut the executor down and raise WorkerDiedError (the engine
-    dies; the ingress resumes its requests on another replica)."""
+    """Rebuild the executor's workers; once that failed MAX_REBUILD_ATTEMPTS times since the
+    workers last completed a step (a rebuild whose group then died before finishing one counts
+    as failed), or found no room for a lost stage, shut the executor down and raise
+    WorkerDiedError (the engine dies; the ingress resumes its requests on another replica)."""
+    if executor.rebuilds_without_step >= MAX_REBUILD_ATTEMPTS:
+        executor.shutdown()
+        raise WorkerDiedError(f"{error}; the workers were rebuilt "
+                              f"{executor.rebuilds_without_step} time(s) and each new group "
+                              "failed before finishing a step") from error
     last: BaseException = error
-    for attempt in range(MAX_REBUILD_ATTEMPTS):
+    for attempt in range(executor.rebuilds_without_step, MAX_REBUILD_ATTEMPTS):
         if attempt:
             logger.warning("engine: rebuilding the workers failed (%s: %s); retrying in %.0f s",
                            type(last).__name__, last, REBUILD_BACKOFF_S * 2 ** (attempt - 1))
             time.sleep(REBUILD_BACKOFF_S * 2 ** (attempt - 1))
+        executor.rebuilds_without_step = attempt + 1
         try:
             executor.rebuild()
             return
@@ -66,8 +76,9 @@ def rebuild_or_raise(executor: Executor, error: WorkerDiedError) -> None:
     # stage's group stays pending (RESCHEDULING) and would take the room a node frees or
     # joins with, before Serve's replacement replica can be placed there.
     executor.shutdown()
-    raise WorkerDiedError(f"{error}; rebuilding the workers failed after {attempt + 1} "
-                          f"attempt(s): {type(last).__name__}: {last}") from last
+    raise WorkerDiedError(f"{error}; rebuilding the workers failed after "
+                          f"{executor.rebuilds_without_step} attempt(s): "
+                          f"{type(last).__name__}: {last}") from last
 
 
 # Allocations of container objects between two young-generation collections (CPython's

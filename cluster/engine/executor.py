@@ -37,6 +37,10 @@ class Executor(ABC):
     num_gpu_blocks: int
     num_cpu_blocks: int
     num_offload_blocks: int = 0  # per rank: the CPU tier of evicted prefix blocks
+    # Rebuilds since the workers last returned a step's result: engine_setup.rebuild_or_raise
+    # counts them, the executor zeroes them. A rebuilt group that fails again before finishing
+    # a step (the step that killed the last one, run again) has used one more attempt.
+    rebuilds_without_step: int = 0
 
     @abstractmethod
     def submit(self, plan: StepPlan) -> Any:

@@ -6,6 +6,7 @@ one write read by every rank; its cost against one actor call per rank is in
 docs/benchmarks.md); `compiled_graph=False` falls back to one actor call per rank. With
 `lagged` (async scheduling) each graph call launches its plan and returns the result of the
 plan before. Idle ranks park on a socket (wakeup.py) instead of spinning on the channel.
+The graph's blocking calls wait out a long step but not a dead rank (dag_calls.py).
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import os
 from collections import deque
 from typing import Any, NoReturn
 
 import numpy as np
 
+from cluster.engine.dag_calls import DagCaller, dead_rank, ray_timeout_s
 from cluster.engine.executor import Executor, WorkerDiedError
 from cluster.engine.kv_transport import KVTransferError
 from cluster.engine.rdt_transport import RDTHandle, RDTPeers, new_key
@@ -76,6 +79,7 @@ class RayExecutor(Executor):
         self._lagged = lagged and compiled_graph
         self.workers: list = []
         self._dag: Any = None
+        self._caller: DagCaller | None = None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._wake_sockets: WakeSockets | None = None
         # KV transfers over Ray Direct Transport (rdt_transport.py), else the object store;
@@ -121,6 +125,8 @@ class RayExecutor(Executor):
         self._wake_sockets = self._open_wake_sockets() if self._compiled_graph else None
         self._parked: concurrent.futures.Future | None = None
         self._unread_parks: deque[concurrent.futures.Future] = deque()
+        if self._compiled_graph:
+            self._caller = DagCaller(functools.partial(dead_rank, list(self.workers)))
         self._dag = self._compile() if self._compiled_graph else None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dag")
 
@@ -167,7 +173,8 @@ class RayExecutor(Executor):
         with InputNode() as plan:
             dag = MultiOutputNode([(w.execute_lagged if self._lagged else w.execute).bind(plan)
                                    for w in self.workers])
-        return dag.experimental_compile()
+        # (reads get the same timeout in _dag_get: dag_calls.py bounds a step, not Ray)
+        return dag.experimental_compile(_submit_timeout=ray_timeout_s())
 
     def _wait_all(self, refs: list) -> list:
         """ray.get of every ref, failing as soon as ANY fails: a dead rank leaves the others
@@ -242,12 +249,14 @@ class RayExecutor(Executor):
             self.workers[self._output_rank].provide_bitmask.remote(handle, bitmask))
 
     def _call_all(self, plan: StepPlan) -> StepResult:
-        return self._wait_all([w.execute.remote(plan) for w in self.workers])[self._output_rank]
+        result = self._wait_all([w.execute.remote(plan) for w in self.workers])
+        self.rebuilds_without_step = 0
+        return result[self._output_rank]
 
     def _dag_submit(self, plan: StepPlan) -> Any:
         self.check_health()
         try:
-            return self._dag.execute(plan)
+            return self._caller.call(self._dag.execute, plan)
         except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
             self._fail(e)
 
@@ -258,12 +267,15 @@ class RayExecutor(Executor):
             self._dag_get(self._unread_parks.popleft())  # (None: a parked call's output)
         ref = submitted.result()  # done: submitted earlier on this same thread
         try:
-            # Ray tears the graph down when an actor dies, which wakes this get with an error.
-            # (Copied out of the channel's buffer: see StepResult.owned.)
-            result = ray.get(ref)[self._output_rank]
-            return None if result is None else result.owned()
+            # A dead rank raises here within a slice (dag_calls.py); a long step is waited for.
+            outputs = self._caller.call(lambda: ray.get(ref, timeout=ray_timeout_s()))
         except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
             self._fail(e)
+        result = outputs[self._output_rank]
+        if result is None:  # (a Park's output, or a lagged call's that followed none)
+            return None
+        self.rebuilds_without_step = 0
+        return result.owned()  # (copied out of the channel's buffer: see StepResult.owned)
 
     def export_kv(self, block_ids: list[int]) -> tuple[list, int]:
         if self._rdt is not None:
@@ -338,6 +350,9 @@ class RayExecutor(Executor):
             with contextlib.suppress(Exception):  # (its actors are gone: this frees the driver's side)
                 dag.teardown()
         self.workers = []
+        caller, self._caller = self._caller, None
+        if caller is not None:
+            caller.close()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.shutdown(wait=False)

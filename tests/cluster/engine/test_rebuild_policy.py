@@ -20,6 +20,8 @@ class Rebuilds:
     """An executor whose `rebuild` raises each of `failures` in turn, then succeeds; it
     records every rebuild and shutdown called on it."""
 
+    rebuilds_without_step = 0  # (as Executor: a real one zeroes it when a step completes)
+
     def __init__(self, *failures: BaseException) -> None:
         self.failures = list(failures)
         self.calls: list[str] = []
@@ -58,6 +60,32 @@ def test_a_rebuild_failing_every_attempt_shuts_the_executor_down() -> None:
     with pytest.raises(WorkerDiedError, match=f"after {MAX_REBUILD_ATTEMPTS} attempt.*try 3"):
         rebuild_or_raise(executor, WorkerDiedError("rank 1 died"))
     assert executor.calls == ["rebuild"] * MAX_REBUILD_ATTEMPTS + ["shutdown"]
+
+
+def test_a_rebuilt_group_failing_again_before_any_step_counts_as_a_failed_attempt() -> None:
+    """Each rebuild succeeds, but the new group dies on the same step (a step past the
+    executor's bound, say): the engine ends after MAX_REBUILD_ATTEMPTS rebuilds, not in a loop."""
+    executor = Rebuilds()
+    for _ in range(MAX_REBUILD_ATTEMPTS):
+        rebuild_or_raise(executor, WorkerDiedError("step 7 ran past the bound"))
+    assert executor.calls == ["rebuild"] * MAX_REBUILD_ATTEMPTS
+    with pytest.raises(WorkerDiedError, match=f"step 7 ran past the bound; the workers were "
+                       f"rebuilt {MAX_REBUILD_ATTEMPTS} time\\(s\\) and each new group failed"):
+        rebuild_or_raise(executor, WorkerDiedError("step 7 ran past the bound"))
+    assert executor.calls == ["rebuild"] * MAX_REBUILD_ATTEMPTS + ["shutdown"]
+
+
+def test_failed_rebuilds_and_failed_groups_share_the_attempts_until_a_step_completes() -> None:
+    executor = Rebuilds(RuntimeError("cancelled"))
+    rebuild_or_raise(executor, WorkerDiedError("rank 1 died"))  # 1 failed + 1 good rebuild
+    assert executor.rebuilds_without_step == 2
+    executor.rebuilds_without_step = 0  # a step completed on the new group
+    rebuild_or_raise(executor, WorkerDiedError("rank 0 died"))
+    assert executor.rebuilds_without_step == 1
+    executor.failures = [RuntimeError(f"try {i}") for i in range(MAX_REBUILD_ATTEMPTS)]
+    with pytest.raises(WorkerDiedError, match=f"after {MAX_REBUILD_ATTEMPTS} attempt.*try 2"):
+        rebuild_or_raise(executor, WorkerDiedError("rank 0 died again"))
+    assert executor.calls == ["rebuild"] * 6 + ["shutdown"]
 
 
 def test_wait_placed_gives_up_on_a_group_with_no_room_and_remove_frees_it(
