@@ -94,8 +94,12 @@ def micro(rounds: int, iters: int) -> dict:
 
 def engine_run(steps: int) -> dict:
     """One engine in this process: median and min decode step (ms) at batch 1 and 8."""
+    import ray
+
     from cluster import LLM, SamplingParams
 
+    # "local": a Ray of this process's own (never a cluster another run left behind).
+    ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     llm = LLM("qwen3-tiny", tensor_parallel_size=2, executor="ray", worker_num_cpus=0.5,
               device="cpu")
     engine, out = llm.engine, {}
@@ -116,6 +120,7 @@ def engine_run(steps: int) -> dict:
             out[f"batch {batch}"] = {"median_ms": statistics.median(times), "min_ms": min(times)}
     finally:
         llm.shutdown()
+        ray.shutdown()
     return out
 
 
@@ -123,7 +128,8 @@ def engine(pairs: int, steps: int) -> list[dict]:
     rows = []
     for pair in range(pairs):
         for knob in ("1", "0") if pair % 2 == 0 else ("0", "1"):
-            env = {**os.environ, "QWEN3_SERVE_CPU_SHM_ALLREDUCE": knob,
+            env = {**os.environ, "QWEN3_SERVE_CPU_SHM_ALLREDUCE": knob, "RAY_AUTH_MODE": "disabled",
+                   "HF_HUB_OFFLINE": "1",
                    "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
             load = os.getloadavg()[0]
             proc = subprocess.run([sys.executable, __file__, "--engine-run", "--steps", str(steps)],
