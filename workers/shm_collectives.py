@@ -33,9 +33,12 @@ Invariants:
 - A wait is bounded: a peer that does not arrive within `timeout_s`, or whose process is gone,
   gives a RuntimeError naming the collective (the engine's dead-rank handling takes over).
 
-The waiter spins briefly, then yields its core, then sleeps in short naps: a CPU host often has
-more runnable processes than cores (two ranks and the engine's driver on two cores), and a
-spinning waiter would take the core of the rank it waits for.
+The waiter spins briefly, then sleeps in the kernel on the peer's counter (a futex on the low
+32 bits of the shared counter; a rank wakes its counter's sleepers after each publish): a CPU
+host often has more runnable processes than cores (two ranks and the engine's driver on two
+cores), and a waiter that spins, or yields and stays runnable, takes the core of the rank it
+waits for; a futex sleeper gives the core away at once and is woken as soon as the peer
+publishes, as gloo's blocking socket read is.
 
 `QWEN3_SERVE_CPU_SHM_ALLREDUCE=0` in the ranks' environment turns this path off (gloo only),
 for debugging.
@@ -43,6 +46,7 @@ for debugging.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -64,10 +68,20 @@ SLOT_BYTES = 8 << 20
 _HEADER_BYTES = 4096  # the counters, one 64-byte line per rank (up to 64 ranks)
 _LINE = 64
 _MAX_CACHED_VIEWS = 64
-_SPINS = 64  # counter polls before yielding the core
-_YIELDS = 256  # sched_yield()s before sleeping
-_NAP_S = 50e-6
+_SPINS = 64  # counter polls before sleeping on the futex
 _LIVENESS_EVERY_S = 0.1  # how often a sleeping waiter checks that the peer's process lives
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86_64 Linux; shared (not private) futexes
+_syscall = ctypes.CDLL(None, use_errno=True).syscall
+_syscall.restype = ctypes.c_long
+_syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32,
+                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_NAP = _Timespec(0, int(_LIVENESS_EVERY_S * 1e9))
 
 
 def shm_enabled(environ: dict[str, str] | os._Environ = os.environ) -> bool:
@@ -124,6 +138,7 @@ class ShmCollectives:
         self._counters = np.ndarray((world_size,), dtype=np.int64, buffer=shm,
                                     strides=(_LINE,))
         base = torch.frombuffer(shm, dtype=torch.uint8)
+        self._counter_addr = [base.data_ptr() + r * _LINE for r in range(world_size)]
         self._views: dict[tuple, list[Tensor]] = {}  # (parity, dtype, shape) -> slot views
         self._slots = [[base[_HEADER_BYTES + (p * world_size + r) * slot_bytes:][:slot_bytes]
                         for r in range(world_size)] for p in range(2)]
@@ -216,6 +231,7 @@ class ShmCollectives:
         if publish:
             views[self.rank].copy_(x)
         self._counters[self.rank] = seq  # after the payload (see the module docstring)
+        _syscall(_SYS_FUTEX, self._counter_addr[self.rank], _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
         for r in range(self.world_size):
             if r != self.rank and self._counters[r] < seq:
                 self._wait(r, seq, name)
@@ -226,20 +242,19 @@ class ShmCollectives:
         for _ in range(_SPINS):
             if counters[peer] >= seq:
                 return
-        for _ in range(_YIELDS):
-            os.sched_yield()
+        start = time.monotonic()
+        while (seen := int(counters[peer])) < seq:
+            # Sleeps only while the word still holds `seen` (checked by the kernel), so a
+            # publish between the load above and this call is never missed.
+            _syscall(_SYS_FUTEX, self._counter_addr[peer], _FUTEX_WAIT, seen & 0xFFFFFFFF,
+                     ctypes.addressof(_NAP), None, 0)
             if counters[peer] >= seq:
                 return
-        start = checked = time.monotonic()
-        while counters[peer] < seq:
-            time.sleep(_NAP_S)
             now = time.monotonic()
-            if now - checked >= _LIVENESS_EVERY_S:
-                checked = now
-                gone = _process_gone(self._pids[peer])
-                if gone or now - start > self.timeout_s:
-                    why = ("its process is gone" if gone
-                           else f"it did not arrive within {self.timeout_s:g} s")
-                    raise RuntimeError(
-                        f"shared-memory {name} (collective {seq}) on rank {self.rank} of "
-                        f"{self.world_size}: rank {peer} never arrived ({why})")
+            gone = _process_gone(self._pids[peer])
+            if gone or now - start > self.timeout_s:
+                why = ("its process is gone" if gone
+                       else f"it did not arrive within {self.timeout_s:g} s")
+                raise RuntimeError(
+                    f"shared-memory {name} (collective {seq}) on rank {self.rank} of "
+                    f"{self.world_size}: rank {peer} never arrived ({why})")
