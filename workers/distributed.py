@@ -6,6 +6,10 @@ Layers never read a global rank: each holds the `TensorParallelGroup` it was bui
 Each rank of an engine is its own process (a Ray actor, or a spawned test process), so the
 group is that process's default group, created from the engine's `tcp://127.0.0.1:PORT`
 with a port the engine picked free; two engines on one host differ in port and processes.
+
+On CPU (gloo) with every rank of the group on this host, `all_reduce` and `gather_last_dim`
+go through a shared-memory segment instead of gloo's TCP (workers/shm_collectives.py;
+`QWEN3_SERVE_CPU_SHM_ALLREDUCE=0` keeps gloo); NCCL (CUDA) is unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from workers.shm_collectives import ShmCollectives
 
 # Long enough for the slowest rank to finish loading a large checkpoint.
 _INIT_TIMEOUT = timedelta(minutes=10)
@@ -84,6 +90,7 @@ class TensorParallelGroup:
         self.world_size = world_size
         self.group = group
         self.owns_world = owns_world  # this process joined the world group (destroy leaves it)
+        self.shm: ShmCollectives | None = None  # CPU ranks on one host: see `_shm_for`
 
     @classmethod
     def single(cls) -> TensorParallelGroup:
@@ -101,20 +108,32 @@ class TensorParallelGroup:
             return cls.single()
         _init_world(total, rank, init_method, device)
         if pipeline_parallel_size == 1:
-            return cls(rank, world_size, dist.group.WORLD, owns_world=True)
-        # Every rank creates every stage's group, in the same order (new_group's contract).
-        groups = [dist.new_group(list(range(s * world_size, (s + 1) * world_size)))
-                  for s in range(pipeline_parallel_size)] if world_size > 1 else []
-        group = groups[rank // world_size] if groups else None
-        return cls(rank % world_size, world_size, group, owns_world=True)
+            tp = cls(rank, world_size, dist.group.WORLD, owns_world=True)
+        else:
+            # Every rank creates every stage's group, in the same order (new_group's contract).
+            groups = [dist.new_group(list(range(s * world_size, (s + 1) * world_size)))
+                      for s in range(pipeline_parallel_size)] if world_size > 1 else []
+            group = groups[rank // world_size] if groups else None
+            tp = cls(rank % world_size, world_size, group, owns_world=True)
+        if device != "cuda" and world_size > 1:
+            tp.shm = ShmCollectives.create(tp.group, tp.rank, world_size,
+                                           _INIT_TIMEOUT.total_seconds())
+        return tp
 
     @property
     def is_first(self) -> bool:
         return self.rank == 0
 
+    def _shm_for(self, x: Tensor) -> ShmCollectives | None:
+        """The one dispatch point: the shared-memory segment when `x` fits it, else None (gloo
+        or NCCL). Every rank decides alike (same shapes on every rank)."""
+        return self.shm if self.shm is not None and self.shm.fits(x) else None
+
     def all_reduce(self, x: Tensor) -> Tensor:
         """Sum `x` over the ranks, in place."""
         if self.world_size > 1:
+            if (shm := self._shm_for(x)) is not None:
+                return shm.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -123,6 +142,8 @@ class TensorParallelGroup:
         if self.world_size == 1:
             return x
         x = x.contiguous()
+        if (shm := self._shm_for(x)) is not None:
+            return shm.gather_last_dim(x)
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
         dist.gather(x, parts, group=self.group, group_dst=0)
         return torch.cat(parts, dim=-1) if parts is not None else None
@@ -147,6 +168,9 @@ class TensorParallelGroup:
         return int(t.item())
 
     def destroy(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if self.owns_world and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_world = False
