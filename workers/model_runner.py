@@ -74,7 +74,8 @@ class ModelRunner:
         self.stager = InputStager(device)
         self.pending = PendingTokens(device, max_num_seqs)
         self.bitmask_stager = InputStager(device, nbytes=1 << 16)
-        # query_start_loc of a batch of one-token sequences
+        # query_start_loc of a batch of one-token sequences, by batch size (views of one arange)
+        self._one_token_cu: dict[int, Tensor] = {}
         self._arange = torch.arange(max(max_num_seqs, 1) * 4 + 1, dtype=torch.int32,
                                     device=device)
         self.sampler = Sampler()
@@ -228,22 +229,28 @@ class ModelRunner:
         if not graph:
             width = int(need.max())
             if table.device_is_host:  # (CPU: one numpy gather, no torch op)
-                block_tables = torch.from_numpy(table.block_table[rows, :width])
+                block_tables = torch.from_numpy(table.block_table[:, :width].take(rows, 0))
             else:
                 block_tables = table.device_block_table[:, :width].index_select(0, d_rows)
-        if d_cu is None and num_seqs + 1 > self._arange.shape[0]:
-            self._arange = torch.arange(2 * num_seqs + 1, dtype=torch.int32, device=self.device)
+        if d_cu is None and num_seqs not in self._one_token_cu:
+            if num_seqs + 1 > self._arange.shape[0]:
+                self._arange = torch.arange(2 * num_seqs + 1, dtype=torch.int32,
+                                            device=self.device)
+            self._one_token_cu[num_seqs] = self._arange[:num_seqs + 1]
         md = AttentionMetadata(
             slot_mapping=d_slots, block_tables=block_tables,
-            query_start_loc=self._arange[:num_seqs + 1] if d_cu is None else d_cu,
+            query_start_loc=self._one_token_cu[num_seqs] if d_cu is None else d_cu,
             seq_lens=d_seq_lens, max_query_len=1 if decode else int(qlens.max()),
             max_seq_len=max_seq_len)
         sampling = None
         if num_sampled:
+            # (without a graph's padding rows they hold num_sampled each: no torch slice)
+            temp, key, counter = ((t[:num_sampled] for t in (d_temp, d_key, d_counter)) if tpad
+                                  else (d_temp, d_key, d_counter))
             sampling = SamplingMetadata(
-                temperature=d_temp[:num_sampled], all_greedy=not features & RANDOM,
-                top_k=d_top_k, top_p=d_top_p, min_p=d_min_p, rng_key=d_key[:num_sampled],
-                rng_counter=d_counter[:num_sampled], penalties=None,  # (sample() fills them)
+                temperature=temp, all_greedy=not features & RANDOM,
+                top_k=d_top_k, top_p=d_top_p, min_p=d_min_p, rng_key=key,
+                rng_counter=counter, penalties=None,  # (sample() fills them)
                 max_num_logprobs=(int(table.num_logprobs[sample_rows].max())
                                   if features & LOGPROBS else None),
                 max_top_k=max_top_k(table, sample_rows) if features & TOP_K else None)

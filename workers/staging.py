@@ -50,7 +50,7 @@ class InputStager:
         """Device views of `groups` = (int64 arrays, int32 arrays, float32 arrays), in order
         (None for a None entry: nothing staged), and each group's whole region (its arrays
         back to back, for a one-copy hand-off). Arrays are cast to their group's dtype."""
-        sizes = tuple(tuple(-1 if a is None else a.shape[0] for a in arrays) for arrays in groups)
+        sizes = tuple([tuple([-1 if a is None else len(a) for a in arrays]) for arrays in groups])
         index = self._next
         layout = self._layouts.get((index, sizes))
         if layout is None:
