@@ -95,13 +95,19 @@ class PendingTokens:
                              f"{owners[src < 0].tolist()}, which plan {last} did not sample")
         return np.maximum(input_ids, 0), src  # (the pending ids, the only negative ones, -> 0)
 
-    def fill(self, input_ids: Tensor, positions: Tensor, sources: Tensor,
+    def fill(self, input_ids: Tensor, positions: Tensor | None, sources: Tensor,
              tp: TensorParallelGroup | OutputBroadcast) -> None:
-        """input_ids[positions] = the last step's sampled ids at `sources` (on the device)."""
-        n = positions.shape[0]
-        if n > self._values.shape[0]:
-            self._values = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
-        values = self._values[:n]
+        """input_ids[positions] = the last step's sampled ids at `sources` (on the device);
+        positions None: every token row is pending (a decode step's), gathered in place."""
+        n = sources.shape[0]
+        if positions is None:
+            values = input_ids if input_ids.shape[0] == n else input_ids[:n]
+        else:
+            if n > self._values.shape[0]:
+                self._values = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
+            values = self._values[:n]
         if tp.is_first:
             torch.index_select(self._tokens, 0, sources, out=values)
-        input_ids.index_copy_(0, positions, tp.broadcast_from_first(values))
+        tp.broadcast_from_first(values)
+        if positions is not None:
+            input_ids.index_copy_(0, positions, values)

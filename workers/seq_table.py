@@ -326,7 +326,10 @@ class SeqTable:
         """The KV slot of each token (its row's table entry at position // block_size, times
         block_size, plus the offset), int64: the table is int32, a slot id need not be."""
         bs = self.block_size
-        return self.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = self.block_table[rows, positions // bs].astype(np.int64)
+        slots *= bs
+        slots += positions % bs
+        return slots
 
     def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
         """Rows of a step's sequences; ValueError naming the first one without state."""
