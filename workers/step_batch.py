@@ -2,7 +2,8 @@
 
 `workers/model_runner.py` fills a `StepBatch` per step from the plan and the persistent batch
 (`workers/seq_table.py`); the functions here are pure numpy over that table's arrays (speculative
-verify rows, penalty rows, padding to a graph's size): nothing reads a device value.
+verify rows, penalty rows, each token's LoRA slot, padding to a graph's size): nothing reads a
+device value.
 """
 
 from __future__ import annotations
