@@ -254,8 +254,8 @@ def row_argmax(x: Tensor) -> Tensor:
 
     torch's CPU argmax runs a scalar loop per row, whatever the width (a batch of short rows
     pays it per row as much as one 152k-vocabulary row does). On a CPU, numpy's argmax is one
-    vectorized pass (its result aliased, not copied); for bfloat16, a vectorized max over
-    chunks, then an argmax inside the winning chunk.
+    vectorized pass per row (`torch.from_numpy` wraps its result, no copy); for bfloat16, a
+    vectorized max over chunks, then an argmax inside the winning chunk.
     """
     if not x.is_cuda and x.dtype in _NUMPY_FLOATS:
         return torch.from_numpy(x.numpy().argmax(axis=-1))
