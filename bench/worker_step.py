@@ -11,7 +11,9 @@ compute: the model's forward and logits are replaced by preallocated outputs (lo
 64-token vocabulary, so the sampler's compute is nil too), and each step is a real plan
 through `Worker.launch` and
 `Worker.collect`: pending input tokens (async scheduling), a block appended whenever a
-sequence crosses a block boundary. Rows: `batch`, `host_us_per_step` (median), and its parts.
+sequence crosses a block boundary. Rows: `batch`, `host_us_per_step` (median wall time), its
+parts, and `cpu_us_per_step` (median of the thread's CPU time over the same calls: what a
+loaded machine's preemptions do not add to, so A/B runs on a shared machine compare it too).
 
     .venv/bin/python bench/worker_step.py --host-overhead --batches 1,32,256 --json out.json
 
@@ -123,7 +125,7 @@ def host_overhead_case(worker: Worker, batch: int, context: int, steps: int,
            for i, s in enumerate(seqs)]
     rng = np.random.default_rng(0)
     worker.execute(_plan(0, seqs, 1, context - 1, rng, new))
-    prepare, collect, total = [], [], []
+    prepare, collect, total, cpu = [], [], [], []
     for k in range(steps):
         pos = context + k
         plan = _plan(k + 1, seqs, 1, pos, rng)
@@ -131,20 +133,22 @@ def host_overhead_case(worker: Worker, batch: int, context: int, steps: int,
             plan.input_ids[:] = PENDING_TOKEN
         if pos % BLOCK == 0:  # every sequence opens a block (in real batches 1/16 of them)
             plan.appended_blocks = {s: [i * 64 + pos // BLOCK] for i, s in enumerate(seqs)}
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         worker.launch(plan)
         t1 = time.perf_counter()
         worker.collect(plan.step_id)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         prepare.append(t1 - t0)
         collect.append(t2 - t1)
         total.append(t2 - t0)
+        cpu.append(c2 - c0)
     worker.execute(StepPlan(steps + 1, np.zeros(0, np.int64), np.zeros(0, np.int32),
                             np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, bool),
                             dropped_seq_ids=seqs))
     return {"batch": batch, "host_us_per_step": statistics.median(total) * 1e6,
             "launch_us": statistics.median(prepare) * 1e6,
-            "collect_us": statistics.median(collect) * 1e6, "pending_tokens": pending}
+            "collect_us": statistics.median(collect) * 1e6,
+            "cpu_us_per_step": statistics.median(cpu) * 1e6, "pending_tokens": pending}
 
 
 def host_overhead(args: argparse.Namespace, batches: list[int]) -> None:
@@ -156,10 +160,11 @@ def host_overhead(args: argparse.Namespace, batches: list[int]) -> None:
     host_overhead_case(worker, 4, 64, 5, not args.no_pending)  # warm-up
     rows = [host_overhead_case(worker, b, 200, args.steps, not args.no_pending)
             for b in batches]
-    print(f"{'batch':>5} {'host us/step':>13} {'launch us':>10} {'collect us':>11}")
+    print(f"{'batch':>5} {'host us/step':>13} {'launch us':>10} {'collect us':>11} "
+          f"{'cpu us/step':>12}")
     for r in rows:
         print(f"{r['batch']:>5} {r['host_us_per_step']:>13.1f} {r['launch_us']:>10.1f} "
-              f"{r['collect_us']:>11.1f}")
+              f"{r['collect_us']:>11.1f} {r['cpu_us_per_step']:>12.1f}")
     _write_json(args, rows)
     worker.shutdown()
 

@@ -46,6 +46,7 @@ from workers.step_batch import (
     NO_PENALTIES,
     StepBatch,
     draft_entries_for,
+    lora_slots,
     max_top_k,
     padded,
     penalty_arrays,
@@ -74,7 +75,8 @@ class ModelRunner:
         self.stager = InputStager(device)
         self.pending = PendingTokens(device, max_num_seqs)
         self.bitmask_stager = InputStager(device, nbytes=1 << 16)
-        # query_start_loc of a batch of one-token sequences
+        # query_start_loc of a batch of one-token sequences, by batch size (views of one arange)
+        self._one_token_cu: dict[int, Tensor] = {}
         self._arange = torch.arange(max(max_num_seqs, 1) * 4 + 1, dtype=torch.int32,
                                     device=device)
         self.sampler = Sampler()
@@ -132,7 +134,7 @@ class ModelRunner:
                              f"max_model_len is {self.max_model_len}")
         need = (seq_lens + (bs - 1)) // bs
         short = need > table.num_blocks[rows]
-        if short.any():
+        if np.count_nonzero(short):
             i = int(np.argmax(short))
             raise ValueError(f"seq {int(plan.seq_ids[i])} needs {int(need[i])} blocks for "
                              f"{int(seq_lens[i])} tokens; its block table has "
@@ -147,9 +149,11 @@ class ModelRunner:
             input_ids = np.where(draft_at, 0, input_ids)
             lowest = int(input_ids.min(initial=0))
         if lowest < 0:
-            pending = np.flatnonzero(input_ids < 0)
+            pending = (input_ids < 0).nonzero()[0]
             input_ids, pending_src = self.pending.resolve(plan, pending, token_rows, lowest)
-        all_sample = bool(plan.do_sample.all())
+            if pending.shape[0] == num_tokens:  # (every token row: filled in place, no index)
+                pending = None
+        all_sample = np.count_nonzero(plan.do_sample) == num_seqs
         sample = None if all_sample else np.flatnonzero(plan.do_sample)
         sample_rows = rows if all_sample else rows[sample]
         num_sampled = num_seqs if all_sample else int(sample.shape[0])
@@ -207,7 +211,8 @@ class ModelRunner:
                *pen[:4], *((None, None) if spec is None else (a.reshape(-1) for a in spec)),
                *((None, None) if prompt is None else (prompt.hidden_rows, prompt.targets)),
                *((None,) * 6 if entries is None else entries.i64),
-               None if self.lora is None else self._lora_slots(token_rows, tpad)]
+               None if self.lora is None else lora_slots(table, token_rows, tpad,
+                                                         self.lora.max_tokens)]
         i32 = [padded(seq_lens, pad, q), cu, table.top_k[sample_rows] if features & TOP_K
                else None, diff_ids if diff_ids.size else None,
                None if entries is None else entries.seq_lens]
@@ -226,24 +231,30 @@ class ModelRunner:
             table.device_block_table.index_put_((d_diff_rows, d_diff_cols), d_diff_ids)
         block_tables = None
         if not graph:
-            width = int(need.max())
+            width = (max_seq_len + bs - 1) // bs  # (need.max())
             if table.device_is_host:  # (CPU: one numpy gather, no torch op)
-                block_tables = torch.from_numpy(table.block_table[rows, :width])
+                block_tables = torch.from_numpy(table.block_table[:, :width].take(rows, 0))
             else:
                 block_tables = table.device_block_table[:, :width].index_select(0, d_rows)
-        if d_cu is None and num_seqs + 1 > self._arange.shape[0]:
-            self._arange = torch.arange(2 * num_seqs + 1, dtype=torch.int32, device=self.device)
+        if d_cu is None and num_seqs not in self._one_token_cu:
+            if num_seqs + 1 > self._arange.shape[0]:
+                self._arange = torch.arange(2 * num_seqs + 1, dtype=torch.int32,
+                                            device=self.device)
+            self._one_token_cu[num_seqs] = self._arange[:num_seqs + 1]
         md = AttentionMetadata(
             slot_mapping=d_slots, block_tables=block_tables,
-            query_start_loc=self._arange[:num_seqs + 1] if d_cu is None else d_cu,
+            query_start_loc=self._one_token_cu[num_seqs] if d_cu is None else d_cu,
             seq_lens=d_seq_lens, max_query_len=1 if decode else int(qlens.max()),
             max_seq_len=max_seq_len)
         sampling = None
         if num_sampled:
+            # (without a graph's padding rows they hold num_sampled each: no torch slice)
+            temp, key, counter = ((t[:num_sampled] for t in (d_temp, d_key, d_counter)) if tpad
+                                  else (d_temp, d_key, d_counter))
             sampling = SamplingMetadata(
-                temperature=d_temp[:num_sampled], all_greedy=not features & RANDOM,
-                top_k=d_top_k, top_p=d_top_p, min_p=d_min_p, rng_key=d_key[:num_sampled],
-                rng_counter=d_counter[:num_sampled], penalties=None,  # (sample() fills them)
+                temperature=temp, all_greedy=not features & RANDOM,
+                top_k=d_top_k, top_p=d_top_p, min_p=d_min_p, rng_key=key,
+                rng_counter=counter, penalties=None,  # (sample() fills them)
                 max_num_logprobs=(int(table.num_logprobs[sample_rows].max())
                                   if features & LOGPROBS else None),
                 max_top_k=max_top_k(table, sample_rows) if features & TOP_K else None)
@@ -267,14 +278,6 @@ class ModelRunner:
             draft_in_graph=draft_in_graph, prompt=prompt, lora_slots=d_lora,
             lora_active=d_lora is not None and bool((table.lora_slot[rows] >= 0).any()))
 
-    def _lora_slots(self, token_rows: np.ndarray, pad: int) -> np.ndarray:
-        """Each token's adapter slot, padded with -1 (base) to the graph's token rows."""
-        slots = padded(self.table.lora_slot[token_rows], pad, -1)
-        if slots.shape[0] > self.lora.max_tokens:
-            raise ValueError(f"a step of {slots.shape[0]} tokens exceeds the {self.lora.max_tokens}"
-                             " the LoRA slot buffer holds (max_num_batched_tokens)")
-        return slots
-
     def _graphs_for(self, plan: StepPlan, decode: bool, qlens: np.ndarray,
                     num_sampled: int) -> CUDAGraphRunner | None:
         """The runner whose graphs fit the step, if any: every sequence samples, and either
@@ -296,7 +299,7 @@ class ModelRunner:
 
     def fill_pending(self, batch: StepBatch, tp: TensorParallelGroup | OutputBroadcast) -> None:
         """Gather the step's pending tokens on the device (workers/pending.py)."""
-        if batch.pending_pos is not None:
+        if batch.pending_src is not None:
             self.pending.fill(batch.input_ids, batch.pending_pos, batch.pending_src, tp)
 
     @torch.inference_mode()

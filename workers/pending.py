@@ -36,6 +36,7 @@ class PendingTokens:
         self._tokens = torch.zeros(0, dtype=torch.int64, device=device)
         self._index_of_row = np.full(max_num_seqs, -1, dtype=np.int64)
         self._rows = _NONE  # the rows that sampled in the last step
+        self._order = np.arange(max_num_seqs, dtype=np.int64)  # (record's index values)
         self._values = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
 
     def record(self, step_id: int, sample_rows: np.ndarray) -> None:
@@ -51,7 +52,10 @@ class PendingTokens:
                 grown = np.full(2 * (top + 1), -1, dtype=np.int64)
                 grown[:index.shape[0]] = index
                 self._index_of_row = index = grown
-            index[sample_rows] = np.arange(sample_rows.shape[0], dtype=np.int64)
+            n = sample_rows.shape[0]
+            if n > self._order.shape[0]:
+                self._order = np.arange(2 * n, dtype=np.int64)
+            index[sample_rows] = self._order[:n]
         self._rows = sample_rows
 
     def sampled(self, tokens: Tensor) -> None:
@@ -89,17 +93,21 @@ class PendingTokens:
             owners = plan.seq_ids[np.searchsorted(ends, pending, side="right")]
             raise ValueError(f"plan {plan.step_id} has pending tokens for seqs "
                              f"{owners[src < 0].tolist()}, which plan {last} did not sample")
-        filled = input_ids.copy()
-        filled[pending] = 0
-        return filled, src
+        return np.maximum(input_ids, 0), src  # (the pending ids, the only negative ones, -> 0)
 
-    def fill(self, input_ids: Tensor, positions: Tensor, sources: Tensor,
+    def fill(self, input_ids: Tensor, positions: Tensor | None, sources: Tensor,
              tp: TensorParallelGroup | OutputBroadcast) -> None:
-        """input_ids[positions] = the last step's sampled ids at `sources` (on the device)."""
-        n = positions.shape[0]
-        if n > self._values.shape[0]:
-            self._values = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
-        values = self._values[:n]
+        """input_ids[positions] = the last step's sampled ids at `sources` (on the device);
+        positions None: every token row is pending (a decode step's), gathered in place."""
+        n = sources.shape[0]
+        if positions is None:
+            values = input_ids if input_ids.shape[0] == n else input_ids[:n]
+        else:
+            if n > self._values.shape[0]:
+                self._values = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
+            values = self._values[:n]
         if tp.is_first:
             torch.index_select(self._tokens, 0, sources, out=values)
-        input_ids.index_put_((positions,), tp.broadcast_from_first(values))
+        tp.broadcast_from_first(values)
+        if positions is not None:
+            input_ids.index_copy_(0, positions, values)

@@ -15,7 +15,11 @@ Invariants:
 - `block_table[row, :num_blocks[row]]` is the sequence's table; the device table equals it
   once the diffs taken by `take_block_diff()` have been scattered on the device (the model
   runner does that in the same step, before the forward pass reads the table; on CPU the
-  device table is the host table, `device_is_host`, and there is nothing to scatter);
+  device table is the host table, `device_is_host`, and there is nothing to scatter). The diff
+  is each changed row's entries from `dirty_from[row]` (the first column written since the
+  last take; -1: none) to its end, read from the host table when taken: one write per entry;
+- a plan's block writes (new tables, appended blocks, replaced tables) are numpy over all the
+  plan's sequences at once, checked before anything is written;
 - `num_tokens[row]` counts every token the worker was given for the sequence (its computed
   tokens when it arrived, plus each step's inputs).
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -63,7 +68,8 @@ class SeqRows:
     def lookup(self, seq_ids: np.ndarray) -> np.ndarray:
         """Rows of `seq_ids` (-1 for an id without state)."""
         idx = seq_ids - self.base
-        if not idx.size or (idx.min() >= 0 and idx.max() < self.rows.shape[0]):
+        # (as unsigned, an id below the window is past its end too: one reduction checks both)
+        if not idx.size or int(idx.view(np.uint64).max()) < self.rows.shape[0]:
             return self.rows[idx]
         inside = (idx >= 0) & (idx < self.rows.shape[0])
         out = np.full(seq_ids.shape, -1, dtype=np.int64)
@@ -164,7 +170,7 @@ class SeqTable:
         self.num_prompt_logprob_seqs = 0  # sequences held with a prompt (prompt logprobs)
         self._alloc_rows(max_num_seqs)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self._diff: list[tuple[int, int, list[int]]] = []  # (row, first column, block ids)
+        self._any_dirty = False  # some row's dirty_from >= 0
 
     # per-row columns: name -> (dtype, value of a free row)
     _COLUMNS: dict[str, tuple[type, float]] = {
@@ -174,7 +180,7 @@ class SeqTable:
         "num_prompt_logprobs": (np.int32, -1),
         "penalty_slot": (np.int64, -1), "repetition_penalty": (np.float32, 1.0),
         "frequency_penalty": (np.float32, 0.0), "presence_penalty": (np.float32, 0.0),
-        "features": (np.int64, 0), "lora_slot": (np.int64, -1),
+        "features": (np.int64, 0), "lora_slot": (np.int64, -1), "dirty_from": (np.int64, -1),
     }
 
     def _alloc_rows(self, n: int) -> None:
@@ -211,7 +217,7 @@ class SeqTable:
                 continue
             row = state.row
             self.seq_rows.set(seq_id, -1)
-            self._forget_diff(row)
+            self.dirty_from[row] = -1
             self.num_blocks[row] = 0
             if state.penalty_slot >= 0:
                 self.penalties.release(state.penalty_slot)
@@ -224,15 +230,20 @@ class SeqTable:
 
     def apply(self, plan: StepPlan) -> None:
         """New sequences, then appended blocks, then replaced tables."""
-        for new in plan.new_seqs:
-            self._add(new)
-        for seq_id, blocks in plan.appended_blocks.items():
-            row = self._row(seq_id)
-            self._write_blocks(seq_id, row, int(self.num_blocks[row]), blocks)
-        for seq_id, table in plan.replaced_tables.items():
-            self._write_blocks(seq_id, self._row(seq_id), 0, table)
+        if plan.new_seqs:
+            rows = np.fromiter(map(self._add, plan.new_seqs), np.int64, len(plan.new_seqs))
+            self._write_blocks(np.fromiter((n.seq_id for n in plan.new_seqs), np.int64,
+                                           rows.shape[0]), rows, None,
+                               [n.block_table for n in plan.new_seqs])
+        for diffs, at_end in ((plan.appended_blocks, True), (plan.replaced_tables, False)):
+            if diffs:
+                seq_ids = np.fromiter(diffs, np.int64, len(diffs))
+                rows = self.rows_of(seq_ids)
+                self._write_blocks(seq_ids, rows, self.num_blocks[rows] if at_end else None,
+                                   list(diffs.values()))
 
-    def _add(self, new: NewSeq) -> None:
+    def _add(self, new: NewSeq) -> int:
+        """A row for the new sequence, with its settings (its block table: `_write_blocks`)."""
         if new.seq_id in self.seqs:
             raise ValueError(f"NewSeq for seq {new.seq_id}, which already has state; the plan "
                              "must drop it first")
@@ -279,42 +290,46 @@ class SeqTable:
             | (TOP_P if random and p.top_p < 1.0 else 0)
             | (MIN_P if random and p.min_p > 0.0 else 0)
             | (LOGPROBS if p.logprobs is not None else 0) | (PENALTIES if slot >= 0 else 0))
-        self._write_blocks(new.seq_id, row, 0, new.block_table)
+        return row
 
-    def _write_blocks(self, seq_id: int, row: int, start: int, blocks: list[int]) -> None:
-        end = start + len(blocks)
-        if end > self.max_blocks_per_seq:
-            raise ValueError(f"seq {seq_id} would have {end} blocks; max_model_len="
-                             f"{self.max_model_len} allows {self.max_blocks_per_seq}")
-        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_gpu_blocks):
-            bad = next(b for b in blocks if not 0 <= b < self.num_gpu_blocks)
-            raise ValueError(f"seq {seq_id}'s block table names block {bad}; the cache has "
-                             f"{self.num_gpu_blocks} blocks")
-        if start == 0:
-            self._forget_diff(row)  # a whole new table: earlier writes to the row are void
-        if blocks:
-            self.block_table[row, start:end] = blocks
-            self._diff.append((row, start, blocks))
-        self.num_blocks[row] = end
-
-    def _forget_diff(self, row: int) -> None:
-        """Keep at most one write per table entry in a step's diff (the device applies the
-        diff in one scatter, where two writes to one entry would race)."""
-        if self._diff:
-            self._diff = [d for d in self._diff if d[0] != row]
-
-    def _row(self, seq_id: int) -> int:
-        state = self.seqs.get(seq_id)
-        if state is None:
-            raise ValueError(f"the plan names seq {seq_id}, which has no state on this worker "
-                             "(never sent as NewSeq, or already dropped)")
-        return state.row
+    def _write_blocks(self, seq_ids: np.ndarray, rows: np.ndarray, starts: np.ndarray | None,
+                      tables: list[list[int]]) -> None:
+        """Write `tables[i]` into row `rows[i]` from column `starts[i]` (None: whole new tables,
+        from column 0), each sequence's table ending there; every id is checked first."""
+        n = rows.shape[0]
+        lens = np.fromiter(map(len, tables), np.int64, n)
+        if starts is None:
+            starts = np.zeros(n, dtype=np.int64)
+        ends = starts + lens
+        if n and int(ends.max()) > self.max_blocks_per_seq:
+            i = int(np.argmax(ends > self.max_blocks_per_seq))
+            raise ValueError(f"seq {int(seq_ids[i])} would have {int(ends[i])} blocks; "
+                             f"max_model_len={self.max_model_len} allows "
+                             f"{self.max_blocks_per_seq}")
+        total = int(lens.sum())
+        if total:
+            ids = np.fromiter(chain.from_iterable(tables), np.int64, total)
+            bad = (ids < 0) | (ids >= self.num_gpu_blocks)
+            if bad.any():
+                j = int(np.argmax(bad))
+                owner = int(seq_ids[np.searchsorted(np.cumsum(lens), j, side="right")])
+                raise ValueError(f"seq {owner}'s block table names block {int(ids[j])}; the "
+                                 f"cache has {self.num_gpu_blocks} blocks")
+            at_rows, cols = _ragged(rows, starts, lens, total)
+            self.block_table[at_rows, cols] = ids
+        self.num_blocks[rows] = ends
+        dirty = self.dirty_from[rows]
+        self.dirty_from[rows] = np.where((dirty >= 0) & (dirty < starts), dirty, starts)
+        self._any_dirty = True
 
     def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The KV slot of each token (its row's table entry at position // block_size, times
         block_size, plus the offset), int64: the table is int32, a slot id need not be."""
         bs = self.block_size
-        return self.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = self.block_table[rows, positions // bs].astype(np.int64)
+        slots *= bs
+        slots += positions % bs
+        return slots
 
     def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
         """Rows of a step's sequences; ValueError naming the first one without state."""
@@ -327,19 +342,22 @@ class SeqTable:
 
     def take_block_diff(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, columns, block ids) written since the last call, flat int64, for the device."""
-        diff, self._diff = self._diff, []
-        if not diff:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty
-        if len(diff) == 1:
-            row, start, blocks = diff[0]
-            n = len(blocks)
-            return (np.full(n, row, dtype=np.int64), np.arange(start, start + n, dtype=np.int64),
-                    np.asarray(blocks, dtype=np.int64))
-        lens = np.fromiter((len(b) for _, _, b in diff), dtype=np.int64, count=len(diff))
-        rows = np.repeat(np.fromiter((r for r, _, _ in diff), np.int64, len(diff)), lens)
-        starts = np.repeat(np.fromiter((s for _, s, _ in diff), np.int64, len(diff)), lens)
-        offsets = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(
-            np.cumsum(lens) - lens, lens)
-        ids = np.concatenate([np.asarray(b, dtype=np.int64) for _, _, b in diff])
-        return rows, starts + offsets, ids
+        if not self._any_dirty:
+            return _EMPTY, _EMPTY, _EMPTY
+        self._any_dirty = False
+        rows = np.flatnonzero(self.dirty_from >= 0)
+        starts = self.dirty_from[rows]
+        self.dirty_from[rows] = -1
+        lens = np.maximum(self.num_blocks[rows] - starts, 0)
+        at_rows, cols = _ragged(rows, starts, lens, int(lens.sum()))
+        return at_rows, cols, self.block_table[at_rows, cols].astype(np.int64)
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _ragged(rows: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+            total: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (row, column) of each entry of `lens[i]` columns from `starts[i]` in `rows[i]`."""
+    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    return np.repeat(rows, lens), np.repeat(starts, lens) + offsets

@@ -50,31 +50,37 @@ class InputStager:
         """Device views of `groups` = (int64 arrays, int32 arrays, float32 arrays), in order
         (None for a None entry: nothing staged), and each group's whole region (its arrays
         back to back, for a one-copy hand-off). Arrays are cast to their group's dtype."""
-        sizes = tuple(tuple(-1 if a is None else a.shape[0] for a in arrays) for arrays in groups)
+        # (one flat tuple and the groups' lengths: cheaper to build and hash than nested ones)
+        key = (self._next, tuple(map(len, groups)),
+               tuple([-1 if a is None else len(a) for arrays in groups for a in arrays]))
         index = self._next
-        layout = self._layouts.get((index, sizes))
+        layout = self._layouts.get(key)
         if layout is None:
-            layout = self._layout(index, sizes)
-        offsets, end, views, regions = layout
+            layout = self._layout(key)
+        outs, end, views, regions = layout
         slot = self._slots[index]
         self._next = (index + 1) % self.depth
         if slot.copied is not None and not slot.copied.query():
             # Its copy of `depth` steps ago still queued: only if the caller launched more
             # steps than the ring holds without collecting any (the worker never does).
             slot.copied.synchronize()
-        host = slot.host_np
-        for np_dtype, arrays, (start, stop) in zip(_NP_DTYPES, groups, offsets):
-            if stop > start:
-                np.concatenate([a for a in arrays if a is not None],
-                               out=host[start:stop].view(np_dtype), casting="unsafe")
+        for arrays, out in zip(groups, outs):
+            if out is not None:
+                np.concatenate([a for a in arrays if a is not None], out=out, casting="unsafe")
         if slot.copied is not None:
             slot.device[:end].copy_(slot.host[:end], non_blocking=True)
             slot.copied.record()
         return views, regions
 
-    def _layout(self, index: int, sizes: tuple[tuple[int, ...], ...]) -> tuple:
-        """Byte ranges, total size and device views of one slot for arrays of these sizes
-        (-1: absent). Made once per (slot, sizes) and reused: a steady batch makes no views."""
+    def _layout(self, key: tuple) -> tuple:
+        """The host arrays each group is packed into (None: an empty group), total size and
+        device views of one slot for arrays of these sizes (-1: absent). Made once per (slot,
+        sizes) and reused: a steady batch makes no views."""
+        index, lengths, flat = key
+        sizes, at = [], 0
+        for n in lengths:
+            sizes.append(flat[at:at + n])
+            at += n
         ranges, end = [], 0
         for itemsize, counts in zip(_ITEMSIZES, sizes):
             n = sum(c for c in counts if c > 0)
@@ -83,16 +89,17 @@ class InputStager:
         if end > self.nbytes:
             self._grow(end)
         slot = self._slots[index]
-        views, regions = [], []
-        for (_, torch_dtype), counts, (start, stop) in zip(_GROUPS, sizes, ranges):
+        outs, views, regions = [], [], []
+        for (np_dtype, torch_dtype), counts, (start, stop) in zip(_GROUPS, sizes, ranges):
+            outs.append(slot.host_np[start:stop].view(np_dtype) if stop > start else None)
             region = slot.device[start:stop].view(torch_dtype)
             regions.append(region)
             split = iter(region.split([c for c in counts if c >= 0]))
             views.append([None if c < 0 else next(split) for c in counts])
         if len(self._layouts) >= _MAX_LAYOUTS:
             self._layouts.clear()
-        layout = (ranges, end, views, regions)
-        self._layouts[(index, sizes)] = layout
+        layout = (outs, end, views, regions)
+        self._layouts[key] = layout
         return layout
 
     def _grow(self, nbytes: int) -> None:

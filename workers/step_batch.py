@@ -2,7 +2,8 @@
 
 `workers/model_runner.py` fills a `StepBatch` per step from the plan and the persistent batch
 (`workers/seq_table.py`); the functions here are pure numpy over that table's arrays (speculative
-verify rows, penalty rows, padding to a graph's size): nothing reads a device value.
+verify rows, penalty rows, each token's LoRA slot, padding to a graph's size): nothing reads a
+device value.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class StepBatch:
     graph_i64: Tensor | None  # the staged region the graph's int64 inputs come from
     graph_rows: Tensor | None  # int64 [graph_size] table rows (padding: row 0)
     graph_temperature: Tensor | None  # float32 [graph token rows] (padding: 0.0)
-    pending_pos: Tensor | None  # int64 [P] token rows whose id is the last step's sample
+    # int64 [P] token rows whose id is the last step's sample; None: rows 0..P-1 (every one)
+    pending_pos: Tensor | None
     pending_src: Tensor | None  # int64 [P] index of that sample in the last step's output
     penalty_tokens: tuple[Tensor, Tensor, Tensor] | None  # (token rows, slots, is_prompt)
     # (batch rows, slots, repetition, frequency, presence) of the penalized sampled rows
@@ -125,6 +127,15 @@ def verify_rows(drafts: np.ndarray, sample_rows: np.ndarray, logits_idx: np.ndar
     proposal[row_of[is_draft], j[is_draft]] = input_ids[idx[is_draft] + 1]
     return (np.repeat(sample_rows, reps), idx, np.repeat(s_counter - drafts, reps) + j,
             starts[constrained], (gather, proposal))
+
+
+def lora_slots(table: SeqTable, token_rows: np.ndarray, pad: int, max_tokens: int) -> np.ndarray:
+    """Each token's adapter slot, padded with -1 (base) to the graph's token rows."""
+    slots = padded(table.lora_slot[token_rows], pad, -1)
+    if slots.shape[0] > max_tokens:
+        raise ValueError(f"a step of {slots.shape[0]} tokens exceeds the {max_tokens} the LoRA "
+                         "slot buffer holds (max_num_batched_tokens)")
+    return slots
 
 
 def padded(a: np.ndarray, pad: int, value: float) -> np.ndarray:

@@ -29,6 +29,7 @@ class _Slot:
     def __init__(self, rows: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.tokens = torch.empty(rows, dtype=torch.int64, pin_memory=pin)
+        self.tokens_np = self.tokens.numpy()  # (a view: take reads it without a torch call)
         self.logprobs = torch.empty(rows, dtype=torch.float32, pin_memory=pin)
         self.top_ids = torch.empty(rows, MAX_LOGPROBS + 1, dtype=torch.int64, pin_memory=pin)
         self.top_logprobs = torch.empty(rows, MAX_LOGPROBS + 1, dtype=torch.float32,
@@ -130,7 +131,7 @@ class StepOutputs:
             slot.done.synchronize()  # the designed wait: step N's ids, while N+1 runs
             seconds = slot.start.elapsed_time(slot.done) / 1e3
         n = slot.rows
-        result = StepResult(step_id, seq_ids, slot.tokens.numpy()[:n].copy())
+        result = StepResult(step_id, seq_ids, slot.tokens_np[:n].copy())
         if slot.num_top >= 0:
             k = slot.num_top
             result.logprobs = slot.logprobs.numpy()[:n].copy()

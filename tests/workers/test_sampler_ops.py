@@ -383,12 +383,14 @@ def test_invalid_sampling_params_raise_value_error(bad) -> None:
         SamplingParams(**bad)
 
 
-@pytest.mark.parametrize("vocab", [151936, 151937, 1003, 2048 + 255])
-def test_row_argmax_equals_torch_argmax_including_ties(vocab: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [151936, 151937, 1003, 2048 + 255, 64 * 16])
+def test_row_argmax_equals_torch_argmax_including_ties(vocab: int, dtype: torch.dtype) -> None:
+    """float32 takes numpy's argmax, bfloat16 the two-level one: the same ids as torch's."""
     from workers.sampler import row_argmax
 
     gen = torch.Generator().manual_seed(vocab)
-    x = torch.randn(9, vocab, generator=gen)
+    x = torch.randn(9, vocab, generator=gen).to(dtype)
     x[1, :] = 0.0  # all tied: the first index wins
     x[2, [5, vocab - 1]] = 50.0  # tie across the ragged tail: the first wins
     x[3, vocab - 1] = 60.0  # the tail alone holds the maximum
