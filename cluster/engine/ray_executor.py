@@ -16,6 +16,8 @@ import contextlib
 import dataclasses
 import functools
 import os
+import threading
+import time
 from collections import deque
 from typing import Any, NoReturn
 
@@ -49,15 +51,55 @@ def worker_env(device: str) -> dict[str, str]:
     return env
 
 
+# The longest the ranks of a new group may take to meet at their rendezvous (actors started,
+# torch.distributed joined; weights are loaded after it). A rank that never arrives (killed,
+# or starved of CPU) then fails that start attempt instead of holding it for the process
+# group's own 10-minute init timeout (workers/distributed.py).
+JOIN_TIMEOUT_S = 120.0
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """One generation of ranks and everything bound to it: their actors, the compiled graph,
+    its caller, the thread that makes every graph call, the wake sockets and the calls in
+    flight.
+
+    Invariant: a group is stopped once (`_stop` under `lock`; a second stop waits for the
+    first to end) and never reused: a rebuild makes a new one. Work still queued on an old
+    group's thread, or a call of it that returns late, touches only that group: it finds the
+    group dead or stopped and raises WorkerDiedError. (Before groups, such a call read the
+    executor's fields after a rebuild had replaced them and stopped the *new* ranks halfway
+    through their start, leaving the others in a rendezvous that never completed.)"""
+
+    workers: list
+    thread: concurrent.futures.ThreadPoolExecutor
+    caller: DagCaller | None = None
+    dag: Any = None
+    sockets: WakeSockets | None = None
+    dead: str | None = None  # why a rank of this group failed
+    stopped: bool = False
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
+    # (DAG output ref futures, oldest first, each with the step whose result it carries: None
+    # for a call that followed none.)
+    outputs: deque = dataclasses.field(default_factory=deque)
+    last_launched: int | None = None
+    calls: dict = dataclasses.field(default_factory=dict)  # not lagged: step -> call
+    bitmask_refs: list = dataclasses.field(default_factory=list)
+    # Parking (cluster/engine/wakeup.py): the Park call's output while parked; not lagged,
+    # park outputs the next read must skip.
+    parked: concurrent.futures.Future | None = None
+    unread_parks: deque = dataclasses.field(default_factory=deque)
+
+
 class RayExecutor(Executor):
     """pp x tp worker actors; rank i in its stage's placement group (stage 0: from
     `bundle_offset` of the replica's, when it has one).
 
     Invariant: every rank receives every plan, in order; only the output rank's reply
     carries tokens (rank 0; with pipeline parallelism the last stage's first).
-    A step completes when all ranks reply. If any rank fails, every rank is stopped and
-    WorkerDiedError raised; `rebuild()` then starts a fresh set in the same bundles (the
-    engine's recovery), or `shutdown()` ends the executor.
+    A step completes when all ranks reply. If any rank fails, every rank of its group is
+    stopped and WorkerDiedError raised; `rebuild()` then starts a fresh group in the same
+    bundles (the engine's recovery), or `shutdown()` ends the executor.
     """
 
     def __init__(self, config: WorkerConfig, *, num_cpus: float, use_gpu: bool,
@@ -77,159 +119,184 @@ class RayExecutor(Executor):
         # returns the result of the plan launched by the call before, so the workers start
         # plan N+1 before handing back N's tokens.
         self._lagged = lagged and compiled_graph
-        self.workers: list = []
-        self._dag: Any = None
-        self._caller: DagCaller | None = None
-        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
-        self._wake_sockets: WakeSockets | None = None
+        self._g: _Group | None = None  # the current group of ranks
         # KV transfers over Ray Direct Transport (rdt_transport.py), else the object store;
         # a payload this executor exports waits kv_ttl_s to be pulled.
         self._rdt = RDTPeers(rdt_backend) if rdt_backend else None
         self._kv_ttl_s = kv_ttl_s
         self._start(None)
 
+    @property
+    def workers(self) -> list:
+        """The current group's rank actors, in rank order (empty once it is stopped)."""
+        g = self._g
+        return [] if g is None or g.stopped else list(g.workers)
+
     def _start(self, blocks: tuple[int, int, int] | None) -> None:
-        """Actors for every rank, loaded, with caches of `blocks` (GPU, CPU) blocks (None:
-        the most every rank can hold), a compiled graph and wake sockets."""
+        """A new group: actors for every rank, joined, loaded, with caches of `blocks` (GPU,
+        CPU, offload) blocks (None: the most every rank can hold), a compiled graph and wake
+        sockets. It is the executor's group from its first actor on, so a failure below stops
+        it and the next rebuild starts from a stopped group."""
         from cluster.engine.ray_worker import RayWorker
 
         env = worker_env(self._config.device)
-        self._dead: str | None = None
-        self.workers = []
+        workers = []
         for rank in range(self._config.world_size):
             cfg = dataclasses.replace(self._config, rank=rank)
             # Two threads: the compiled graph's loop holds one, health pings use the other.
-            actor = RayWorker.options(
+            workers.append(RayWorker.options(
                 **self._actor_options, max_concurrency=2, runtime_env={"env_vars": env},
                 scheduling_strategy=self._placement.strategy(rank),
-            ).remote(cfg)
-            self.workers.append(actor)
-        # Rendezvous happens inside init: all ranks must be called before any is waited on.
-        held = self._wait_all([w.init.remote() for w in self.workers])
+            ).remote(cfg))
+        g = _Group(workers, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dag"))
+        self._g = g
+        # The rendezvous happens inside join: all ranks are called before any is waited on.
+        self._wait_all(g, [w.join.remote() for w in workers], timeout_s=JOIN_TIMEOUT_S,
+                       what="join their process group")
+        held = self._wait_all(g, [w.init.remote() for w in workers])
         gpu, cpu, tier = (min(b[i] for b in held) for i in range(3))
         if blocks is not None:
             if min(gpu - blocks[0], cpu - blocks[1], tier - blocks[2]) < 0:
-                self._fail(RuntimeError(f"the new ranks hold {gpu}/{cpu}/{tier} GPU/CPU/offload KV "
-                                        f"blocks, fewer than the {blocks} before"))
+                self._fail(g, RuntimeError(
+                    f"the new ranks hold {gpu}/{cpu}/{tier} GPU/CPU/offload KV blocks, fewer "
+                    f"than the {blocks} before"))
             gpu, cpu, tier = blocks
         self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks = gpu, cpu, tier
-        self._wait_all([w.init_cache.remote(gpu, cpu, tier) for w in self.workers])
-        # (DAG output ref futures, oldest first, each with the step whose result it carries:
-        # None for a call that followed none.)
-        self._outputs: deque[tuple[int | None, concurrent.futures.Future]] = deque()
-        self._last_launched: int | None = None
-        self._calls: dict[int, concurrent.futures.Future] = {}  # not lagged: step -> call
-        self._bitmask_refs: list = []
-        # Parking (cluster/engine/wakeup.py): sockets when every rank shares this process's host; the
-        # Park call's output while parked; not lagged, park outputs the next read must skip.
-        self._wake_sockets = self._open_wake_sockets() if self._compiled_graph else None
-        self._parked: concurrent.futures.Future | None = None
-        self._unread_parks: deque[concurrent.futures.Future] = deque()
+        self._wait_all(g, [w.init_cache.remote(gpu, cpu, tier) for w in workers])
         if self._compiled_graph:
-            self._caller = DagCaller(functools.partial(dead_rank, list(self.workers)))
-        self._dag = self._compile() if self._compiled_graph else None
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dag")
+            g.sockets = self._open_wake_sockets(g)
+            g.caller = DagCaller(functools.partial(dead_rank, list(workers)))
+            g.dag = self._compile(g)
 
     def rebuild(self) -> None:
-        """After a rank died: new actors for every rank in the same bundles, weights reloaded,
-        empty KV caches of the sizes the engine's scheduler already has. StagesUnplacedError
-        when a lost stage's group finds no node with room (stage_placement.wait_placed)."""
-        self._stop()
+        """After a rank died: a new group of actors for every rank in the same bundles,
+        weights reloaded, empty KV caches of the sizes the engine's scheduler already has.
+        StagesUnplacedError when a lost stage's group finds no node with room
+        (stage_placement.wait_placed)."""
+        self._stop(self._g)
         self._placement.wait_placed()
         if self._config.world_size > 1:  # a fresh rendezvous port
             self._config = dataclasses.replace(
                 self._config, dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")
         self._start((self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks))
 
-    def _open_wake_sockets(self) -> WakeSockets | None:
+    def _open_wake_sockets(self, g: _Group) -> WakeSockets | None:
         import ray
 
         here = ray.get_runtime_context().get_node_id()
-        if any(n != here for n in self._wait_all([w.node_id.remote() for w in self.workers])):
+        if any(n != here for n in self._wait_all(g, [w.node_id.remote() for w in g.workers])):
             return None  # ranks on another host: they spin when idle (no socket reaches them)
-        sockets = WakeSockets(len(self.workers))
-        self._wait_all([w.open_wake_socket.remote(p) for w, p in zip(self.workers, sockets.paths)])
+        sockets = WakeSockets(len(g.workers))
+        self._wait_all(g, [w.open_wake_socket.remote(p)
+                           for w, p in zip(g.workers, sockets.paths)])
         return sockets
 
     def park(self) -> None:
-        if self._wake_sockets is None or self._parked is not None or self._dead is not None:
+        g = self._g
+        if g.sockets is None or g.parked is not None or g.dead is not None or g.stopped:
             return
-        self._parked = self._thread.submit(self._dag_submit, Park())
+        g.parked = self._on_thread(g, self._dag_submit, g, Park())
 
-    def _unpark(self) -> None:
+    def _unpark(self, g: _Group) -> None:
         """Wake the parked ranks; the Park call's output is read in order, later."""
-        parked, self._parked = self._parked, None
+        parked, g.parked = g.parked, None
         if parked is None:
             return
-        self._wake_sockets.wake()
+        g.sockets.wake()
         if self._lagged:
-            self._outputs.append((None, parked))
+            g.outputs.append((None, parked))
         else:
-            self._unread_parks.append(parked)
+            g.unread_parks.append(parked)
 
-    def _compile(self) -> Any:
+    def _compile(self, g: _Group) -> Any:
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as plan:
             dag = MultiOutputNode([(w.execute_lagged if self._lagged else w.execute).bind(plan)
-                                   for w in self.workers])
+                                   for w in g.workers])
         # (reads get the same timeout in _dag_get: dag_calls.py bounds a step, not Ray)
         return dag.experimental_compile(_submit_timeout=ray_timeout_s())
 
-    def _wait_all(self, refs: list) -> list:
-        """ray.get of every ref, failing as soon as ANY fails: a dead rank leaves the others
-        blocked in a collective, so waiting on rank 0 alone could hang."""
+    def _wait_all(self, g: _Group, refs: list, timeout_s: float | None = None,
+                  what: str = "answer") -> list:
+        """ray.get of every ref, failing as soon as ANY fails (a dead rank leaves the others
+        blocked in a collective, so waiting on rank 0 alone could hang), or when `timeout_s`
+        passes first."""
         import ray
 
-        self.check_health()
+        self._check(g)
         pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self._fail(g, TimeoutError(f"{len(pending)} of {len(refs)} ranks did not "
+                                           f"{what} within {timeout_s:g} s"))
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
             try:
                 ray.get(ready)
-            except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
-                self._fail(e)
+            except Exception as e:  # noqa: BLE001 — any worker failure ends the group
+                self._fail(g, e)
         return ray.get(refs)
 
-    def _fail(self, error: BaseException) -> NoReturn:
-        self._dead = f"a tensor-parallel worker failed: {type(error).__name__}: {error}"
-        self._stop()
-        raise WorkerDiedError(self._dead) from error
+    def _fail(self, g: _Group, error: BaseException) -> NoReturn:
+        with g.lock:
+            if g.dead is None:
+                g.dead = f"a tensor-parallel worker failed: {type(error).__name__}: {error}"
+        self._stop(g)
+        raise WorkerDiedError(g.dead) from error
+
+    @staticmethod
+    def _check(g: _Group) -> None:
+        """WorkerDiedError unless `g` is alive and running."""
+        if g.dead is not None:
+            raise WorkerDiedError(g.dead)
+        if g.stopped:
+            raise WorkerDiedError("the executor's workers were stopped")
+
+    @staticmethod
+    def _on_thread(g: _Group, fn: Any, *args: Any) -> concurrent.futures.Future:
+        """`fn(*args)` queued on `g`'s graph thread (WorkerDiedError if `g` was stopped)."""
+        try:
+            return g.thread.submit(fn, *args)
+        except RuntimeError:  # the thread was shut down: the group stopped
+            RayExecutor._check(g)
+            raise
 
     def submit(self, plan: StepPlan) -> int:
-        """Every call on the compiled graph happens on `_thread` (the graph is not
+        """Every call on the compiled graph happens on the group's thread (the graph is not
         thread-safe), in order: a plan submitted while the previous one runs is written to
         the graph's input channel at once, so the workers start it the moment they finish.
         The handle is the plan's step id."""
-        self.check_health()
-        self._unpark()
+        g = self._g
+        self._check(g)
+        self._unpark(g)
         if self._lagged:
-            self._outputs.append((self._last_launched,
-                                  self._thread.submit(self._dag_submit, plan)))
-            self._last_launched = plan.step_id
-        elif self._dag is None:  # one actor call per rank, each plan after the last returned
-            self._calls[plan.step_id] = self._thread.submit(self._call_all, plan)
+            g.outputs.append((g.last_launched, self._on_thread(g, self._dag_submit, g, plan)))
+            g.last_launched = plan.step_id
+        elif g.dag is None:  # one actor call per rank, each plan after the last returned
+            g.calls[plan.step_id] = self._on_thread(g, self._call_all, g, plan)
         else:
-            self._calls[plan.step_id] = self._thread.submit(self._dag_submit, plan)
+            g.calls[plan.step_id] = self._on_thread(g, self._dag_submit, g, plan)
         return plan.step_id
 
     def result(self, handle: int) -> concurrent.futures.Future:
-        self.check_health()
+        g = self._g
+        self._check(g)
         if not self._lagged:
-            call = self._calls.pop(handle)
-            return call if self._dag is None else self._thread.submit(self._dag_get, call)
-        if not any(step == handle for step, _ in self._outputs):
+            call = g.calls.pop(handle)
+            return call if g.dag is None else self._on_thread(g, self._dag_get, g, call)
+        if not any(step == handle for step, _ in g.outputs):
             # Nothing launched after it: a call with no plan brings its result back.
-            self._outputs.append((self._last_launched,
-                                  self._thread.submit(self._dag_submit, None)))
-            self._last_launched = None
-        return self._thread.submit(self._read_lagged, handle)
+            g.outputs.append((g.last_launched, self._on_thread(g, self._dag_submit, g, None)))
+            g.last_launched = None
+        return self._on_thread(g, self._read_lagged, g, handle)
 
-    def _read_lagged(self, step_id: int) -> StepResult:
+    def _read_lagged(self, g: _Group, step_id: int) -> StepResult:
         """Read the DAG's outputs in order up to the one carrying `step_id`'s result."""
         while True:
-            step, submitted = self._outputs.popleft()
-            result = self._dag_get(submitted)
+            step, submitted = g.outputs.popleft()
+            result = self._dag_get(g, submitted)
             if step == step_id:
                 return result
 
@@ -238,39 +305,40 @@ class RayExecutor(Executor):
         its step loop samples once it is there."""
         import ray
 
-        if self._bitmask_refs:  # the earlier hand-overs that are done: did they fail?
-            done, self._bitmask_refs = ray.wait(self._bitmask_refs, timeout=0,
-                                                num_returns=len(self._bitmask_refs))
+        g = self._g
+        if g.bitmask_refs:  # the earlier hand-overs that are done: did they fail?
+            done, g.bitmask_refs = ray.wait(g.bitmask_refs, timeout=0,
+                                            num_returns=len(g.bitmask_refs))
             try:
                 ray.get(done)
-            except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
-                self._fail(e)
-        self._bitmask_refs.append(
-            self.workers[self._output_rank].provide_bitmask.remote(handle, bitmask))
+            except Exception as e:  # noqa: BLE001 — any worker failure ends the group
+                self._fail(g, e)
+        g.bitmask_refs.append(g.workers[self._output_rank].provide_bitmask.remote(handle, bitmask))
 
-    def _call_all(self, plan: StepPlan) -> StepResult:
-        result = self._wait_all([w.execute.remote(plan) for w in self.workers])
+    def _call_all(self, g: _Group, plan: StepPlan) -> StepResult:
+        result = self._wait_all(g, [w.execute.remote(plan) for w in g.workers])
         self.rebuilds_without_step = 0
         return result[self._output_rank]
 
-    def _dag_submit(self, plan: StepPlan) -> Any:
-        self.check_health()
+    def _dag_submit(self, g: _Group, plan: StepPlan | Park | None) -> Any:
+        self._check(g)
         try:
-            return self._caller.call(self._dag.execute, plan)
-        except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
-            self._fail(e)
+            return g.caller.call(g.dag.execute, plan)
+        except Exception as e:  # noqa: BLE001 — any worker failure ends the group
+            self._fail(g, e)
 
-    def _dag_get(self, submitted: concurrent.futures.Future) -> StepResult:
+    def _dag_get(self, g: _Group, submitted: concurrent.futures.Future) -> StepResult:
         import ray
 
-        while self._unread_parks and self._unread_parks[0] is not submitted:
-            self._dag_get(self._unread_parks.popleft())  # (None: a parked call's output)
+        while g.unread_parks and g.unread_parks[0] is not submitted:
+            self._dag_get(g, g.unread_parks.popleft())  # (None: a parked call's output)
         ref = submitted.result()  # done: submitted earlier on this same thread
+        self._check(g)
         try:
             # A dead rank raises here within a slice (dag_calls.py); a long step is waited for.
-            outputs = self._caller.call(lambda: ray.get(ref, timeout=ray_timeout_s()))
-        except Exception as e:  # noqa: BLE001 — any worker failure ends the executor
-            self._fail(e)
+            outputs = g.caller.call(lambda: ray.get(ref, timeout=ray_timeout_s()))
+        except Exception as e:  # noqa: BLE001 — any worker failure ends the group
+            self._fail(g, e)
         result = outputs[self._output_rank]
         if result is None:  # (a Park's output, or a lagged call's that followed none)
             return None
@@ -278,34 +346,37 @@ class RayExecutor(Executor):
         return result.owned()  # (copied out of the channel's buffer: see StepResult.owned)
 
     def export_kv(self, block_ids: list[int]) -> tuple[list, int]:
+        g = self._g
         if self._rdt is not None:
             key = new_key()
-            sizes = self._wait_all([w.stash_kv.remote(key, block_ids, self._kv_ttl_s)
-                                    for w in self.workers])
-            return [RDTHandle(w, key, self._rdt.backend) for w in self.workers], sum(sizes)
-        out = self._wait_all([w.export_kv.remote(block_ids) for w in self.workers])
+            sizes = self._wait_all(g, [w.stash_kv.remote(key, block_ids, self._kv_ttl_s)
+                                       for w in g.workers])
+            return [RDTHandle(w, key, self._rdt.backend) for w in g.workers], sum(sizes)
+        out = self._wait_all(g, [w.export_kv.remote(block_ids) for w in g.workers])
         return [refs[0] for refs, _ in out], sum(n for _, n in out)
 
     def import_kv(self, block_ids: list[int], handles: list, first: int,
                   timeout_s: float) -> None:
-        self.check_health()
+        g = self._g
+        self._check(g)
         if self._rdt is not None:
             try:
-                errors = self._rdt.import_kv(self.workers, handles, block_ids, first, timeout_s)
+                errors = self._rdt.import_kv(g.workers, handles, block_ids, first, timeout_s)
             except KVTransferError:
                 raise
-            except Exception as e:  # noqa: BLE001 — a decode rank failed: the executor is done
-                self._fail(e)
+            except Exception as e:  # noqa: BLE001 — a decode rank failed: the group is done
+                self._fail(g, e)
         else:
-            errors = self._wait_all([w.import_kv.remote(block_ids, [h], first, timeout_s)
-                                     for w, h in zip(self.workers, handles)])
+            errors = self._wait_all(g, [w.import_kv.remote(block_ids, [h], first, timeout_s)
+                                        for w, h in zip(g.workers, handles)])
         failed = next((e for e in errors if e is not None), None)
         if failed is not None:
             raise KVTransferError(failed)
 
     def check_health(self) -> None:
-        if self._dead is not None:
-            raise WorkerDiedError(self._dead)
+        g = self._g
+        if g is not None and g.dead is not None:
+            raise WorkerDiedError(g.dead)
 
     def ping(self, timeout: float = 5.0) -> None:
         """Probe every rank between steps: a rank that died while idle is found here.
@@ -314,52 +385,56 @@ class RayExecutor(Executor):
         """
         import ray
 
-        self.check_health()
-        refs = [w.ping.remote() for w in self.workers]
+        g = self._g
+        self._check(g)
+        refs = [w.ping.remote() for w in g.workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         try:
             ray.get(ready)
         except Exception as e:  # noqa: BLE001
-            self._fail(e)
+            self._fail(g, e)
 
-    def _stop(self) -> None:
-        """Stop every rank and the graph (best effort: this also runs after a rank died)."""
+    def _stop(self, g: _Group | None) -> None:
+        """Stop every rank of `g` and its graph, once (best effort: this also runs after a
+        rank died). A second caller waits until the first has finished, so a rebuild never
+        starts new ranks beside an old group still being torn down."""
         import ray
 
-        if self._rdt is not None:  # (the pairs with this group's ranks end with them)
+        if g is None:
+            return
+        with g.lock:
+            if g.stopped:
+                return
+            if self._rdt is not None:  # (the pairs with this group's ranks end with them)
+                with contextlib.suppress(Exception):
+                    self._rdt.close()
+            # Parked ranks wake first, so their loops can see the teardown.
             with contextlib.suppress(Exception):
-                self._rdt.close()
-        # Parked ranks wake first, so their loops can see the teardown.
-        with contextlib.suppress(Exception):
-            self._unpark()
-        # A clean stop tears the compiled graph down first, while its actors live: that
-        # cancels their execution loops cleanly (killed first, each cancel fails with
-        # ActorDiedError). After a rank died the live ranks are killed first: a teardown that
-        # closes a channel on one node while a rank on another still pushes into it can crash
-        # that node's raylet (Ray 2.60, experimental_mutable_object_provider.cc "Channel
-        # closed"; seen when a stage's node was lost), taking a second node with the first.
-        dag, self._dag = self._dag, None
-        kill_first = self._dead is not None
-        if not kill_first and dag is not None:
-            with contextlib.suppress(Exception):  # a dead worker: its loop is gone already
-                dag.teardown()
-        for w in self.workers:
-            with contextlib.suppress(Exception):  # already gone
-                ray.kill(w, no_restart=True)
-        if kill_first and dag is not None:
-            with contextlib.suppress(Exception):  # (its actors are gone: this frees the driver's side)
-                dag.teardown()
-        self.workers = []
-        caller, self._caller = self._caller, None
-        if caller is not None:
-            caller.close()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.shutdown(wait=False)
-        sockets, self._wake_sockets = self._wake_sockets, None
-        if sockets is not None:
-            sockets.close()
+                self._unpark(g)
+            # A clean stop tears the compiled graph down first, while its actors live: that
+            # cancels their execution loops cleanly (killed first, each cancel fails with
+            # ActorDiedError). After a rank died the live ranks are killed first: a teardown
+            # that closes a channel on one node while a rank on another still pushes into it
+            # can crash that node's raylet (Ray 2.60, experimental_mutable_object_provider.cc
+            # "Channel closed"; seen when a stage's node was lost), taking a second node with
+            # the first.
+            kill_first = g.dead is not None
+            if not kill_first and g.dag is not None:
+                with contextlib.suppress(Exception):  # a dead worker: its loop is gone already
+                    g.dag.teardown()
+            for w in g.workers:
+                with contextlib.suppress(Exception):  # already gone
+                    ray.kill(w, no_restart=True)
+            if kill_first and g.dag is not None:
+                with contextlib.suppress(Exception):  # (its actors are gone: frees the driver's side)
+                    g.dag.teardown()
+            if g.caller is not None:
+                g.caller.close()
+            g.thread.shutdown(wait=False)  # (queued calls run, find `stopped` and raise)
+            if g.sockets is not None:
+                g.sockets.close()
+            g.stopped = True
 
     def shutdown(self) -> None:
-        self._stop()
+        self._stop(self._g)
         self._placement.remove()

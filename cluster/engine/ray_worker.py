@@ -43,9 +43,13 @@ class RayWorker:
         self._wake: WakeReader | None = None
         self._stash = PayloadStash()  # KV payloads waiting for an RDT pull
 
-    def init(self) -> tuple[int, int, int]:
-        """Join the process group, load this rank's shard, and report its KV block counts."""
+    def join(self) -> None:
+        """Join the engine's process group (the rendezvous: every rank is called before any
+        is waited on, and the executor bounds the wait)."""
         self.worker.init_distributed()
+
+    def init(self) -> tuple[int, int, int]:
+        """After `join`: load this rank's shard and report its KV block counts."""
         self.worker.load_model()
         return self.worker.determine_num_blocks()
 
