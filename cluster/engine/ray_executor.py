@@ -16,9 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-import threading
 import time
-from collections import deque
 from typing import Any, NoReturn
 
 import numpy as np
@@ -26,6 +24,7 @@ import numpy as np
 from cluster.engine.dag_calls import DagCaller, dead_rank, ray_timeout_s
 from cluster.engine.executor import Executor, WorkerDiedError
 from cluster.engine.kv_transport import KVTransferError
+from cluster.engine.rank_group import RankGroup
 from cluster.engine.rdt_transport import RDTHandle, RDTPeers, new_key
 from cluster.engine.stage_placement import place_stages
 from cluster.engine.wakeup import Park, WakeSockets
@@ -58,39 +57,6 @@ def worker_env(device: str) -> dict[str, str]:
 JOIN_TIMEOUT_S = 120.0
 
 
-@dataclasses.dataclass(eq=False)
-class _Group:
-    """One generation of ranks and everything bound to it: their actors, the compiled graph,
-    its caller, the thread that makes every graph call, the wake sockets and the calls in
-    flight.
-
-    Invariant: a group is stopped once (`_stop` under `lock`; a second stop waits for the
-    first to end) and never reused: a rebuild makes a new one. Work still queued on an old
-    group's thread, or a call of it that returns late, touches only that group: it finds the
-    group dead or stopped and raises WorkerDiedError. (Before groups, such a call read the
-    executor's fields after a rebuild had replaced them and stopped the *new* ranks halfway
-    through their start, leaving the others in a rendezvous that never completed.)"""
-
-    workers: list
-    thread: concurrent.futures.ThreadPoolExecutor
-    caller: DagCaller | None = None
-    dag: Any = None
-    sockets: WakeSockets | None = None
-    dead: str | None = None  # why a rank of this group failed
-    stopped: bool = False
-    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
-    # (DAG output ref futures, oldest first, each with the step whose result it carries: None
-    # for a call that followed none.)
-    outputs: deque = dataclasses.field(default_factory=deque)
-    last_launched: int | None = None
-    calls: dict = dataclasses.field(default_factory=dict)  # not lagged: step -> call
-    bitmask_refs: list = dataclasses.field(default_factory=list)
-    # Parking (cluster/engine/wakeup.py): the Park call's output while parked; not lagged,
-    # park outputs the next read must skip.
-    parked: concurrent.futures.Future | None = None
-    unread_parks: deque = dataclasses.field(default_factory=deque)
-
-
 class RayExecutor(Executor):
     """pp x tp worker actors; rank i in its stage's placement group (stage 0: from
     `bundle_offset` of the replica's, when it has one).
@@ -119,7 +85,7 @@ class RayExecutor(Executor):
         # returns the result of the plan launched by the call before, so the workers start
         # plan N+1 before handing back N's tokens.
         self._lagged = lagged and compiled_graph
-        self._g: _Group | None = None  # the current group of ranks
+        self._g: RankGroup | None = None  # the current group of ranks
         # KV transfers over Ray Direct Transport (rdt_transport.py), else the object store;
         # a payload this executor exports waits kv_ttl_s to be pulled.
         self._rdt = RDTPeers(rdt_backend) if rdt_backend else None
@@ -148,7 +114,7 @@ class RayExecutor(Executor):
                 **self._actor_options, max_concurrency=2, runtime_env={"env_vars": env},
                 scheduling_strategy=self._placement.strategy(rank),
             ).remote(cfg))
-        g = _Group(workers, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dag"))
+        g = RankGroup(workers, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dag"))
         self._g = g
         # The rendezvous happens inside join: all ranks are called before any is waited on.
         self._wait_all(g, [w.join.remote() for w in workers], timeout_s=JOIN_TIMEOUT_S,
@@ -164,7 +130,17 @@ class RayExecutor(Executor):
         self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks = gpu, cpu, tier
         self._wait_all(g, [w.init_cache.remote(gpu, cpu, tier) for w in workers])
         if self._compiled_graph:
-            g.sockets = self._open_wake_sockets(g)
+            import ray
+
+            here = ray.get_runtime_context().get_node_id()
+            nodes = self._wait_all(g, [w.node_id.remote() for w in workers])
+            # Ray 2.60's cross-node channels: a compiled graph with two calls in flight whose
+            # driver shares no node with any rank (an offline driver on a head node with its
+            # ranks elsewhere) now and then hangs, the driver and every rank blocked in a
+            # channel read (seen in tests/cluster/multinode/test_pipeline.py). Such a driver
+            # makes one call at a time; a Serve replica's stage 0 runs beside it.
+            g.serial = here not in nodes
+            g.sockets = self._open_wake_sockets(g) if set(nodes) == {here} else None
             g.caller = DagCaller(functools.partial(dead_rank, list(workers)))
             g.dag = self._compile(g)
 
@@ -180,12 +156,9 @@ class RayExecutor(Executor):
                 self._config, dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")
         self._start((self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks))
 
-    def _open_wake_sockets(self, g: _Group) -> WakeSockets | None:
-        import ray
-
-        here = ray.get_runtime_context().get_node_id()
-        if any(n != here for n in self._wait_all(g, [w.node_id.remote() for w in g.workers])):
-            return None  # ranks on another host: they spin when idle (no socket reaches them)
+    def _open_wake_sockets(self, g: RankGroup) -> WakeSockets:
+        """Sockets to park `g`'s ranks on, all on this host (ranks on another host spin when
+        idle: no socket reaches them)."""
         sockets = WakeSockets(len(g.workers))
         self._wait_all(g, [w.open_wake_socket.remote(p)
                            for w, p in zip(g.workers, sockets.paths)])
@@ -197,7 +170,7 @@ class RayExecutor(Executor):
             return
         g.parked = self._on_thread(g, self._dag_submit, g, Park())
 
-    def _unpark(self, g: _Group) -> None:
+    def _unpark(self, g: RankGroup) -> None:
         """Wake the parked ranks; the Park call's output is read in order, later."""
         parked, g.parked = g.parked, None
         if parked is None:
@@ -208,7 +181,7 @@ class RayExecutor(Executor):
         else:
             g.unread_parks.append(parked)
 
-    def _compile(self, g: _Group) -> Any:
+    def _compile(self, g: RankGroup) -> Any:
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as plan:
@@ -217,7 +190,7 @@ class RayExecutor(Executor):
         # (reads get the same timeout in _dag_get: dag_calls.py bounds a step, not Ray)
         return dag.experimental_compile(_submit_timeout=ray_timeout_s())
 
-    def _wait_all(self, g: _Group, refs: list, timeout_s: float | None = None,
+    def _wait_all(self, g: RankGroup, refs: list, timeout_s: float | None = None,
                   what: str = "answer") -> list:
         """ray.get of every ref, failing as soon as ANY fails (a dead rank leaves the others
         blocked in a collective, so waiting on rank 0 alone could hang), or when `timeout_s`
@@ -239,7 +212,7 @@ class RayExecutor(Executor):
                 self._fail(g, e)
         return ray.get(refs)
 
-    def _fail(self, g: _Group, error: BaseException) -> NoReturn:
+    def _fail(self, g: RankGroup, error: BaseException) -> NoReturn:
         with g.lock:
             if g.dead is None:
                 g.dead = f"a tensor-parallel worker failed: {type(error).__name__}: {error}"
@@ -247,7 +220,7 @@ class RayExecutor(Executor):
         raise WorkerDiedError(g.dead) from error
 
     @staticmethod
-    def _check(g: _Group) -> None:
+    def _check(g: RankGroup) -> None:
         """WorkerDiedError unless `g` is alive and running."""
         if g.dead is not None:
             raise WorkerDiedError(g.dead)
@@ -255,7 +228,7 @@ class RayExecutor(Executor):
             raise WorkerDiedError("the executor's workers were stopped")
 
     @staticmethod
-    def _on_thread(g: _Group, fn: Any, *args: Any) -> concurrent.futures.Future:
+    def _on_thread(g: RankGroup, fn: Any, *args: Any) -> concurrent.futures.Future:
         """`fn(*args)` queued on `g`'s graph thread (WorkerDiedError if `g` was stopped)."""
         try:
             return g.thread.submit(fn, *args)
@@ -292,7 +265,7 @@ class RayExecutor(Executor):
             g.last_launched = None
         return self._on_thread(g, self._read_lagged, g, handle)
 
-    def _read_lagged(self, g: _Group, step_id: int) -> StepResult:
+    def _read_lagged(self, g: RankGroup, step_id: int) -> StepResult:
         """Read the DAG's outputs in order up to the one carrying `step_id`'s result."""
         while True:
             step, submitted = g.outputs.popleft()
@@ -315,30 +288,46 @@ class RayExecutor(Executor):
                 self._fail(g, e)
         g.bitmask_refs.append(g.workers[self._output_rank].provide_bitmask.remote(handle, bitmask))
 
-    def _call_all(self, g: _Group, plan: StepPlan) -> StepResult:
+    def _call_all(self, g: RankGroup, plan: StepPlan) -> StepResult:
         result = self._wait_all(g, [w.execute.remote(plan) for w in g.workers])
         self.rebuilds_without_step = 0
         return result[self._output_rank]
 
-    def _dag_submit(self, g: _Group, plan: StepPlan | Park | None) -> Any:
+    def _dag_submit(self, g: RankGroup, plan: StepPlan | Park | None) -> Any:
         self._check(g)
+        if g.serial and g.unread is not None:  # one call at a time: read the last one first
+            last, g.unread = g.unread, None
+            g.read_ahead[id(last)] = (last, self._read(g, last))
         try:
-            return g.caller.call(g.dag.execute, plan)
+            ref = g.caller.call(g.dag.execute, plan)
         except Exception as e:  # noqa: BLE001 — any worker failure ends the group
             self._fail(g, e)
+        if g.serial:
+            g.unread = ref
+        return ref
 
-    def _dag_get(self, g: _Group, submitted: concurrent.futures.Future) -> StepResult:
+    def _read(self, g: RankGroup, ref: Any) -> list:
+        """Every rank's output of the graph call `ref`."""
         import ray
 
-        while g.unread_parks and g.unread_parks[0] is not submitted:
-            self._dag_get(g, g.unread_parks.popleft())  # (None: a parked call's output)
-        ref = submitted.result()  # done: submitted earlier on this same thread
         self._check(g)
         try:
             # A dead rank raises here within a slice (dag_calls.py); a long step is waited for.
-            outputs = g.caller.call(lambda: ray.get(ref, timeout=ray_timeout_s()))
+            return g.caller.call(lambda: ray.get(ref, timeout=ray_timeout_s()))
         except Exception as e:  # noqa: BLE001 — any worker failure ends the group
             self._fail(g, e)
+
+    def _dag_get(self, g: RankGroup, submitted: concurrent.futures.Future) -> StepResult:
+        while g.unread_parks and g.unread_parks[0] is not submitted:
+            self._dag_get(g, g.unread_parks.popleft())  # (None: a parked call's output)
+        ref = submitted.result()  # done: submitted earlier on this same thread
+        ahead = g.read_ahead.pop(id(ref), None)
+        if ahead is not None and ahead[0] is ref:
+            outputs = ahead[1]
+        else:
+            if g.unread is ref:
+                g.unread = None
+            outputs = self._read(g, ref)
         result = outputs[self._output_rank]
         if result is None:  # (a Park's output, or a lagged call's that followed none)
             return None
@@ -394,7 +383,7 @@ class RayExecutor(Executor):
         except Exception as e:  # noqa: BLE001
             self._fail(g, e)
 
-    def _stop(self, g: _Group | None) -> None:
+    def _stop(self, g: RankGroup | None) -> None:
         """Stop every rank of `g` and its graph, once (best effort: this also runs after a
         rank died). A second caller waits until the first has finished, so a rebuild never
         starts new ranks beside an old group still being torn down."""

@@ -117,12 +117,21 @@ def room_for(bundles: list[dict[str, float]], free: dict[str, dict[str, float]])
 
 
 def _available_per_node() -> dict[str, dict[str, float]] | None:
-    """Each alive node's available resources (Ray's DeveloperAPI); None when Ray cannot say."""
+    """Each alive node's available resources (Ray's DeveloperAPI); None when Ray cannot say.
+
+    The GCS's available view can lag its node table: a node that ray.nodes() has alive may be
+    missing from it for a while (seen after a node was killed, on a loaded host). Such a node
+    counts with its total resources, i.e. as possibly free: the wait then goes on (to
+    `room_timeout_s`) instead of giving up on a node that may have room. A node the view still
+    holds after it died is dropped."""
     try:
+        import ray
         from ray._private.state import available_resources_per_node
 
-        return {node: {k: v for k, v in res.items() if "_group_" not in k}
-                for node, res in available_resources_per_node().items()}
+        alive = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
+        view = available_resources_per_node()
+        return {node: {k: v for k, v in view.get(node, total).items() if "_group_" not in k}
+                for node, total in alive.items()}
     except Exception:  # noqa: BLE001 — then the wait gives up as if no node had room
         return None
 

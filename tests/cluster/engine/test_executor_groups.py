@@ -17,7 +17,8 @@ import time
 import pytest
 
 from cluster.engine.executor import WorkerDiedError
-from cluster.engine.ray_executor import RayExecutor, _Group
+from cluster.engine.rank_group import RankGroup as _Group
+from cluster.engine.ray_executor import RayExecutor
 
 
 class Graph:
@@ -132,8 +133,9 @@ def test_a_rendezvous_a_rank_never_reaches_fails_the_attempt_at_the_bound(
 
     g = _group("g")
     ex = _executor(g)
-    start = time.monotonic()
     refs = [join.remote(0.0), join.remote(60.0)]
+    assert ray.get(refs[0]) == "joined"  # (one rank is there; the other never comes)
+    start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"TimeoutError: 1 of 2 ranks did not join "
                                               r"their process group within 1 s"):
         ex._wait_all(g, refs, timeout_s=1.0, what="join their process group")
@@ -141,3 +143,61 @@ def test_a_rendezvous_a_rank_never_reaches_fails_the_attempt_at_the_bound(
     assert g.stopped and g.dead is not None
     # (the ranks' stand-ins are strings: the stop's ray.kill of each is suppressed)
     ray.cancel(refs[1], force=True)
+
+
+def test_a_serial_group_reads_each_call_before_it_writes_the_next(ray_cluster: None) -> None:
+    """A driver that shares no node with its ranks makes one graph call at a time (Ray 2.60's
+    cross-node channels hang now and then with two in flight): the second plan's write waits
+    until the first call's outputs were read, and each step's `result` still gets its own."""
+    import ray
+
+    class Outputs(Graph):
+        def __init__(self) -> None:
+            super().__init__()
+            self.read_before: list[int] = []  # calls read ahead when each call was written
+
+        def execute(self, plan: object) -> object:
+            self.executed.append(plan)
+            self.read_before.append(len(g.read_ahead))
+            return ray.put([Reply(plan.step_id), None])
+
+    class Reply:
+        def __init__(self, step_id: int) -> None:
+            self.step_id = step_id
+
+        def owned(self) -> int:
+            return self.step_id
+
+    class Plan:
+        def __init__(self, step_id: int) -> None:
+            self.step_id = step_id
+
+    g = _group("g", Outputs())
+    g.serial = True
+    ex = _executor(g)
+    ex.submit(Plan(1))
+    ex.submit(Plan(2))  # (pp micro-batches: two plans submitted before any result)
+    assert ex.result(1).result(timeout=30) == 1
+    assert ex.result(2).result(timeout=30) == 2
+    assert g.dag.read_before == [0, 1]  # the second write came after the first read
+    assert g.read_ahead == {} and g.unread is None
+
+
+def test_a_group_beside_its_driver_keeps_two_calls_in_flight(ray_cluster: None) -> None:
+    import ray
+
+    class Outputs(Graph):
+        def execute(self, plan: object) -> object:
+            self.executed.append(plan)
+            return ray.put([plan.step_id, None])
+
+    class Plan:
+        def __init__(self, step_id: int) -> None:
+            self.step_id = step_id
+
+    g = _group("g", Outputs())
+    ex = _executor(g)
+    ex.submit(Plan(1))
+    ex.submit(Plan(2))
+    g.calls[2].result(timeout=30)
+    assert len(g.dag.executed) == 2 and g.read_ahead == {} and g.unread is None

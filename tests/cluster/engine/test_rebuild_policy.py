@@ -157,3 +157,24 @@ def test_wait_placed_waits_past_the_rebuild_wait_while_a_node_has_room(
     finally:
         placement.remove()
     assert 3.0 < time.monotonic() - start < 10
+
+
+def test_a_node_the_available_view_misses_counts_with_its_totals(
+        ray_cluster: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GCS's available view can lag its node table (a live node missing from it, a dead one
+    still in it): the room figures take the alive nodes of ray.nodes(), each at its available
+    resources when the view has it and at its totals when not."""
+    import ray
+    from ray._private import state
+
+    from cluster.engine import stage_placement
+
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    monkeypatch.setattr(state, "available_resources_per_node",
+                        lambda: {"a-dead-node": {"CPU": 8.0}})
+    free = stage_placement._available_per_node()
+    assert list(free) == [node["NodeID"]]
+    assert free[node["NodeID"]]["CPU"] == node["Resources"]["CPU"]
+    monkeypatch.setattr(state, "available_resources_per_node",
+                        lambda: {node["NodeID"]: {"CPU": 0.25, "CPU_group_0_abc": 1.0}})
+    assert stage_placement._available_per_node() == {node["NodeID"]: {"CPU": 0.25}}

@@ -7,11 +7,13 @@ the engine rebuilds the replica's ranks (the lost stage's group moves to a spare
 every request ends with transformers' tokens.
 
 The offline `LLM` runs in this process (the driver, on the head) with the Ray executor; each
-test starts its own engine, as two cannot fit the two nodes at once. Async scheduling and
-structured outputs at pp > 1 are tested on one node (tests/cluster/engine/
-test_pipeline_engine.py): a compiled graph with two calls in flight whose driver is on
-another node than every rank hangs in Ray 2.60's cross-node channels here, at tp 1 as at
-pp 2 (an offline driver's case; a Serve replica's stage 0 runs beside it).
+test starts its own engine, as two cannot fit the two nodes at once. A compiled graph with two
+calls in flight whose driver is on another node than every rank hangs now and then in Ray
+2.60's cross-node channels (the driver and every rank blocked in a channel read; seen here at
+step 15 of the node-kill test), so such a driver writes one call at a time
+(cluster/engine/rank_group.py, `serial`): the micro-batches are still two plans, run one after
+the other. Async scheduling and structured outputs at pp > 1 are tested on one node
+(tests/cluster/engine/test_pipeline_engine.py), as a Serve replica runs: its stage 0 beside it.
 """
 
 from __future__ import annotations
