@@ -73,9 +73,9 @@ class PendingTokens:
     def resolve(self, plan: StepPlan, pending: np.ndarray | None, token_rows: np.ndarray,
                 lowest: int) -> tuple[np.ndarray, np.ndarray]:
         """(plan.input_ids with the pending ones zeroed, each pending token's index in the
-        last step's sampled ids); call before `record` of this step. `pending`: the
-        pending tokens' indices in the step's tokens (None: every token). `lowest` is the smallest input id
-        (pending tokens are the negative ones)."""
+        last step's sampled ids); call before `record` of this step. `pending`: the pending
+        tokens' indices in the step's tokens (None: every token). `lowest` is the smallest
+        input id (pending tokens are the negative ones)."""
         input_ids = plan.input_ids
         if lowest < PENDING_TOKEN:
             raise ValueError(f"plan {plan.step_id} has negative token ids other than "

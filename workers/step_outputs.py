@@ -30,8 +30,8 @@ class _Slot:
         pin = device.type == "cuda"
         self.tokens = torch.empty(rows, dtype=torch.int64, pin_memory=pin)
         self.tokens_np = self.tokens.numpy()  # (a view: take reads it without a torch call)
-        self.put_rows, self.put_view = 0, self.tokens[:0]  # put's last slice, kept: a steady
-        # batch makes no view per step
+        # put's last slice of `tokens`, kept: a steady batch makes no view per step
+        self.put_rows, self.put_view = 0, self.tokens[:0]
         self.logprobs = torch.empty(rows, dtype=torch.float32, pin_memory=pin)
         self.top_ids = torch.empty(rows, MAX_LOGPROBS + 1, dtype=torch.int64, pin_memory=pin)
         self.top_logprobs = torch.empty(rows, MAX_LOGPROBS + 1, dtype=torch.float32,
