@@ -71,7 +71,8 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.table = SeqTable(max_num_seqs, block_size, max_model_len, vocab_size, seed, device)
+        self.table = SeqTable(max_num_seqs, block_size, max_model_len, vocab_size, seed, device,
+                              keep_diffs=device.type != "cpu")  # (CPU: the table is the host's)
         self.stager = InputStager(device)
         self.pending = PendingTokens(device, max_num_seqs)
         self.bitmask_stager = InputStager(device, nbytes=1 << 16)
@@ -80,6 +81,7 @@ class ModelRunner:
         self._arange = torch.arange(max(max_num_seqs, 1) * 4 + 1, dtype=torch.int32,
                                     device=device)
         self.sampler = Sampler()
+        self._inference = torch.inference_mode()  # forward's; entered by one step at a time
         self.graph_runner: CUDAGraphRunner | None = None  # decode graphs
         # speculative verify graphs by query length (proposals + 1)
         self.verify_graph_runners: dict[int, CUDAGraphRunner] = {}
@@ -132,13 +134,12 @@ class ModelRunner:
         if max_seq_len > self.max_model_len:
             raise ValueError(f"a sequence reaches {max_seq_len} tokens; "
                              f"max_model_len is {self.max_model_len}")
-        need = (seq_lens + (bs - 1)) // bs
-        short = need > table.num_blocks[rows]
+        short = seq_lens > table.num_blocks[rows] * bs  # (more blocks needed than held)
         if np.count_nonzero(short):
             i = int(np.argmax(short))
-            raise ValueError(f"seq {int(plan.seq_ids[i])} needs {int(need[i])} blocks for "
-                             f"{int(seq_lens[i])} tokens; its block table has "
-                             f"{int(table.num_blocks[rows[i]])}")
+            n = int(seq_lens[i])
+            raise ValueError(f"seq {int(plan.seq_ids[i])} needs {-(-n // bs)} blocks for {n} "
+                             f"tokens; its block table has {int(table.num_blocks[rows[i]])}")
         slots = table.slots(token_rows, positions)
         input_ids = plan.input_ids
         pending = pending_src = None
@@ -150,9 +151,9 @@ class ModelRunner:
             lowest = int(input_ids.min(initial=0))
         if lowest < 0:
             pending = (input_ids < 0).nonzero()[0]
-            input_ids, pending_src = self.pending.resolve(plan, pending, token_rows, lowest)
             if pending.shape[0] == num_tokens:  # (every token row: filled in place, no index)
                 pending = None
+            input_ids, pending_src = self.pending.resolve(plan, pending, token_rows, lowest)
         all_sample = np.count_nonzero(plan.do_sample) == num_seqs
         sample = None if all_sample else np.flatnonzero(plan.do_sample)
         sample_rows = rows if all_sample else rows[sample]
@@ -227,11 +228,11 @@ class ModelRunner:
             prompt.d_hidden_rows, prompt.d_targets = d_prompt_rows, d_prompt_targets
         d_seq_lens, d_cu, d_top_k, d_diff_ids, d_draft_lens = v32
         d_temp, d_top_p, d_min_p, d_is_prompt, d_rep, d_freq, d_pres = vf
-        if d_diff_ids is not None and not table.device_is_host:
+        if d_diff_ids is not None:
             table.device_block_table.index_put_((d_diff_rows, d_diff_cols), d_diff_ids)
         block_tables = None
         if not graph:
-            width = (max_seq_len + bs - 1) // bs  # (need.max())
+            width = (max_seq_len + bs - 1) // bs  # (the most blocks a sequence needs)
             if table.device_is_host:  # (CPU: one numpy gather, no torch op)
                 block_tables = torch.from_numpy(table.block_table[:, :width].take(rows, 0))
             else:
@@ -302,11 +303,14 @@ class ModelRunner:
         if batch.pending_src is not None:
             self.pending.fill(batch.input_ids, batch.pending_pos, batch.pending_src, tp)
 
-    @torch.inference_mode()
     def forward(self, batch: StepBatch) -> tuple[Tensor | None, Tensor | None]:
         """(logits `[S, vocab]` of the sampled rows, or None when none samples or on ranks > 0;
         tokens sampled inside a CUDA graph, or None when the sampler must still run). The
         step's prompt logprobs, if any, go to `batch.prompt_out` (rank 0)."""
+        with self._inference:  # (made once: the decorator makes a context per call)
+            return self._forward(batch)
+
+    def _forward(self, batch: StepBatch) -> tuple[Tensor | None, Tensor | None]:
         if batch.penalty_tokens is not None:
             rows, slots, is_prompt = batch.penalty_tokens
             self.table.penalties.record(slots, batch.input_ids[rows], is_prompt)

@@ -34,7 +34,9 @@ class PendingTokens:
         self.device = device
         self.last_step_id: int | None = None
         self._tokens = torch.zeros(0, dtype=torch.int64, device=device)
-        self._index_of_row = np.full(max_num_seqs, -1, dtype=np.int64)
+        # index of each table row's token in the last sampled ids (-1: none); its last entry
+        # is a sentinel never set, which `resolve` clips rows past the column to
+        self._index_of_row = np.full(max_num_seqs + 1, -1, dtype=np.int64)
         self._rows = _NONE  # the rows that sampled in the last step
         self._order = np.arange(max_num_seqs, dtype=np.int64)  # (record's index values)
         self._values = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
@@ -46,16 +48,17 @@ class PendingTokens:
         index = self._index_of_row
         if self._rows.size:
             index[self._rows] = -1
-        if sample_rows.size:
-            top = int(sample_rows.max())
-            if top >= index.shape[0]:
-                grown = np.full(2 * (top + 1), -1, dtype=np.int64)
-                grown[:index.shape[0]] = index
-                self._index_of_row = index = grown
-            n = sample_rows.shape[0]
+        n = sample_rows.shape[0]
+        if n:
             if n > self._order.shape[0]:
                 self._order = np.arange(2 * n, dtype=np.int64)
-            index[sample_rows] = self._order[:n]
+            try:
+                index[:-1][sample_rows] = self._order[:n]
+            except IndexError:  # a row past the column (the table grew): grow it
+                grown = np.full(2 * (int(sample_rows.max()) + 1) + 1, -1, dtype=np.int64)
+                grown[:index.shape[0] - 1] = index[:-1]
+                self._index_of_row = index = grown
+                index[sample_rows] = self._order[:n]
         self._rows = sample_rows
 
     def sampled(self, tokens: Tensor) -> None:
@@ -67,11 +70,12 @@ class PendingTokens:
         self.record(-1, _NONE)
         self.last_step_id = None
 
-    def resolve(self, plan: StepPlan, pending: np.ndarray, token_rows: np.ndarray,
+    def resolve(self, plan: StepPlan, pending: np.ndarray | None, token_rows: np.ndarray,
                 lowest: int) -> tuple[np.ndarray, np.ndarray]:
         """(plan.input_ids with the pending ones zeroed, each pending token's index in the
-        last step's sampled ids); call before `record` of this step. `lowest` is the
-        smallest input id (pending tokens are the negative ones)."""
+        last step's sampled ids); call before `record` of this step. `pending`: the pending
+        tokens' indices in the step's tokens (None: every token). `lowest` is the smallest
+        input id (pending tokens are the negative ones)."""
         input_ids = plan.input_ids
         if lowest < PENDING_TOKEN:
             raise ValueError(f"plan {plan.step_id} has negative token ids other than "
@@ -80,15 +84,11 @@ class PendingTokens:
         if last != plan.step_id - 1:
             raise ValueError(f"plan {plan.step_id} has pending tokens, but the last plan "
                              f"this worker sampled for was {last}")
-        rows = token_rows[pending]
-        index = self._index_of_row
-        if int(rows.max()) < index.shape[0]:
-            src = index[rows]
-        else:  # rows past the column never sampled
-            src = np.full(rows.shape, -1, dtype=np.int64)
-            inside = rows < index.shape[0]
-            src[inside] = index[rows[inside]]
+        rows = token_rows if pending is None else token_rows[pending]
+        src = self._index_of_row.take(rows, mode="clip")  # (past the column: the sentinel)
         if src.min() < 0:
+            if pending is None:
+                pending = np.arange(token_rows.shape[0])
             ends = np.cumsum(plan.query_lens)
             owners = plan.seq_ids[np.searchsorted(ends, pending, side="right")]
             raise ValueError(f"plan {plan.step_id} has pending tokens for seqs "

@@ -15,9 +15,10 @@ Invariants:
 - `block_table[row, :num_blocks[row]]` is the sequence's table; the device table equals it
   once the diffs taken by `take_block_diff()` have been scattered on the device (the model
   runner does that in the same step, before the forward pass reads the table; on CPU the
-  device table is the host table, `device_is_host`, and there is nothing to scatter). The diff
-  is each changed row's entries from `dirty_from[row]` (the first column written since the
-  last take; -1: none) to its end, read from the host table when taken: one write per entry;
+  device table is the host table, `device_is_host`, and there is nothing to scatter: the
+  model runner's table there keeps no diff, `keep_diffs=False`). The diff is each changed
+  row's entries from `dirty_from[row]` (the first column written since the last take; -1:
+  none) to its end, read from the host table when taken: one write per entry;
 - a plan's block writes (new tables, appended blocks, replaced tables) are numpy over all the
   plan's sequences at once, checked before anything is written;
 - `num_tokens[row]` counts every token the worker was given for the sequence (its computed
@@ -59,44 +60,41 @@ class SeqState:
 
 class SeqRows:
     """seq_id -> row, as a numpy array over the window of ids between the oldest and the newest
-    sequence held (the scheduler's ids only grow, so the window slides; any id works)."""
+    sequence held (the scheduler's ids only grow, so the window slides; any id works).
+
+    The window's first and last entries are never set (-1): a lookup clips an id outside the
+    window to one of them, so one gather and no range check find every row or its absence."""
 
     def __init__(self) -> None:
-        self.base = 0
+        self.base = -1  # the id of rows[0], a sentinel
         self.rows = np.full(1024, -1, dtype=np.int64)
 
     def lookup(self, seq_ids: np.ndarray) -> np.ndarray:
         """Rows of `seq_ids` (-1 for an id without state)."""
-        idx = seq_ids - self.base
-        # (as unsigned, an id below the window is past its end too: one reduction checks both)
-        if not idx.size or int(idx.view(np.uint64).max()) < self.rows.shape[0]:
-            return self.rows[idx]
-        inside = (idx >= 0) & (idx < self.rows.shape[0])
-        out = np.full(seq_ids.shape, -1, dtype=np.int64)
-        out[inside] = self.rows[idx[inside]]
-        return out
+        return self.rows.take(seq_ids - self.base, mode="clip")
 
     def set(self, seq_id: int, row: int) -> None:
-        if not 0 <= seq_id - self.base < self.rows.shape[0]:
+        if not 0 < seq_id - self.base < self.rows.shape[0] - 1:
             if row < 0:
                 return  # outside the window: it has no row already
             self._make_room(seq_id)
         self.rows[seq_id - self.base] = row
 
     def _make_room(self, seq_id: int) -> None:
-        """Re-window over the live ids and `seq_id`, with room to grow into."""
+        """Re-window over the live ids and `seq_id`, with room to grow into and a sentinel at
+        each end."""
         live = np.flatnonzero(self.rows >= 0)
         lo, hi = seq_id, seq_id
         if live.size:
             lo, hi = min(lo, self.base + int(live[0])), max(hi, self.base + int(live[-1]))
         size = self.rows.shape[0]
-        while size < 2 * (hi - lo + 1):
+        while size < 2 * (hi - lo + 1) + 2:
             size *= 2
         rows = np.full(size, -1, dtype=np.int64)
         if live.size:
-            first = self.base + int(live[0]) - lo
+            first = self.base + int(live[0]) - lo + 1
             rows[first:first + int(live[-1] - live[0]) + 1] = self.rows[live[0]:live[-1] + 1]
-        self.base, self.rows = lo, rows
+        self.base, self.rows = lo - 1, rows
 
 
 class PenaltyState:
@@ -110,6 +108,7 @@ class PenaltyState:
         self.prompt_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self.logit_bias = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self.free: list[int] = []
+        self.num_used = 0  # slots held (a plain int: every step reads it)
 
     def acquire(self, prompt: list[int], outputs: list[int],
                 logit_bias: dict[int, float] | None = None) -> int:
@@ -124,6 +123,7 @@ class PenaltyState:
             self.logit_bias = torch.cat([self.logit_bias, zeros])
             self.free.extend(range(old + grow - 1, old - 1, -1))
         slot = self.free.pop()
+        self.num_used += 1
         for counts, tokens in ((self.prompt_counts, prompt), (self.output_counts, outputs)):
             counts[slot].zero_()
             if tokens:
@@ -139,10 +139,7 @@ class PenaltyState:
 
     def release(self, slot: int) -> None:
         self.free.append(slot)
-
-    @property
-    def num_used(self) -> int:
-        return self.output_counts.shape[0] - len(self.free)
+        self.num_used -= 1
 
     def record(self, slots: Tensor, token_ids: Tensor, is_prompt: Tensor) -> None:
         """Count a step's input tokens of penalized sequences: `slots`, `token_ids` int64 [N],
@@ -155,7 +152,8 @@ class SeqTable:
     """Rows of per-sequence state (see the module docstring)."""
 
     def __init__(self, max_num_seqs: int, block_size: int, max_model_len: int,
-                 vocab_size: int, seed: int, device: torch.device) -> None:
+                 vocab_size: int, seed: int, device: torch.device,
+                 keep_diffs: bool = True) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
@@ -171,6 +169,7 @@ class SeqTable:
         self._alloc_rows(max_num_seqs)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._any_dirty = False  # some row's dirty_from >= 0
+        self.keep_diffs = keep_diffs  # False: take_block_diff() is always empty
 
     # per-row columns: name -> (dtype, value of a free row)
     _COLUMNS: dict[str, tuple[type, float]] = {
@@ -318,6 +317,8 @@ class SeqTable:
             at_rows, cols = _ragged(rows, starts, lens, total)
             self.block_table[at_rows, cols] = ids
         self.num_blocks[rows] = ends
+        if not self.keep_diffs:
+            return
         dirty = self.dirty_from[rows]
         self.dirty_from[rows] = np.where((dirty >= 0) & (dirty < starts), dirty, starts)
         self._any_dirty = True
@@ -326,15 +327,17 @@ class SeqTable:
         """The KV slot of each token (its row's table entry at position // block_size, times
         block_size, plus the offset), int64: the table is int32, a slot id need not be."""
         bs = self.block_size
-        slots = self.block_table[rows, positions // bs].astype(np.int64)
+        block, offset = np.divmod(positions, bs)
+        block += rows * self.max_blocks_per_seq  # (the entry's flat index: a 1-d take)
+        slots = self.block_table.reshape(-1).take(block).astype(np.int64)
         slots *= bs
-        slots += positions % bs
+        slots += offset
         return slots
 
     def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
         """Rows of a step's sequences; ValueError naming the first one without state."""
         rows = self.seq_rows.lookup(seq_ids)
-        if rows.size and rows.min() < 0:
+        if rows.min(initial=0) < 0:
             missing = int(seq_ids[int(np.argmin(rows))])
             raise ValueError(f"the plan names seq {missing}, which has no state on this worker "
                              "(never sent as NewSeq, or already dropped)")

@@ -57,25 +57,30 @@ class InputStager:
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layout(key)
-        outs, end, views, regions = layout
+        packs, end, views, regions = layout
         slot = self._slots[index]
         self._next = (index + 1) % self.depth
         if slot.copied is not None and not slot.copied.query():
             # Its copy of `depth` steps ago still queued: only if the caller launched more
             # steps than the ring holds without collecting any (the worker never does).
             slot.copied.synchronize()
-        for arrays, out in zip(groups, outs):
-            if out is not None:
-                np.concatenate([a for a in arrays if a is not None], out=out, casting="unsafe")
+        for arrays, (out, present) in zip(groups, packs):
+            if out is None:  # (nothing to stage: no arrays, or only empty ones)
+                continue
+            if len(present) == 1:  # (an assignment casts as concatenate does, at less cost)
+                out[...] = arrays[present[0]]
+            else:
+                np.concatenate([arrays[i] for i in present], out=out, casting="unsafe")
         if slot.copied is not None:
             slot.device[:end].copy_(slot.host[:end], non_blocking=True)
             slot.copied.record()
         return views, regions
 
     def _layout(self, key: tuple) -> tuple:
-        """The host arrays each group is packed into (None: an empty group), total size and
-        device views of one slot for arrays of these sizes (-1: absent). Made once per (slot,
-        sizes) and reused: a steady batch makes no views."""
+        """Per group, the host array it is packed into (None: an empty group) and the indices
+        of its arrays present; the total size; device views of one slot for arrays of these
+        sizes (-1: absent). Made once per (slot, sizes) and reused: a steady batch makes no
+        views."""
         index, lengths, flat = key
         sizes, at = [], 0
         for n in lengths:
@@ -89,16 +94,17 @@ class InputStager:
         if end > self.nbytes:
             self._grow(end)
         slot = self._slots[index]
-        outs, views, regions = [], [], []
+        packs, views, regions = [], [], []
         for (np_dtype, torch_dtype), counts, (start, stop) in zip(_GROUPS, sizes, ranges):
-            outs.append(slot.host_np[start:stop].view(np_dtype) if stop > start else None)
+            packs.append((slot.host_np[start:stop].view(np_dtype) if stop > start else None,
+                          tuple(i for i, c in enumerate(counts) if c >= 0)))
             region = slot.device[start:stop].view(torch_dtype)
             regions.append(region)
             split = iter(region.split([c for c in counts if c >= 0]))
             views.append([None if c < 0 else next(split) for c in counts])
         if len(self._layouts) >= _MAX_LAYOUTS:
             self._layouts.clear()
-        layout = (outs, end, views, regions)
+        layout = (packs, end, views, regions)
         self._layouts[key] = layout
         return layout
 

@@ -30,6 +30,8 @@ class _Slot:
         pin = device.type == "cuda"
         self.tokens = torch.empty(rows, dtype=torch.int64, pin_memory=pin)
         self.tokens_np = self.tokens.numpy()  # (a view: take reads it without a torch call)
+        # put's last slice of `tokens`, kept: a steady batch makes no view per step
+        self.put_rows, self.put_view = 0, self.tokens[:0]
         self.logprobs = torch.empty(rows, dtype=torch.float32, pin_memory=pin)
         self.top_ids = torch.empty(rows, MAX_LOGPROBS + 1, dtype=torch.int64, pin_memory=pin)
         self.top_logprobs = torch.empty(rows, MAX_LOGPROBS + 1, dtype=torch.float32,
@@ -76,7 +78,9 @@ class StepOutputs:
         if rows > slot.tokens.shape[0]:  # a batch larger than max_num_seqs (profiling)
             self._slots[index] = slot = self._grown(slot, rows)
         slot.rows = rows
-        slot.tokens[:rows].copy_(out.token_ids, non_blocking=True)
+        if slot.put_rows != rows:
+            slot.put_rows, slot.put_view = rows, slot.tokens[:rows]
+        slot.put_view.copy_(out.token_ids, non_blocking=True)
         if num_tokens is not None:
             slot.num_verified = n = num_tokens.shape[0]
             slot.num_tokens[:n].copy_(num_tokens, non_blocking=True)

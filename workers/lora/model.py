@@ -30,6 +30,8 @@ _GATE_UP = [("gate_proj", 0), ("up_proj", 1)]
 
 def check_lora_plan(plan: StepPlan, max_loras: int) -> None:
     """ValueError for a plan that names LoRA slots a worker with `max_loras` slots lacks."""
+    if not plan.new_seqs and not plan.lora_loads:  # (a decode step's: nothing to check)
+        return
     bad = next((n for n in plan.new_seqs if not -1 <= n.lora_slot < max_loras), None)
     if bad is not None or (plan.lora_loads and not max_loras):
         what = (f"seq {bad.seq_id} runs in LoRA slot {bad.lora_slot}" if bad is not None
