@@ -11,6 +11,13 @@ burst is being prefilled (from the burst's first request to its last first token
 burst requests' TTFT p50, output tokens per second of the whole run, and the decode side's
 KV transfers (count, MiB, mean seconds: the transfer's cost inside that TTFT).
 
+The load client times tokens where it reads them, so its own pauses count as the server's: it
+runs the load with its start-up heap frozen (`frozen_heap`). This process holds Ray, Serve and
+the app's modules; without the freeze the burst's allocations set off a full collection of
+that heap in the middle of the burst window, longer than several decode steps, and every
+stream's next token waited in the client (docs/benchmarks.md, "Prefill/decode
+disaggregation").
+
   RAY_AUTH_MODE=disabled .venv/bin/python bench/pd_bench.py --json pd.json
 
 `--json PATH` writes {"rows": [{"mode", "itl_p99_s", "itl_p50_s", "ttft_p50_s",
@@ -21,11 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import json
 import random
 import re
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +129,18 @@ async def run_load(url: str, args: argparse.Namespace) -> tuple[list[Stream], li
     return done_streams, done_bursts, time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Collect, then move every object this process has into the collector's permanent
+    generation until the block ends: a collection inside it scans only what the load made."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def pct(values: list[float], p: float) -> float:
     if not values:
         return float("nan")
@@ -169,7 +191,8 @@ def run_mode(mode: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
         warm = argparse.Namespace(**{**vars(args), "streams": 2, "burst": 2, "burst_at": 0.0,
                                      "stream_tokens": 4, "burst_tokens": 2, "seed": 999})
         asyncio.run(run_load(url, warm))  # (start-up costs out of the numbers)
-        streams, bursts, wall = asyncio.run(run_load(url, args))
+        with frozen_heap():
+            streams, bursts, wall = asyncio.run(run_load(url, args))
         row = summarize(mode, streams, bursts, wall)
         row.update(transfer_stats(httpx.get(f"{url}/metrics", timeout=60).text))
         return row

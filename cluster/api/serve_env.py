@@ -12,6 +12,13 @@ replicas, which read them from that process's environment: in one place.
   (LOCAL_CLUSTER_ENV_VARS): its node address is 127.0.0.1, so the GCS, raylet, agents and
   workers listen there and nowhere else. A multi-node cluster is started with `ray start`,
   and `serve run` then joins it through RAY_ADDRESS, untouched by this.
+- The worker processes of a Ray cluster started here run at nice 0 (WORKER_NICE_ENV_VARS),
+  not at Ray's 15: every process of the app (the ingress, Serve's proxy, each LLMServer
+  replica, the rank actors) is a Ray worker, so at 15 each weighed 1/28 of any ordinary
+  process on the host (the load client, a neighbour's job) in the kernel's CPU shares,
+  and an engine's `cpu_nice` (0..19, set from the worker's nice, only ever lowering it) could
+  not rank the prefill role below the decode role and the ingress: both were already at 15.
+  For a cluster started with `ray start`, set `RAY_worker_niceness=0` in its environment.
 - `bind_replica_grpc_to_node_ip`, called by each replica, for the one listener Serve binds to
   every interface without a setting.
 
@@ -68,6 +75,11 @@ HAPROXY_BINARY_ENV = "QWEN3_SERVE_HAPROXY_BINARY"
 # address is 127.0.0.1 instead of the machine's network address.
 LOCAL_CLUSTER_ENV_VARS = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
+# The nice value the raylet starts worker processes at (Ray's default: 15, below its own
+# daemons). At 15 a busy host left the ingress's event loop descheduled while the decode
+# replica's tokens waited in it (docs/benchmarks.md, "Prefill/decode disaggregation").
+WORKER_NICE_ENV_VARS = {"RAY_worker_niceness": "0"}
+
 
 def haproxy_binary() -> str | None:
     """The HAProxy binary to run: an explicit path (HAPROXY_BINARY_ENV, or Serve's
@@ -105,6 +117,7 @@ def proxy_env() -> dict[str, str]:
         env.update(HAPROXY_ENV_VARS)
     if starts_own_cluster():
         env.update(LOCAL_CLUSTER_ENV_VARS)
+        env.update(WORKER_NICE_ENV_VARS)
     env = {k: os.environ.get(k, v) for k, v in env.items()}
     if binary is not None and env["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
         env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(HAPROXY_WRAPPER)

@@ -37,6 +37,22 @@ def test_both_modes_use_the_same_cpus_and_pass_the_manifest_checks() -> None:
     assert pd_bench.app_args("disaggregated", 0.8, 512, 0)["pd"]["prefill"]["cpu_nice"] == 0
 
 
+def test_the_load_runs_with_the_start_up_heap_frozen() -> None:
+    """A collection during the load scans only what the load made, not the client's start-up
+    heap (Ray, Serve, the app's modules): its pause would count as the server's."""
+    import gc
+
+    start_up = [[] for _ in range(100)]
+    with pd_bench.frozen_heap():
+        assert gc.get_freeze_count() >= len(start_up)
+        scanned = {id(o) for o in gc.get_objects()}
+        assert id(start_up) not in scanned and id(start_up[0]) not in scanned
+        during = [[]]
+        assert id(during) in {id(o) for o in gc.get_objects()}
+    assert gc.get_freeze_count() == 0
+    assert id(start_up) in {id(o) for o in gc.get_objects()}
+
+
 def test_itl_counts_only_the_burst_window() -> None:
     s = pd_bench.Stream(0.0, [1.0, 1.1, 1.2, 2.2, 2.3, 4.0])
     burst = [pd_bench.Stream(1.15, [2.25, 2.4]), pd_bench.Stream(1.5, [2.35, 2.5])]

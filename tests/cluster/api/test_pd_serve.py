@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation over real Serve and HTTP (manifests/qwen3-pd.yaml's args):
 completions and chat, streaming and not, greedy and seeded, equal the colocated offline
-engine's; both roles' replicas report their transfers; a prefill replica killed loses no
-request (the decode side runs it whole until Serve replaces the replica)."""
+engine's; both roles' replicas report their transfers; the prefill role's process runs below
+the decode role's and the ingress's (the manifest's cpu_nice over Ray workers at nice 0); a
+prefill replica killed loses no request (the decode side runs it whole until Serve replaces
+the replica)."""
 
 from __future__ import annotations
 
@@ -125,6 +127,22 @@ def test_each_role_reports_its_transfers(base_url: str, handle_loop: Any) -> Non
     assert prefill["kv_transfer_exports_total"] >= 1 and prefill["kv_transfer_bytes_out_total"] > 0
     assert decode["kv_transfer_imports_total"] >= 1 and decode["kv_transfer_bytes_in_total"] > 0
     assert decode["kv_transfer_seconds"].count >= 1
+
+
+def test_prefill_role_runs_below_the_decode_role_and_the_ingress(base_url: str) -> None:
+    """A burst of prompts keeps the prefill replica's core busy; the decode replica's steps and
+    the ingress, which carries every stream's tokens to its client, must win the shared cores:
+    Ray workers start at nice 0 (cluster/api/serve_env.py; at Ray's 15 the manifest's
+    `cpu_nice: 10` changed nothing) and the prefill role lowers its own to 10."""
+    from ray._private.state import actors
+
+    assert _post(base_url, "/v1/completions", {"prompt": PROMPT, **GREEDY}).status_code == 200
+    nice = {}
+    for a in actors(actor_state_name="ALIVE").values():
+        for role in ("LLMServer-prefill", "LLMServer-decode", "OpenAIIngress"):
+            if f"{APP}#{role}#" in (a.get("Name") or ""):
+                nice[role] = os.getpriority(os.PRIO_PROCESS, a["Pid"])
+    assert nice == {"LLMServer-prefill": 10, "LLMServer-decode": 0, "OpenAIIngress": 0}
 
 
 def test_decode_replica_killed_mid_stream_resumes_elsewhere(base_url: str) -> None:

@@ -1,5 +1,6 @@
 """The settings of the process that starts Ray: HAProxy through cluster/api/haproxy.sh where its
-binary is installed, a local-only cluster when this process starts one, user overrides
+binary is installed, a local-only cluster with its workers at nice 0 when this process starts
+one, user overrides
 respected, and `python -m cluster.api.serve_env` printing what `./dev serve` evaluates. The
 wrapper is run on the config Serve's own template renders, and HAProxy must accept it."""
 
@@ -17,7 +18,7 @@ from cluster.api import serve_env
 _ENV_KEYS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_BINARY_PATH", "RAY_ADDRESS",
              "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
              "RAY_SERVE_PROXY_USE_GRPC", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP",
-             serve_env.HAPROXY_BINARY_ENV)
+             "RAY_worker_niceness", serve_env.HAPROXY_BINARY_ENV)
 
 
 @pytest.fixture
@@ -36,28 +37,35 @@ def test_haproxy_runs_through_the_wrapper_on_a_local_cluster(clean_env) -> None:
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_worker_niceness": "0",
         "RAY_SERVE_HAPROXY_BINARY_PATH": str(serve_env.HAPROXY_WRAPPER),
         "QWEN3_SERVE_HAPROXY_BINARY": "/opt/haproxy"}
     clean_env.setattr(serve_env, "haproxy_binary", lambda: None)
     assert serve_env.proxy_env() == {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
                                      "RAY_SERVE_PROXY_USE_GRPC": "1",
-                                     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+                                     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                                     "RAY_worker_niceness": "0"}
 
 
 def test_joining_a_cluster_leaves_its_addresses_alone(clean_env) -> None:
     clean_env.setattr(serve_env, "haproxy_binary", lambda: None)
     clean_env.setenv("RAY_ADDRESS", "10.0.0.5:6379")
-    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in serve_env.proxy_env()
+    # (the workers' nice value is the joined cluster's, set where its raylet was started)
+    assert {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_worker_niceness"}.isdisjoint(
+        serve_env.proxy_env())
     clean_env.setenv("RAY_ADDRESS", "local")  # Ray's spelling of "start a new one"
     assert serve_env.proxy_env()["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert serve_env.proxy_env()["RAY_worker_niceness"] == "0"
 
 
 def test_values_already_in_the_environment_win(clean_env) -> None:
     clean_env.setattr(serve_env, "haproxy_binary", lambda: "/opt/haproxy")
     clean_env.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
     clean_env.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")
+    clean_env.setenv("RAY_worker_niceness", "15")  # Ray's own default, asked for
     env = serve_env.proxy_env()
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and env["RAY_SERVE_PROXY_USE_GRPC"] == "0"
+    assert env["RAY_worker_niceness"] == "15"
     assert "RAY_SERVE_HAPROXY_BINARY_PATH" not in env  # no HAProxy, nothing to wrap
 
 
