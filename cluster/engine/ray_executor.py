@@ -5,7 +5,8 @@ Per step the plan goes to every rank through a Ray Compiled Graph (shared-memory
 one write read by every rank; its cost against one actor call per rank is in
 docs/benchmarks.md); `compiled_graph=False` falls back to one actor call per rank. With
 `lagged` (async scheduling) each graph call launches its plan and returns the result of the
-plan before. Idle ranks park on a socket (wakeup.py) instead of spinning on the channel.
+plan before. Idle ranks park on a socket (wakeup.py) instead of spinning on the channel, and
+the engine sleeps on the output rank's count of finished calls before it reads an output.
 The graph's blocking calls wait out a long step but not a dead rank (dag_calls.py).
 """
 
@@ -28,7 +29,7 @@ from cluster.engine.executor import Executor, WorkerDiedError
 from cluster.engine.kv_transport import KVTransferError
 from cluster.engine.rdt_transport import RDTHandle, RDTPeers, new_key
 from cluster.engine.stage_placement import place_stages
-from cluster.engine.wakeup import Park, WakeSockets
+from cluster.engine.wakeup import CallCounter, Park, WakeSockets
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
@@ -76,6 +77,8 @@ class _Group:
     caller: DagCaller | None = None
     dag: Any = None
     sockets: WakeSockets | None = None
+    finished: CallCounter | None = None  # the output rank's finished calls (wakeup.py)
+    reads: int = 0  # outputs read from the graph so far
     dead: str | None = None  # why a rank of this group failed
     stopped: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
@@ -187,8 +190,12 @@ class RayExecutor(Executor):
         if any(n != here for n in self._wait_all(g, [w.node_id.remote() for w in g.workers])):
             return None  # ranks on another host: they spin when idle (no socket reaches them)
         sockets = WakeSockets(len(g.workers))
-        self._wait_all(g, [w.open_wake_socket.remote(p)
-                           for w, p in zip(g.workers, sockets.paths)])
+        g.finished = CallCounter.create()
+        counted = None if g.finished is None else g.finished.path
+        self._wait_all(g, [w.open_wake_socket.remote(p, counted if r == self._output_rank else None)
+                           for r, (w, p) in enumerate(zip(g.workers, sockets.paths))])
+        if g.finished is not None:
+            g.finished.unlink()  # (mapped by both ends now)
         return sockets
 
     def park(self) -> None:
@@ -328,15 +335,14 @@ class RayExecutor(Executor):
             self._fail(g, e)
 
     def _dag_get(self, g: _Group, submitted: concurrent.futures.Future) -> StepResult:
-        import ray
-
         while g.unread_parks and g.unread_parks[0] is not submitted:
             self._dag_get(g, g.unread_parks.popleft())  # (None: a parked call's output)
         ref = submitted.result()  # done: submitted earlier on this same thread
         self._check(g)
+        g.reads += 1
         try:
             # A dead rank raises here within a slice (dag_calls.py); a long step is waited for.
-            outputs = g.caller.call(lambda: ray.get(ref, timeout=ray_timeout_s()))
+            outputs = g.caller.call(self._read_output, g, ref, g.reads)
         except Exception as e:  # noqa: BLE001 — any worker failure ends the group
             self._fail(g, e)
         result = outputs[self._output_rank]
@@ -344,6 +350,16 @@ class RayExecutor(Executor):
             return None
         self.rebuilds_without_step = 0
         return result.owned()  # (copied out of the channel's buffer: see StepResult.owned)
+
+    @staticmethod
+    def _read_output(g: _Group, ref: Any, n: int) -> Any:
+        """The `n`-th output of the graph: asleep until the output rank has finished that call
+        (Ray's read spins, wakeup.py), then read."""
+        import ray
+
+        if g.finished is not None:
+            g.finished.wait_for(n, lambda: g.stopped or g.dead is not None)
+        return ray.get(ref, timeout=ray_timeout_s())
 
     def export_kv(self, block_ids: list[int]) -> tuple[list, int]:
         g = self._g
@@ -433,6 +449,8 @@ class RayExecutor(Executor):
             g.thread.shutdown(wait=False)  # (queued calls run, find `stopped` and raise)
             if g.sockets is not None:
                 g.sockets.close()
+            if g.finished is not None:
+                g.finished.unlink()
             g.stopped = True
 
     def shutdown(self) -> None:
