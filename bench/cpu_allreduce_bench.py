@@ -93,35 +93,12 @@ def micro(rounds: int, iters: int) -> dict:
 
 
 def engine_run(steps: int) -> dict:
-    """One engine in this process: median and min decode step (ms) at batch 1 and 8."""
-    import ray
+    """One tp-2 engine in this process: median and min decode step (ms) at batch 1 and 8
+    (bench/tp_step.py's run, which also reports each process's CPU time per step)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from tp_step import run
 
-    from cluster import LLM, SamplingParams
-
-    # "local": a Ray of this process's own (never a cluster another run left behind).
-    ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    llm = LLM("qwen3-tiny", tensor_parallel_size=2, executor="ray", worker_num_cpus=0.5,
-              device="cpu")
-    engine, out = llm.engine, {}
-    try:
-        for batch in (1, 8):
-            sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-            for i in range(batch):
-                engine.add_request(f"b{batch}-{i}", list(range(100 + i, 116 + i)), sp)
-            for _ in range(4):  # the prefill and a few decodes, untimed
-                engine.step()
-            times = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                engine.step()
-                times.append((time.perf_counter() - start) * 1e3)
-            while engine.has_unfinished():
-                engine.step()
-            out[f"batch {batch}"] = {"median_ms": statistics.median(times), "min_ms": min(times)}
-    finally:
-        llm.shutdown()
-        ray.shutdown()
-    return out
+    return run(2, steps)
 
 
 def engine(pairs: int, steps: int) -> list[dict]:

@@ -46,10 +46,8 @@ for debugging.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
-import platform
 import socket
 import time
 import uuid
@@ -58,6 +56,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from workers.futex import futex_supported, futex_wait, futex_wake, timespec
 
 ENV_KNOB = "QWEN3_SERVE_CPU_SHM_ALLREDUCE"
 SHM_DIR = "/dev/shm"  # POSIX shared memory on Linux (what shm_open names map to)
@@ -70,18 +70,7 @@ _LINE = 64
 _MAX_CACHED_VIEWS = 64
 _SPINS = 64  # counter polls before sleeping on the futex
 _LIVENESS_EVERY_S = 0.1  # how often a sleeping waiter checks that the peer's process lives
-_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86_64 Linux; shared (not private) futexes
-_syscall = ctypes.CDLL(None, use_errno=True).syscall
-_syscall.restype = ctypes.c_long
-_syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32,
-                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_NAP = _Timespec(0, int(_LIVENESS_EVERY_S * 1e9))
+_NAP = timespec(_LIVENESS_EVERY_S)
 
 
 def shm_enabled(environ: dict[str, str] | os._Environ = os.environ) -> bool:
@@ -156,7 +145,7 @@ class ShmCollectives:
         if world_size * _LINE > _HEADER_BYTES:
             raise ValueError(f"shared-memory collectives take at most {_HEADER_BYTES // _LINE} "
                              f"ranks; got world_size={world_size}")
-        me = (host_identity(), platform.machine() in ("x86_64", "AMD64"), shm_enabled(),
+        me = (host_identity(), futex_supported(), shm_enabled(),
               os.getpid())
         peers: list = [None] * world_size
         dist.all_gather_object(peers, me, group=group)
@@ -231,7 +220,7 @@ class ShmCollectives:
         if publish:
             views[self.rank].copy_(x)
         self._counters[self.rank] = seq  # after the payload (see the module docstring)
-        _syscall(_SYS_FUTEX, self._counter_addr[self.rank], _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+        futex_wake(self._counter_addr[self.rank])
         for r in range(self.world_size):
             if r != self.rank and self._counters[r] < seq:
                 self._wait(r, seq, name)
@@ -246,8 +235,7 @@ class ShmCollectives:
         while (seen := int(counters[peer])) < seq:
             # Sleeps only while the word still holds `seen` (checked by the kernel), so a
             # publish between the load above and this call is never missed.
-            _syscall(_SYS_FUTEX, self._counter_addr[peer], _FUTEX_WAIT, seen & 0xFFFFFFFF,
-                     ctypes.addressof(_NAP), None, 0)
+            futex_wait(self._counter_addr[peer], seen, _NAP)
             if counters[peer] >= seq:
                 return
             now = time.monotonic()

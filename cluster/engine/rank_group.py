@@ -17,7 +17,7 @@ from collections import deque
 from typing import Any
 
 from cluster.engine.dag_calls import DagCaller
-from cluster.engine.wakeup import WakeSockets
+from cluster.engine.wakeup import CallCounter, WakeSockets
 
 
 @dataclasses.dataclass(eq=False)
@@ -30,6 +30,8 @@ class RankGroup:
     caller: DagCaller | None = None
     dag: Any = None
     sockets: WakeSockets | None = None
+    finished: CallCounter | None = None  # the output rank's finished calls (wakeup.py)
+    reads: int = 0  # outputs read from the graph so far
     dead: str | None = None  # why a rank of this group failed
     stopped: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)

@@ -5,7 +5,8 @@ Per step the plan goes to every rank through a Ray Compiled Graph (shared-memory
 one write read by every rank; its cost against one actor call per rank is in
 docs/benchmarks.md); `compiled_graph=False` falls back to one actor call per rank. With
 `lagged` (async scheduling) each graph call launches its plan and returns the result of the
-plan before. Idle ranks park on a socket (wakeup.py) instead of spinning on the channel.
+plan before. Idle ranks park on a socket (wakeup.py) instead of spinning on the channel, and
+the engine sleeps on the output rank's count of finished calls before it reads an output.
 The graph's blocking calls wait out a long step but not a dead rank (dag_calls.py).
 """
 
@@ -27,7 +28,7 @@ from cluster.engine.kv_transport import KVTransferError
 from cluster.engine.rank_group import RankGroup
 from cluster.engine.rdt_transport import RDTHandle, RDTPeers, new_key
 from cluster.engine.stage_placement import place_stages
-from cluster.engine.wakeup import Park, WakeSockets
+from cluster.engine.wakeup import CallCounter, Park, WakeSockets
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
@@ -157,11 +158,15 @@ class RayExecutor(Executor):
         self._start((self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks))
 
     def _open_wake_sockets(self, g: RankGroup) -> WakeSockets:
-        """Sockets to park `g`'s ranks on, all on this host (ranks on another host spin when
-        idle: no socket reaches them)."""
+        """Sockets to park `g`'s ranks on and the output rank's counter of finished calls, all
+        on this host (ranks on another host spin when idle: no socket reaches them)."""
         sockets = WakeSockets(len(g.workers))
-        self._wait_all(g, [w.open_wake_socket.remote(p)
-                           for w, p in zip(g.workers, sockets.paths)])
+        g.finished = CallCounter.create()
+        counted = None if g.finished is None else g.finished.path
+        self._wait_all(g, [w.open_wake_socket.remote(p, counted if r == self._output_rank else None)
+                           for r, (w, p) in enumerate(zip(g.workers, sockets.paths))])
+        if g.finished is not None:
+            g.finished.unlink()  # (mapped by both ends now)
         return sockets
 
     def park(self) -> None:
@@ -307,13 +312,13 @@ class RayExecutor(Executor):
         return ref
 
     def _read(self, g: RankGroup, ref: Any) -> list:
-        """Every rank's output of the graph call `ref`."""
-        import ray
-
+        """Every rank's output of the graph call `ref` (the outputs are read in call order,
+        each once: `g.reads` counts them for the counter the read sleeps on)."""
         self._check(g)
+        g.reads += 1
         try:
             # A dead rank raises here within a slice (dag_calls.py); a long step is waited for.
-            return g.caller.call(lambda: ray.get(ref, timeout=ray_timeout_s()))
+            return g.caller.call(self._read_output, g, ref, g.reads)
         except Exception as e:  # noqa: BLE001 — any worker failure ends the group
             self._fail(g, e)
 
@@ -333,6 +338,16 @@ class RayExecutor(Executor):
             return None
         self.rebuilds_without_step = 0
         return result.owned()  # (copied out of the channel's buffer: see StepResult.owned)
+
+    @staticmethod
+    def _read_output(g: RankGroup, ref: Any, n: int) -> Any:
+        """The `n`-th output of the graph: asleep until the output rank has finished that call
+        (Ray's read spins, wakeup.py), then read."""
+        import ray
+
+        if g.finished is not None:
+            g.finished.wait_for(n, lambda: g.stopped or g.dead is not None)
+        return ray.get(ref, timeout=ray_timeout_s())
 
     def export_kv(self, block_ids: list[int]) -> tuple[list, int]:
         g = self._g
@@ -422,6 +437,8 @@ class RayExecutor(Executor):
             g.thread.shutdown(wait=False)  # (queued calls run, find `stopped` and raise)
             if g.sockets is not None:
                 g.sockets.close()
+            if g.finished is not None:
+                g.finished.unlink()
             g.stopped = True
 
     def shutdown(self) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from cluster.engine.kv_transport import KVTransferError, fetch, publish
 from cluster.engine.rdt_transport import PayloadStash
-from cluster.engine.wakeup import Park, WakeReader
+from cluster.engine.wakeup import CallCounter, Park, WakeReader
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
 
@@ -41,6 +41,7 @@ class RayWorker:
         self._bitmasks: dict[int, np.ndarray] = {}
         self._posted = threading.Condition()
         self._wake: WakeReader | None = None
+        self._calls: CallCounter | None = None  # the output rank's count of finished calls
         self._stash = PayloadStash()  # KV payloads waiting for an RDT pull
 
     def join(self) -> None:
@@ -62,23 +63,34 @@ class RayWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def open_wake_socket(self, path: str) -> None:
-        """The socket this rank parks on (cluster/engine/wakeup.py)."""
+    def open_wake_socket(self, path: str, calls_path: str | None = None) -> None:
+        """The socket this rank parks on and, on the output rank, the counter of its finished
+        calls that the engine sleeps on (cluster/engine/wakeup.py)."""
         self._wake = WakeReader(path)
+        if calls_path is not None:
+            self._calls = CallCounter.attach(calls_path)
 
     def execute(self, plan: StepPlan | Park) -> StepResult | None:
-        if isinstance(plan, Park):
-            return self._park()
-        self.worker.launch(plan)
-        self._take_bitmask()
-        return self.worker.collect(plan.step_id)[0]
+        try:
+            if isinstance(plan, Park):
+                return self._park()
+            self.worker.launch(plan)
+            self._take_bitmask()
+            return self.worker.collect(plan.step_id)[0]
+        finally:
+            if self._calls is not None:  # (a failed call too: its error is its output)
+                self._calls.bump()
 
     def execute_lagged(self, plan: StepPlan | Park | None) -> StepResult | None:
         """Launch `plan`, return the result of the plan launched before it (Worker.execute_lagged)."""
-        if isinstance(plan, Park):
-            return self._park()
-        self._take_bitmask()  # the last step must sample before this one can launch
-        return self.worker.execute_lagged(plan)
+        try:
+            if isinstance(plan, Park):
+                return self._park()
+            self._take_bitmask()  # the last step must sample before this one can launch
+            return self.worker.execute_lagged(plan)
+        finally:
+            if self._calls is not None:
+                self._calls.bump()
 
     def _park(self) -> None:
         """Wait, without spinning, until the engine has work again (see cluster/engine/wakeup.py)."""

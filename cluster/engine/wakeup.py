@@ -1,4 +1,5 @@
-"""Parking idle Ray workers: a named socket per rank that wakes them in microseconds.
+"""Waiting without spinning on a compiled graph: idle ranks park on a named socket per rank,
+and the engine sleeps on a counter of finished calls before it reads a call's output.
 
 A Ray Compiled Graph's actors wait for the next plan by spinning on their input channel
 (`sched_yield` in a loop: most of a core per rank, forever, while the engine has no work).
@@ -7,19 +8,41 @@ When the engine goes idle it sends each rank a `Park` plan instead: the rank the
 sends it a datagram (when work arrives), then goes back to the channel for the plan that
 follows.
 
-The sockets need the engine and its ranks on one host; a Serve replica's placement group is
-STRICT_PACK with the replica in bundle 0, so they are. Invariants: a rank parks only between
-steps (the engine parks when nothing is in flight); every park is followed by a wake before
-the engine reads anything the graph returns after it.
+The engine's side of a step spins the same way: Ray's read of a call's output yields in a loop
+until every rank has written it, for the whole step. On a CPU host the ranks need the cores it
+spins on (two ranks and the engine on two cores: the engine burned more CPU per step than both
+ranks' forward passes together, docs/benchmarks.md, issue #43). So the output rank counts its
+finished calls in a shared page (`CallCounter`, one futex word), and the engine sleeps on it
+until the call it reads has finished; the read that follows waits only for Ray's write of the
+output, which comes right after.
+
+The sockets and the counter need the engine and its ranks on one host; a Serve replica's
+placement group is STRICT_PACK with the replica in bundle 0, so they are. Invariants: a rank
+parks only between steps (the engine parks when nothing is in flight); every park is followed
+by a wake before the engine reads anything the graph returns after it. The output rank adds
+one to the counter at the end of every call the graph makes on it (a park, a failed step
+included), so the n-th output the engine reads exists once the counter reaches n; the engine
+waits in bounded sleeps and gives up the wait as soon as its group is stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import select
 import socket
 import tempfile
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+
+from workers.futex import futex_supported, futex_wait, futex_wake, timespec
+
+# How often the engine, asleep on the counter, checks whether it should stop waiting.
+_COUNTER_NAP = timespec(0.05)
+_PAGE = 4096
 
 
 class Park:
@@ -80,3 +103,58 @@ class WakeSockets:
                 os.unlink(path)
         with contextlib.suppress(OSError):
             os.rmdir(self.dir)
+
+
+class CallCounter:
+    """How many graph calls the output rank has finished: one int64 in a page of /dev/shm that
+    the engine makes (`create`) and the rank maps (`attach`); the rank `bump`s it, the engine
+    `wait_for`s it. The file is unlinked once the rank has attached (`unlink`)."""
+
+    def __init__(self, path: str, create: bool) -> None:
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, _PAGE)
+            self._map = mmap.mmap(fd, _PAGE)
+        finally:
+            os.close(fd)
+        self.path = path
+        self._word = np.ndarray((1,), dtype=np.int64, buffer=self._map)
+        self._addr = self._word.ctypes.data
+
+    @classmethod
+    def create(cls) -> CallCounter | None:
+        """The engine's end, or None where futexes or /dev/shm are not there (then it reads
+        the graph's outputs as Ray does)."""
+        if not futex_supported() or not os.path.isdir("/dev/shm"):
+            return None
+        try:
+            return cls(f"/dev/shm/qwen3-calls-{uuid.uuid4().hex}", create=True)
+        except OSError:
+            return None
+
+    @classmethod
+    def attach(cls, path: str) -> CallCounter:
+        """The output rank's end."""
+        return cls(path, create=False)
+
+    @property
+    def count(self) -> int:
+        return int(self._word[0])
+
+    def bump(self) -> None:
+        """One more call finished (the rank's only writer: no lost update)."""
+        self._word[0] += 1
+        futex_wake(self._addr)
+
+    def wait_for(self, n: int, stop: Callable[[], bool]) -> None:
+        """Sleep until the count reaches `n`, or until `stop()` says to give up (checked
+        between bounded sleeps)."""
+        while (seen := self.count) < n and not stop():
+            futex_wait(self._addr, seen, _COUNTER_NAP)
+
+    def unlink(self) -> None:
+        """Remove the file (idempotent); the page stays mapped until this object is dropped,
+        so a wait still asleep on it never touches unmapped memory."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
