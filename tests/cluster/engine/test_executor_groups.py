@@ -1,4 +1,4 @@
-"""RayExecutor's groups of ranks (cluster/engine/ray_executor.py, `_Group`): a group is stopped
+"""RayExecutor's groups of ranks (cluster/engine/rank_group.py, `RankGroup`): a group is stopped
 once and never reused, so a call of a failed group that runs late (queued on its graph thread
 behind the call that failed, or woken by the teardown) cannot touch the group a rebuild
 started since; a second stop of a group waits for the first to finish; and a rendezvous that
@@ -17,7 +17,7 @@ import time
 import pytest
 
 from cluster.engine.executor import WorkerDiedError
-from cluster.engine.rank_group import RankGroup as _Group
+from cluster.engine.rank_group import RankGroup
 from cluster.engine.ray_executor import RayExecutor
 
 
@@ -51,13 +51,13 @@ class Caller:
         self.closed = True
 
 
-def _group(name: str, graph: Graph | None = None) -> _Group:
-    return _Group([f"{name} rank 0", f"{name} rank 1"],
+def _group(name: str, graph: Graph | None = None) -> RankGroup:
+    return RankGroup([f"{name} rank 0", f"{name} rank 1"],
                   concurrent.futures.ThreadPoolExecutor(1), caller=Caller(),
                   dag=graph or Graph())
 
 
-def _executor(g: _Group) -> RayExecutor:
+def _executor(g: RankGroup) -> RayExecutor:
     ex = RayExecutor.__new__(RayExecutor)  # (no placement, no actors: the groups are stand-ins)
     ex._rdt, ex._lagged, ex._output_rank, ex._compiled_graph = None, False, 0, True
     ex._g = g
