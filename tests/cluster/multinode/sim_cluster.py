@@ -36,6 +36,14 @@ GCS_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 
                      "health_check_failure_threshold": 5}
 
 
+# Serve's fixed ports beside the HTTP front (HAProxy's stats page and exporter, the fallback
+# proxy), fresh for each simulated cluster: tests/cluster/conftest.py picks them once per test
+# session, and an HAProxy of an earlier cluster whose actor was killed before it stopped its
+# process (`ray.shutdown` right after `serve.shutdown`) may still hold them.
+SERVE_SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
+
+
 class Sim:
     """The simulated cluster and the app's URL."""
 
@@ -124,8 +132,11 @@ def simulated_cluster(node_cpus: tuple[int, ...] = (1, 1)) -> Iterator[Sim]:
     if ray.is_initialized():
         serve.shutdown()
         ray.shutdown()
+    saved = {key: os.environ.get(key) for key in SERVE_SIDE_PORTS}
+    os.environ.update({key: str(get_free_port()) for key in SERVE_SIDE_PORTS})
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "_system_config": GCS_HEALTH_CHECKS})
+    haproxies: list[int] = []
     try:
         for cpus in node_cpus:
             add_node(cluster, wait=False, num_cpus=cpus)  # all start at once
@@ -136,10 +147,36 @@ def simulated_cluster(node_cpus: tuple[int, ...] = (1, 1)) -> Iterator[Sim]:
         yield Sim(cluster, f"http://127.0.0.1:{port}")
     finally:
         try:
+            haproxies = _haproxies(cluster)
             serve.shutdown()
         finally:
             ray.shutdown()
             cluster.shutdown()
+            for pid in haproxies:  # outlived its actor (killed before it stopped HAProxy)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def _haproxies(cluster: Any) -> list[int]:
+    """The HAProxy processes under the head's raylet (Serve's HeadOnly front)."""
+    from ray import ray_constants
+
+    raylet = cluster.head_node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
+    found = []
+    for pid in _process_tree(raylet.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(b"haproxy" in os.path.basename(a) for a in argv[:2]):
+            found.append(pid)
+    return found
 
 
 def alive_actors(class_name: str) -> list[dict[str, Any]]:
