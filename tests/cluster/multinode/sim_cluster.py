@@ -129,14 +129,12 @@ def simulated_cluster(node_cpus: tuple[int, ...] = (1, 1)) -> Iterator[Sim]:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():
-        serve.shutdown()
-        ray.shutdown()
+    if ray.is_initialized():  # its HAProxy is under this process (ray.init started its raylet)
+        _stop_cluster(_haproxies(os.getpid()), serve.shutdown, ray.shutdown)
     saved = {key: os.environ.get(key) for key in SERVE_SIDE_PORTS}
     os.environ.update({key: str(get_free_port()) for key in SERVE_SIDE_PORTS})
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "_system_config": GCS_HEALTH_CHECKS})
-    haproxies: list[int] = []
     try:
         for cpus in node_cpus:
             add_node(cluster, wait=False, num_cpus=cpus)  # all start at once
@@ -147,14 +145,9 @@ def simulated_cluster(node_cpus: tuple[int, ...] = (1, 1)) -> Iterator[Sim]:
         yield Sim(cluster, f"http://127.0.0.1:{port}")
     finally:
         try:
-            haproxies = _haproxies(cluster)
-            serve.shutdown()
+            _stop_cluster(_haproxies(_raylet_pid(cluster.head_node)), serve.shutdown,
+                          ray.shutdown, cluster.shutdown)
         finally:
-            ray.shutdown()
-            cluster.shutdown()
-            for pid in haproxies:  # outlived its actor (killed before it stopped HAProxy)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
             for key, value in saved.items():
                 if value is None:
                     os.environ.pop(key, None)
@@ -162,13 +155,16 @@ def simulated_cluster(node_cpus: tuple[int, ...] = (1, 1)) -> Iterator[Sim]:
                     os.environ[key] = value
 
 
-def _haproxies(cluster: Any) -> list[int]:
-    """The HAProxy processes under the head's raylet (Serve's HeadOnly front)."""
+def _raylet_pid(node: Any) -> int:
     from ray import ray_constants
 
-    raylet = cluster.head_node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
+    return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+
+
+def _haproxies(root: int) -> list[int]:
+    """The HAProxy processes (Serve's HTTP front) under process `root`."""
     found = []
-    for pid in _process_tree(raylet.pid):
+    for pid in _process_tree(root):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
@@ -177,6 +173,23 @@ def _haproxies(cluster: Any) -> list[int]:
         if any(b"haproxy" in os.path.basename(a) for a in argv[:2]):
             found.append(pid)
     return found
+
+
+def _stop_cluster(haproxies: list[int], *stops: Any) -> None:
+    """Run each of `stops` in order, even after one failed (the first failure is raised), then
+    SIGKILL the `haproxies` that outlived them: `ray.shutdown` may kill Serve's HAProxy actor
+    before it stopped its process, which then holds its ports for the rest of the session."""
+    failure: BaseException | None = None
+    for stop in stops:
+        try:
+            stop()
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the rest ran
+            failure = failure or exc
+    for pid in haproxies:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if failure is not None:
+        raise failure
 
 
 def alive_actors(class_name: str) -> list[dict[str, Any]]:
