@@ -76,8 +76,27 @@ def test_offline_llm_swap_preemption(hf) -> None:
         assert llm.engine.scheduler.stats().preemptions_swap > 0
 
 
+@pytest.fixture
+def local_ray():
+    """Ray for a tp-2 engine: the session's cluster where a test before started one, else a
+    local one of this test's own, stopped after it. (The engine's own `ray.init()` would join
+    whatever cluster Ray's current-cluster file names, which on a shared machine may be
+    another session's: this test hung 13 minutes connecting to one when run alone.)"""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 @pytest.mark.slow
-def test_ray_tp2_expert_parallel(oracle) -> None:
+def test_ray_tp2_expert_parallel(oracle, local_ray) -> None:
     with LLM(TINY_MOE_MODEL_NAME, tensor_parallel_size=2, enable_expert_parallel=True,
              max_num_seqs=8, max_num_batched_tokens=64) as llm:
         assert _greedy(llm) == oracle
