@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,53 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Tokenizers loaded by a plain AutoTokenizer.from_pretrained(directory), by (directory, files'
+# mtimes).
+_TOKENIZERS: dict[tuple, Any] = {}
+
+
+def _tokenizer_key(path: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """The cache key of a plain `from_pretrained(directory)` call (the engine's), or None (not
+    cached): any other argument is a caller's own tokenizer (sentence-transformers loads one
+    through AutoProcessor with its options and sets attributes on it)."""
+    directory = Path(str(path))
+    if args or kwargs or not directory.is_dir():
+        return None
+    stamps = tuple(sorted((f.name, f.stat().st_mtime_ns) for f in directory.iterdir()))
+    return (str(directory.resolve()), stamps)
+
+
+@pytest.fixture(autouse=True)
+def _one_tokenizer_per_checkpoint() -> Iterator[None]:
+    """A plain AutoTokenizer.from_pretrained(directory), the engine's call, loads each
+    checkpoint's tokenizer once per test session: transformers 5 rebuilds Qwen3's BPE from its
+    151k-entry vocabulary and merges on every load (half of an in-process qwen3-tiny engine's
+    start-up here, its objects walked again by the start-up `gc.collect`), and the suite
+    builds hundreds of in-process engines on a few checkpoints. The engine and the tests only
+    read a tokenizer (none sets an attribute on one; a test that monkeypatches a method gets
+    it back at teardown), so one object per checkpoint serves them all; the first load of each
+    is the real one. A directory whose files change (a test writing its own) is a new key; a
+    call with any other argument is not cached. Installed once transformers is imported, so a
+    session that never imports it never pays for it. Ray actors and subprocesses load their
+    own, as in production."""
+    transformers = sys.modules.get("transformers")
+    auto = getattr(transformers, "AutoTokenizer", None) if transformers else None
+    if auto is not None and not getattr(auto.from_pretrained, "_session_cache", False):
+        load = auto.from_pretrained.__func__
+
+        def from_pretrained(cls: type, path: Any, *args: Any, **kwargs: Any) -> Any:
+            key = _tokenizer_key(path, args, kwargs)
+            if key is None:
+                return load(cls, path, *args, **kwargs)
+            if key not in _TOKENIZERS:
+                _TOKENIZERS[key] = load(cls, path, *args, **kwargs)
+            return _TOKENIZERS[key]
+
+        from_pretrained._session_cache = True  # type: ignore[attr-defined]
+        auto.from_pretrained = classmethod(from_pretrained)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -114,20 +114,26 @@ def add_job(out: list[tuple], fn, ptrs: dict[str, str], constexprs: dict,
 _JOBS: list[tuple] = []
 
 
-def _compile(i: int) -> None:
+def _compile(i: int) -> tuple[int, int]:
     fn, ptrs, constexprs, floats, aligned, options = _JOBS[i]
-    compile_kernel(fn, ptrs, constexprs, floats, aligned, **options)
+    compiled = compile_kernel(fn, ptrs, constexprs, floats, aligned, **options)
+    return i, compiled.metadata.shared
 
 
-def compile_all(jobs: list[tuple]) -> None:
+def compile_all(jobs: list[tuple], summary: bool = True) -> list[int]:
     """Compile every job (add_job's tuples), each in a forked process, as many at once as
-    there are CPUs: LLVM and ptxas are single-threaded. Put the longest jobs first."""
+    there are CPUs: LLVM and ptxas are single-threaded. Put the longest jobs first. Returns
+    each job's shared memory in bytes, in the jobs' order; with `summary`, prints the line
+    that says all compiled."""
     _JOBS[:] = jobs
+    shared = [0] * len(_JOBS)
     workers = min(len(_JOBS), os.cpu_count() or 1)
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        for _ in pool.imap_unordered(_compile, range(len(_JOBS))):
-            pass
-    print(f"{len(_JOBS)} configurations compiled for sm_90")
+        for i, nbytes in pool.imap_unordered(_compile, range(len(_JOBS))):
+            shared[i] = nbytes
+    if summary:
+        print(f"{len(_JOBS)} configurations compiled for sm_90")
+    return shared
 
 
 def main() -> None:
