@@ -45,6 +45,7 @@ def load_ref(ref: str):  # noqa: ANN201 — a module object
     path.write_text(text)
     spec = importlib.util.spec_from_file_location("cpu_attention_ref", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module
 

@@ -145,7 +145,9 @@ def _sequence(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, 
     # [Hkv, L, D] views of [L, Hkv, D] rows; slicing to seq_len drops the last block's tail.
     k = _gather(k_cache, blocks, k_scale, q.dtype).flatten(0, 1)[:seq_len].transpose(0, 1)
     v = _gather(v_cache, blocks, v_scale, q.dtype).flatten(0, 1)[:seq_len].transpose(0, 1)
-    query = q.transpose(0, 1)  # [Hq, q_len, D]
+    # [1, Hq, q_len, D]: SDPA takes its flash kernel for 4-d inputs only (3-d ones fall back
+    # to the math path, which materialises the [Hq, q_len, L] scores and their mask).
+    query, k, v = q.transpose(0, 1)[None], k[None], v[None]
     gqa = q.shape[1] != num_kv_heads
     if q_len == seq_len:
         o = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scale,
@@ -155,7 +157,7 @@ def _sequence(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, 
                    <= torch.arange(seq_len - q_len, seq_len)[:, None])
         o = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scale,
                                            enable_gqa=gqa)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def _decode_into(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: DecodePlan,

@@ -86,6 +86,9 @@ class WorkerConfig:
     seed: int = 0
     enable_expert_parallel: bool = False
     cpu_nice: int = 0  # this rank's process's nice value (workers/cpu_threads.py)
+    # the engine's process runs nothing else while the model computes (an offline LLM):
+    # a wide enough model then takes every core (workers/cpu_threads.py)
+    cpu_exclusive: bool = False
     # speculative decoding's draft model, a resolved checkpoint directory (None: no draft)
     speculative_model: str | None = None
     # speculative decoding's k (0: off) and the most sequences a verify step holds (the

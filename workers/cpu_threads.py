@@ -6,6 +6,15 @@ ranks of the machine, and at least one: the remaining core is left to what is no
 its front end. An OMP_NUM_THREADS in the environment wins (a user's choice, or Ray's: an actor
 process gets its CPU count, 1 for a fractional one), and then torch is left as it is.
 
+The exception, `exclusive`: an engine whose process runs nothing else while its model computes
+(an offline `LLM`: its step loop is synchronous, so its Python and the model never run at the
+same time, and there is no HTTP front or second replica) gives the model every core, split
+over its ranks, when the model's layers are wide enough for a parallel region to pay
+(`EXCLUSIVE_MIN_HIDDEN`): measured on 2 cores, 2 threads against 1 took the Qwen3-0.6B-shape
+bf16 workload from 29.9 to 35.2 tok/s but qwen3-tiny (hidden 128, fp32) from 452 to 412
+(docs/benchmarks.md, "Threads for an offline engine", issue #43). A served engine keeps the
+reserved core: its event loop streams the last step's tokens while the model computes.
+
 Why fewer threads than cores: an intra-op parallel region waits for its slowest thread. When
 another process holds a core (the engine's loop, a second replica, the proxy, other users of a
 shared machine), every small op of a decode step waits for a thread that is not scheduled, and
@@ -24,17 +33,29 @@ from collections.abc import Mapping
 
 import torch
 
+# The narrowest hidden size whose model an exclusive engine gives every core: its GEMMs stream
+# megabytes of weights per call, where a 2-thread region's fork and join are noise; at
+# qwen3-tiny's 128 every op is a few microseconds and waiting for the second thread costs more.
+EXCLUSIVE_MIN_HIDDEN = 1024
+
+
+def takes_every_core(exclusive: bool, hidden_size: int) -> bool:
+    """Whether a CPU rank gives its model every core (see the module docstring): an exclusive
+    engine's process, and layers at least EXCLUSIVE_MIN_HIDDEN wide."""
+    return exclusive and hidden_size >= EXCLUSIVE_MIN_HIDDEN
+
 
 def model_threads(tensor_parallel_size: int, environ: Mapping[str, str] = os.environ,
-                  cores: int | None = None) -> int | None:
-    """Threads for one CPU rank, or None when OMP_NUM_THREADS is set (torch then follows it)."""
+                  cores: int | None = None, every_core: bool = False) -> int | None:
+    """Threads for one CPU rank, or None when OMP_NUM_THREADS is set (torch then follows it).
+    `every_core` (`takes_every_core`): no core is left to the rest of the process."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1; got {tensor_parallel_size}")
     if environ.get("OMP_NUM_THREADS"):
         return None
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, ((cores or 1) - 1) // tensor_parallel_size)
+    return max(1, ((cores or 1) - (0 if every_core else 1)) // tensor_parallel_size)
 
 
 def check_cpu_nice(nice: object) -> None:
@@ -60,9 +81,9 @@ def set_process_nice(nice: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
 
 
-def set_model_threads(tensor_parallel_size: int) -> int:
+def set_model_threads(tensor_parallel_size: int, every_core: bool = False) -> int:
     """Apply `model_threads` to this process's torch; returns the thread count in force."""
-    threads = model_threads(tensor_parallel_size)
+    threads = model_threads(tensor_parallel_size, every_core=every_core)
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads()

@@ -27,7 +27,7 @@ from scheduler.plan import StepPlan, StepResult
 from workers.cache_engine import CacheEngine
 from workers.cache_sizing import KVCacheSizing, dtype_bytes, loaded
 from workers.config import WorkerConfig
-from workers.cpu_threads import set_model_threads, set_process_nice
+from workers.cpu_threads import set_model_threads, set_process_nice, takes_every_core
 from workers.cuda_graph import capture_step_graphs
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftRunner
@@ -99,8 +99,6 @@ class Worker(KVCacheSizing):
             # Under Ray each rank sees one GPU (index 0); in a bare multi-process run rank r uses GPU r.
             torch.cuda.set_device(cfg.rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
-        else:  # the cores the engine's Python does not need (workers/cpu_threads.py)
-            set_model_threads(cfg.tensor_parallel_size)
         set_process_nice(cfg.cpu_nice)
         tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
         self.tp = TensorParallelGroup.initialize(tp, cfg.rank, cfg.dist_init_method, cfg.device,
@@ -115,6 +113,9 @@ class Worker(KVCacheSizing):
             raise RuntimeError("call init_distributed() before load_model()")
         mc = load_model_config(cfg.model, cfg.tensor_parallel_size, cfg.hf_overrides, cfg.quantization)
         mc.check_max_model_len(cfg.max_model_len)
+        if cfg.device == "cpu":  # the cores the engine's Python does not need (cpu_threads.py)
+            set_model_threads(cfg.tensor_parallel_size,
+                              takes_every_core(cfg.cpu_exclusive, mc.hidden_size))
         if cfg.dtype == "auto":
             self.dtype = torch.float32 if cfg.device == "cpu" else _DTYPES[mc.dtype]
         else:

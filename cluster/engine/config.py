@@ -73,6 +73,10 @@ class EngineConfig:
     # (manifests/qwen3-pd.yaml): a burst of prompts then yields the cores to the decode
     # streams, whose steps are short and latency-bound (workers/cpu_threads.py).
     cpu_nice: int = 0
+    # The process runs nothing else while the model computes (what `LLM` sets: offline,
+    # synchronous steps): a wide enough model then takes every core on CPU, none left
+    # to the engine's Python (workers/cpu_threads.py). False: one core is left.
+    cpu_exclusive: bool = False
     compiled_graph: bool = True  # Ray executor: broadcast plans through a Ray Compiled Graph
     # Schedule step N+1 while step N runs (its decodes take N's tokens on the workers), as
     # vLLM's async scheduling does; False: schedule only after each step's result is applied.
@@ -176,6 +180,8 @@ class EngineConfig:
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("disable_any_whitespace must be true or false; "
                              f"got {self.disable_any_whitespace!r}")
+        if not isinstance(self.cpu_exclusive, bool):
+            raise ValueError(f"cpu_exclusive must be true or false; got {self.cpu_exclusive!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError("async_scheduling must be true, false or null (auto); "
                              f"got {self.async_scheduling!r}")

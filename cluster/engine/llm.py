@@ -98,7 +98,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks_override=num_gpu_blocks_override, swap_space=swap_space,
             enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
-            seed=seed, enforce_eager=enforce_eager, **kwargs))
+            seed=seed, enforce_eager=enforce_eager,
+            **{"cpu_exclusive": True, **kwargs}))  # nothing else runs in its step loop
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 

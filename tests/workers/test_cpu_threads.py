@@ -1,12 +1,14 @@
 """A CPU rank's torch threads (workers/cpu_threads.py): the cores less one, split over the
-ranks, at least one; an OMP_NUM_THREADS in the environment wins."""
+ranks, at least one; every core for an exclusive engine's wide model; an OMP_NUM_THREADS in
+the environment wins."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from workers.cpu_threads import model_threads, set_model_threads
+from workers import cpu_threads
+from workers.cpu_threads import model_threads, set_model_threads, takes_every_core
 
 
 @pytest.mark.parametrize(("cores", "tp", "threads"),
@@ -16,8 +18,21 @@ def test_model_threads_leave_one_core_and_split_the_rest(cores: int, tp: int,
     assert model_threads(tp, environ={}, cores=cores) == threads
 
 
+@pytest.mark.parametrize(("cores", "tp", "threads"),
+                         [(2, 1, 2), (2, 2, 1), (1, 1, 1), (16, 1, 16), (16, 2, 8), (4, 8, 1)])
+def test_every_core_splits_all_of_them(cores: int, tp: int, threads: int) -> None:
+    assert model_threads(tp, environ={}, cores=cores, every_core=True) == threads
+
+
+def test_only_an_exclusive_engine_with_a_wide_model_takes_every_core() -> None:
+    assert takes_every_core(True, 1024)  # Qwen3-0.6B's hidden size
+    assert not takes_every_core(True, 128)  # qwen3-tiny's: a 2-thread region does not pay
+    assert not takes_every_core(False, 4096)  # a served engine keeps the reserved core
+
+
 def test_omp_num_threads_wins() -> None:
     assert model_threads(1, environ={"OMP_NUM_THREADS": "3"}, cores=16) is None
+    assert model_threads(1, environ={"OMP_NUM_THREADS": "3"}, cores=16, every_core=True) is None
 
 
 def test_bad_tensor_parallel_size_is_a_value_error() -> None:
@@ -33,6 +48,59 @@ def test_set_model_threads_applies_it(monkeypatch: pytest.MonkeyPatch) -> None:
         assert set_model_threads(1) == 2 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("exclusive", "hidden_floor", "threads"),
+                         [(True, 128, 3), (True, 1024, 2), (False, 128, 2)])
+def test_a_worker_sets_its_threads_from_its_model_width(
+        monkeypatch: pytest.MonkeyPatch, tiny_model_path: str, exclusive: bool,
+        hidden_floor: int, threads: int) -> None:
+    """Loading qwen3-tiny (hidden 128) on 3 cores: every core only for an exclusive worker
+    whose model is at least the floor wide (the floor lowered to 128 to see it take them)."""
+    from workers.config import WorkerConfig
+    from workers.worker import Worker
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(cpu_threads, "EXCLUSIVE_MIN_HIDDEN", hidden_floor)
+    try:
+        worker = Worker(WorkerConfig(model=tiny_model_path, device="cpu", max_model_len=64,
+                                     max_num_seqs=2, cpu_exclusive=exclusive))
+        worker.init_distributed()
+        worker.load_model()
+        assert torch.get_num_threads() == threads
+        worker.shutdown()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_llm_marks_its_engine_exclusive_unless_it_schedules_async(tiny_model_path: str) -> None:
+    """`LLM` is the offline engine: its workers get cpu_exclusive, except under async
+    scheduling (the engine's Python then runs beside the forward pass); a bad value is a
+    ValueError."""
+    from cluster.engine.config import EngineConfig
+    from cluster.engine.engine_setup import build_worker_config
+
+    def worker_exclusive(**kw: object) -> bool:
+        cfg = EngineConfig(model=tiny_model_path, **kw)
+        return build_worker_config(cfg, tiny_model_path, "cpu", 64, 64, None, None,
+                                   None).cpu_exclusive
+
+    from cluster import LLM
+
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(tiny_model_path, max_model_len=64, max_num_seqs=2)
+        assert llm.engine.executor.worker.config.cpu_exclusive is True
+        llm.engine.executor.shutdown()
+    finally:
+        torch.set_num_threads(before)
+    assert worker_exclusive() is False
+    assert worker_exclusive(cpu_exclusive=True) is True
+    assert worker_exclusive(cpu_exclusive=True, async_scheduling=True) is False
+    with pytest.raises(ValueError, match="cpu_exclusive must be true or false"):
+        EngineConfig(model=tiny_model_path, cpu_exclusive="yes")
 
 
 @pytest.mark.parametrize("nice", [-1, 20, 2.5, True, "10"])
