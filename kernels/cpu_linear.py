@@ -7,17 +7,13 @@ the one dispatch point every unquantized linear product goes through (the parall
 
 What is packed, measured on this project's CPU (AVX-512 BF16 / AMX, one torch thread,
 docs/benchmarks.md "CPU path", issue #43): every bf16 weight, and fp32 weights of at least
-`FP32_PACK_MIN_NUMEL` elements (the LM heads: vocabulary x hidden, or a tensor-parallel rank's
-vocabulary shard of one). `F.linear` in bf16 hands
+`FP32_PACK_MIN_NUMEL` elements (the LM heads: vocabulary x hidden). `F.linear` in bf16 hands
 oneDNN the plain `[out, in]` weight on every call; `torch.ops.mkldnn._reorder_linear_weight`
 puts it in oneDNN's own layout once, and `_linear_pointwise` on that is faster at every batch
 size measured (1 to 256 rows) for every Qwen3-0.6B projection and its LM head. In fp32 the
 packed GEMM pays only on the LM head's weight (streamed once per step, where the layout
 matters most); the projections stay on MKL's sgemm, where oneDNN's per-call set-up outweighs
-the product at one row and on small (qwen3-tiny) layers. A tp-2 rank's half of qwen3-tiny's
-head (75,968 x 128) packed took 0.7-0.8x the time of MKL's `W x^T` at one row (issue #43,
-seventh session); every fp32 projection measured (Qwen3-0.6B's largest, gate_up, 6.3M
-elements) lost to MKL at one row, hence the bound between them.
+the product at one row and on small (qwen3-tiny) layers.
 
 Invariants:
 - A packed weight is an opaque oneDNN tensor beside the layer's plain `weight`, which stays
@@ -33,9 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# fp32 weights this large are packed: 2^23 elements, below a tp-2 rank's half of qwen3-tiny's
-# 151936 x 128 LM head (9.7M), above Qwen3-0.6B's largest projection (6.3M).
-FP32_PACK_MIN_NUMEL = 1 << 23
+# fp32 weights this large (2^24 elements: qwen3-tiny's 151936 x 128 LM head and up) are packed.
+FP32_PACK_MIN_NUMEL = 1 << 24
 
 
 def pack_linear_weight(weight: Tensor) -> Tensor | None:
