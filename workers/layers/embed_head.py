@@ -3,9 +3,9 @@
 The last rank's rows past the real vocabulary are zero padding. The embedding sums the
 ranks' partial lookups with an all-reduce; the LM head gathers the logit shards to rank 0,
 which alone samples (a step whose rows are all plain greedy gathers only each shard's top
-value and id instead: `greedy_tokens`, workers/sampler.py `greedy_over_shards`). On CPU a bf16 LM head, or an fp32 one of qwen3-tiny's size and up (a
-rank's shard counted), multiplies a copy of its rows packed once after loading for oneDNN
-(kernels/cpu_linear.py says which); its `weight` (maybe the embedding's) stays as loaded.
+value and id instead: `greedy_tokens`, workers/sampler.py `greedy_over_shards`). On CPU a bf16 LM head, or an fp32 one of qwen3-tiny's size and up,
+multiplies a copy of its rows packed once after loading for oneDNN (kernels/cpu_linear.py says
+which); its `weight` (maybe the embedding's) stays as loaded.
 """
 
 from __future__ import annotations
@@ -84,8 +84,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def _product(self, x: Tensor) -> Tensor:
         """`x W^T` over this rank's rows of the table, `[N, num_embeddings_per_partition]`."""
         if self.weight_packed is not None:
-            # oneDNN on the packed rows beat both forms below at every row count in bf16, and
-            # W x^T at one row in fp32 (kernels/cpu_linear.py).
+            # oneDNN on the packed rows beat both forms below at every row count in bf16.
             return kernels.linear(x, self.weight, self.weight_packed)
         if x.device.type == "cpu" and x.shape[0] <= CPU_WXT_MAX_ROWS:
             # For a few rows (a verify row's k + 1) MKL's sgemm streams the [vocab, hidden]
