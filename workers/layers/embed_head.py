@@ -3,9 +3,10 @@
 The last rank's rows past the real vocabulary are zero padding. The embedding sums the
 ranks' partial lookups with an all-reduce; the LM head gathers the logit shards to rank 0,
 which alone samples (a step whose rows are all plain greedy gathers only each shard's top
-value and id instead: `greedy_tokens`, workers/sampler.py `greedy_over_shards`). On CPU a bf16 LM head, or an fp32 one of qwen3-tiny's size and up,
-multiplies a copy of its rows packed once after loading for oneDNN (kernels/cpu_linear.py says
-which); its `weight` (maybe the embedding's) stays as loaded.
+value and id instead: `greedy_tokens`, workers/sampler.py `greedy_over_shards`). On CPU a
+bf16 LM head, or an fp32 one of qwen3-tiny's size and up, multiplies a copy of its rows packed
+once after loading for oneDNN (kernels/cpu_linear.py says which); its `weight` (maybe the
+embedding's) stays as loaded.
 """
 
 from __future__ import annotations
