@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # fp32 weights this large (2^24 elements: qwen3-tiny's 151936 x 128 LM head and up) are packed.
+# A tp-2 rank's half of that head (9.7M) stays on MKL: cache-resident, its one-row GEMV beat the
+# packed GEMM (docs/benchmarks.md, issue #43, "Concurrency 1").
 FP32_PACK_MIN_NUMEL = 1 << 24
 
 

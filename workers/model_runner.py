@@ -303,14 +303,16 @@ class ModelRunner:
         if batch.pending_src is not None:
             self.pending.fill(batch.input_ids, batch.pending_pos, batch.pending_src, tp)
 
-    def forward(self, batch: StepBatch) -> tuple[Tensor | None, Tensor | None]:
-        """(logits `[S, vocab]` of the sampled rows, or None when none samples or on ranks > 0;
-        tokens sampled inside a CUDA graph, or None when the sampler must still run). The
-        step's prompt logprobs, if any, go to `batch.prompt_out` (rank 0)."""
+    def forward(self, batch: StepBatch, keep_logits: bool = False
+                ) -> tuple[Tensor | None, Tensor | None]:
+        """(logits `[S, vocab]` of the sampled rows, or None; tokens sampled inside a CUDA graph
+        or, plain greedy rows without `keep_logits`, over the vocabulary shards, or None: the
+        sampler must still run). Ranks > 0: (None, None). Prompt logprobs: `batch.prompt_out`."""
         with self._inference:  # (made once: the decorator makes a context per call)
-            return self._forward(batch)
+            return self._forward(batch, keep_logits)
 
-    def _forward(self, batch: StepBatch) -> tuple[Tensor | None, Tensor | None]:
+    def _forward(self, batch: StepBatch, keep_logits: bool
+                 ) -> tuple[Tensor | None, Tensor | None]:
         if batch.penalty_tokens is not None:
             rows, slots, is_prompt = batch.penalty_tokens
             self.table.penalties.record(slots, batch.input_ids[rows], is_prompt)
@@ -339,6 +341,8 @@ class ModelRunner:
             return None, None
         if batch.logits_indices is not None:  # (None: every row samples, one token each)
             hidden = hidden[batch.logits_indices]
+        if batch.simple and batch.sampling.all_greedy and not keep_logits:
+            return None, self.model.lm_head.greedy_tokens(hidden)  # (no logits sent)
         return self.model.compute_logits(hidden), None
 
     def follow(self, batch: StepBatch, drafter: DraftRunner) -> None:

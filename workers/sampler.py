@@ -24,6 +24,11 @@ once, its torch twin on CPU) sums the rows' probabilities in chunks, finds the c
 uniform falls in from a float64 running sum of the chunk sums, then the token inside it.
 Nothing syncs with the host, so `sample_simple` (greedy and temperature only) runs inside the
 decode CUDA graph.
+
+A step whose rows are all greedy with nothing else to apply (no bitmask, penalties, logit bias
+or logprobs) needs only each row's argmax, so with tensor parallelism no rank sends its logits:
+each takes its vocabulary shard's first maximum, and the output rank gets a `[rows, 2]` pair per
+rank (`greedy_over_shards`), the same token `row_argmax` of the gathered logits gives.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 from torch import Tensor
 
 from kernels import ops
+from workers.distributed import TensorParallelGroup
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -272,6 +278,28 @@ def row_argmax(x: Tensor) -> Tensor:
         better = tail_max > chunk_max.gather(1, best_chunk[:, None]).squeeze(1)
         best = torch.where(better, main + tail_idx, best)
     return best
+
+
+def greedy_over_shards(logits: Tensor, vocab_start: int, tp: TensorParallelGroup
+                       ) -> Tensor | None:
+    """Greedy token ids, int64 `[S]` on tp rank 0 (None on the others), from every rank's
+    `logits` `[S, V_r]` over its vocabulary shard, ids `[vocab_start, vocab_start + V_r)` (a
+    collective: every rank calls it). Exactly `row_argmax` of the concatenated shards: each
+    rank takes its first maximum, rank 0 the first rank holding the largest of those values;
+    ranks hold increasing ids, so among tied values that is the lowest id, as argmax's first
+    maximum. Value and id travel as float64 (an fp32 value and an id < 2^53: both exact)."""
+    ids = row_argmax(logits)
+    if tp.world_size == 1:
+        return ids
+    ids = ids.to(logits.device)
+    pair = torch.stack([logits.gather(1, ids.unsqueeze(1)).squeeze(1).to(torch.float64),
+                        (ids + vocab_start).to(torch.float64)], dim=1)
+    parts = tp.gather_last_dim(pair)
+    if parts is None:
+        return None
+    parts = parts.view(-1, tp.world_size, 2)
+    best = parts[:, :, 0].argmax(dim=1, keepdim=True)  # (torch's argmax: the first maximum)
+    return parts[:, :, 1].gather(1, best).squeeze(1).to(torch.int64)
 
 
 def sample_simple(logits: Tensor, temperature: Tensor, rng_key: Tensor,

@@ -295,7 +295,7 @@ class Worker(KVCacheSizing):
             assert drafter is not None and batch.verify is not None
             drafter.propose(batch.input_ids, batch.verify[1], batch.draft, table.block_table,
                             None if table.device_is_host else table.device_block_table, self.tp)
-        logits, tokens = runner.forward(batch)
+        logits, tokens = runner.forward(batch, keep_logits)
         step.logits = logits
         if batch.prompt_out is not None:  # (rank 0's prompt logprobs)
             assert batch.prompt is not None
@@ -304,10 +304,10 @@ class Worker(KVCacheSizing):
         if batch.pooled is not None:  # (rank 0's pooling output: no sampling)
             self._outputs.put_pooled(step.slot, batch.pooled)
             step.has_output = True
-        if logits is not None:  # (None: ranks > 0, or nothing samples)
-            if tokens is not None:  # sampled inside the CUDA graph
-                self._sampled(step, SamplerOutput(tokens, None, None, None))
-            elif plan.num_constrained:
+        if tokens is not None:  # sampled in a CUDA graph or over the vocabulary shards
+            self._sampled(step, SamplerOutput(tokens, None, None, None))
+        elif logits is not None:  # (None: ranks > 0, or nothing samples)
+            if plan.num_constrained:
                 step.awaiting_bitmask = True
             else:
                 self._sampled(step, runner.sample(batch, logits))

@@ -11,19 +11,17 @@ different rank order, so on arbitrary floats only two ranks give a + b in every 
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
-import queue
 import time
-import traceback
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from workers_testlib import run_ranks
 
 from workers import shm_collectives
-from workers.distributed import TensorParallelGroup, get_free_port
+from workers.distributed import TensorParallelGroup
 from workers.shm_collectives import ShmCollectives
 
 HIDDEN = 128
@@ -126,58 +124,9 @@ def case_off(tp: TensorParallelGroup) -> dict[str, Any]:
     return {"shm": tp.shm is not None, "sum": tp.all_reduce(x)[0, 0].item()}
 
 
-CASES = {f.__name__: f for f in (case_equal_gloo, case_peer_never_arrives, case_peer_dies,
-                                 case_off)}
-
-
-def _child(rank: int, world: int, port: int, case: str, env: dict[str, str],
-           host: str | None, results: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(env)
-    if host is not None:
-        shm_collectives.host_identity = lambda: (host, "boot", 0)
-    try:
-        tp = TensorParallelGroup.initialize(world, rank, f"tcp://127.0.0.1:{port}", "cpu")
-        out = CASES[case](tp)
-        results.put((rank, out))
-        if case != "case_peer_dies":
-            tp.barrier()
-            tp.destroy()
-    except BaseException:  # noqa: BLE001 - the parent shows it
-        results.put((rank, traceback.format_exc()))
-
-
-def run_ranks(world: int, case: str, env: dict[str, str] | None = None,
-              hosts: list[str | None] | None = None, expect: int | None = None,
-              timeout: float = 240.0) -> dict[int, Any]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = get_free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, case, env or {},
-                                              (hosts or [None] * world)[r], results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    try:
-        deadline = time.monotonic() + timeout
-        while len(out) < (world if expect is None else expect):
-            rank, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
-            assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
-            out[rank] = value
-    except queue.Empty:
-        pytest.fail(f"{case}: only ranks {sorted(out)} answered within {timeout} s")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return out
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_shm_collectives_equal_gloo_bit_for_bit_on_every_rank(world: int) -> None:
-    out = run_ranks(world, "case_equal_gloo")
+    out = run_ranks(world, case_equal_gloo)
     for key in ("default torch.float32", "small torch.float32", "default torch.bfloat16",
                 "small torch.bfloat16"):
         for r in range(world):
@@ -193,14 +142,14 @@ def test_shm_collectives_equal_gloo_bit_for_bit_on_every_rank(world: int) -> Non
 
 
 def test_peer_that_never_arrives_gives_a_bounded_error() -> None:
-    out = run_ranks(2, "case_peer_never_arrives")
+    out = run_ranks(2, case_peer_never_arrives)
     assert "shared-memory all_reduce" in out[0]["error"]
     assert "rank 1 never arrived (it did not arrive within 1 s)" in out[0]["error"]
     assert 1.0 <= out[0]["elapsed"] < 10.0
 
 
 def test_peer_that_died_fails_the_wait_without_the_timeout() -> None:
-    out = run_ranks(2, "case_peer_dies", expect=1)
+    out = run_ranks(2, case_peer_dies, expect=1, finish=False)
     assert "rank 1 never arrived (its process is gone)" in out[0]["error"]
     assert out[0]["elapsed"] < 30.0  # the timeout is 600 s
 
@@ -210,10 +159,10 @@ def test_peer_that_died_fails_the_wait_without_the_timeout() -> None:
     ({}, ["host-a", "host-b"]),
 ], ids=["knob-off", "two-hosts"])
 def test_knob_off_or_another_host_keeps_gloo_on_every_rank(env, hosts) -> None:
-    out = run_ranks(2, "case_off", env=env, hosts=hosts)
+    out = run_ranks(2, case_off, env=env, hosts=hosts)
     assert out == {0: {"shm": False, "sum": 3.0}, 1: {"shm": False, "sum": 3.0}}
 
 
 def test_default_group_uses_shared_memory() -> None:
-    out = run_ranks(2, "case_off")
+    out = run_ranks(2, case_off)
     assert out == {0: {"shm": True, "sum": 3.0}, 1: {"shm": True, "sum": 3.0}}

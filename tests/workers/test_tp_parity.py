@@ -68,6 +68,33 @@ def test_tp2_matches_transformers(name, model_dirs, oracle, tp2_group) -> None:
         tp2_group.shutdown_workers()
 
 
+class _TokensOnly:
+    """Runs plans on the ranks without keeping logits: a step of plain greedy rows then takes
+    each rank's argmax over its vocabulary shard (workers/sampler.py `greedy_over_shards`)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def execute(self, plan):
+        return self.inner.execute(plan, keep_logits=False)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tp2_greedy_over_vocabulary_shards_matches_transformers(name, model_dirs, oracle,
+                                                               tp2_group) -> None:
+    prompts, reference = oracle(name)
+    tp2_group.init(model=model_dirs[name], num_gpu_blocks=64, max_model_len=512)
+    try:
+        builder = PlanBuilder(block_size=16, num_gpu_blocks=64, token_budget=24)
+        ids = [builder.add(p, SamplingParams(temperature=0), max_tokens=NUM_GREEDY_TOKENS)
+               for p in prompts]
+        outputs = builder.run(_TokensOnly(tp2_group))
+    finally:
+        tp2_group.shutdown_workers()
+    assert [outputs[sid] for sid in ids] == [tokens for tokens, _ in reference]
+    assert all(not builder.seqs[sid].logits for sid in ids)  # (no logits came back)
+
+
 def test_tp2_swap_fork_and_seeded_sampling_match_tp1(second_dir, tp2_group) -> None:
     """Swap out/in and a copy-on-write fork on two ranks give tp = 1's tokens; seeded
     sampling on rank 0 gives the same tokens as a single worker."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import inspect
 import multiprocessing as mp
+import os
 import queue
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -13,13 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from scheduler.plan import NewSeq, StepPlan, StepResult, empty_pairs
 from scheduler.sampling_params import SamplingParams
+from workers import shm_collectives
 from workers.config import WorkerConfig
 from workers.cuda_graph import EagerGraph
-from workers.distributed import get_free_port
+from workers.distributed import TensorParallelGroup, get_free_port
 from workers.worker import Worker
 
 # ------------------------------------------------------------------------------------------
@@ -328,7 +332,9 @@ def _child_main(rank: int, commands: Any, replies: Any) -> None:
                 worker = None
                 replies.put(("ok", None))
             elif cmd == "execute":
-                result, logits = worker.execute_with_logits(arg)
+                plan, keep_logits = arg
+                result, logits = (worker.execute_with_logits(plan) if keep_logits
+                                  else (worker.execute(plan), None))
                 replies.put(("ok", (result, logits.float().cpu().numpy() if logits is not None else None)))
             elif cmd == "kv":
                 replies.put(("ok", _kv_blocks(worker, *arg)))
@@ -422,8 +428,11 @@ class ProcessGroupExecutor:
     def shutdown_workers(self) -> None:
         self._call("shutdown")
 
-    def execute(self, plan: StepPlan) -> tuple[StepResult, np.ndarray | None]:
-        replies = self._call("execute", plan)
+    def execute(self, plan: StepPlan, keep_logits: bool = True
+                ) -> tuple[StepResult, np.ndarray | None]:
+        """The output rank's result and (with `keep_logits`) logits; without, a step of plain
+        greedy rows samples over the vocabulary shards (workers/sampler.py)."""
+        replies = self._call("execute", (plan, keep_logits))
         for rank, other in enumerate(replies):
             if rank != self.output_rank:
                 assert other == (None, None), "only the output rank returns a result"
@@ -471,4 +480,54 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], num_tokens: int,
                 logits.append(last.numpy().copy())
                 res = model(torch.tensor([[tok]]), **{cache: getattr(res, cache)}, use_cache=True)
             out.append((tokens, logits))
+    return out
+
+
+def _rank_main(rank: int, world: int, port: int, case: Callable[[TensorParallelGroup], Any],
+               env: dict[str, str], host: str | None, finish: bool, results: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(env)
+    if host is not None:
+        shm_collectives.host_identity = lambda: (host, "boot", 0)
+    try:
+        tp = TensorParallelGroup.initialize(world, rank, f"tcp://127.0.0.1:{port}", "cpu")
+        out = case(tp)
+        results.put((rank, out))
+        if finish:
+            tp.barrier()
+            tp.destroy()
+    except BaseException:  # noqa: BLE001 - the parent shows it
+        results.put((rank, traceback.format_exc()))
+
+
+def run_ranks(world: int, case: Callable[[TensorParallelGroup], Any],
+              env: dict[str, str] | None = None, hosts: list[str | None] | None = None,
+              expect: int | None = None, timeout: float = 240.0,
+              finish: bool = True) -> dict[int, Any]:
+    """`case(tp)` on every rank of a real CPU `TensorParallelGroup` of `world` spawned
+    processes (`case` a module-level function; `hosts`: a host name per rank, for the
+    shared-memory path's same-host check); rank -> what it returned, from the first `expect`
+    ranks to answer (all by default). `finish`: the ranks meet and tear the group down after."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = get_free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, case, env or {},
+                                                  (hosts or [None] * world)[r], finish, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(out) < (world if expect is None else expect):
+            rank, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
+            out[rank] = value
+    except queue.Empty:
+        pytest.fail(f"{case.__name__}: only ranks {sorted(out)} answered within {timeout} s")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     return out

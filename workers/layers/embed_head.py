@@ -2,8 +2,11 @@
 
 The last rank's rows past the real vocabulary are zero padding. The embedding sums the
 ranks' partial lookups with an all-reduce; the LM head gathers the logit shards to rank 0,
-which alone samples. On CPU a bf16 LM head multiplies a copy of its rows packed once after
-loading for oneDNN (kernels/cpu_linear.py); its `weight` (maybe the embedding's) stays as loaded.
+which alone samples (a step whose rows are all plain greedy gathers only each shard's top
+value and id instead: `greedy_tokens`, workers/sampler.py `greedy_over_shards`). On CPU a
+bf16 LM head, or an fp32 one of qwen3-tiny's size and up, multiplies a copy of its rows packed
+once after loading for oneDNN (kernels/cpu_linear.py says which); its `weight` (maybe the
+embedding's) stays as loaded.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch import Tensor, nn
 import kernels
 from workers.distributed import TensorParallelGroup
 from workers.layers.weights import WeightSource, copy_checked
+from workers.sampler import greedy_over_shards
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -64,18 +68,29 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight_packed = kernels.pack_linear_weight(self.weight.data)
 
     def forward(self, x: Tensor) -> Tensor | None:  # type: ignore[override]
-        if self.weight_packed is not None:
-            # oneDNN on the packed rows beat both forms below at every row count in bf16.
-            logits = kernels.linear(x, self.weight, self.weight_packed)
-        elif x.device.type == "cpu" and x.shape[0] <= CPU_WXT_MAX_ROWS:
-            # For a few rows (a verify row's k + 1) MKL's sgemm streams the [vocab, hidden]
-            # weight 2-3x faster as W x^T than as x W^T (issue #26); their transpose is small.
-            logits = torch.mm(self.weight, x.t()).t().contiguous()
-        else:
-            # A batch: x W^T, row-major straight from the GEMM; W x^T's transposed copy of
-            # every logit cost more than the product on `offline-cpu` (docs/benchmarks.md, #43).
-            logits = kernels.linear(x, self.weight)
+        logits = self._product(x)
         if self.tp.world_size == 1:
             return logits
         full = self.tp.gather_last_dim(logits)
         return full[:, :self.num_embeddings] if full is not None else None
+
+    def greedy_tokens(self, x: Tensor) -> Tensor | None:
+        """Greedy token ids `[N]` on rank 0 (None elsewhere): each rank's argmax over its
+        vocabulary shard (padding columns cut), no logits gathered (`greedy_over_shards`)."""
+        logits = self._product(x)
+        n = self.vocab_end_idx - self.vocab_start_idx
+        return greedy_over_shards(logits if n == logits.shape[1] else logits[:, :n],
+                                  self.vocab_start_idx, self.tp)
+
+    def _product(self, x: Tensor) -> Tensor:
+        """`x W^T` over this rank's rows of the table, `[N, num_embeddings_per_partition]`."""
+        if self.weight_packed is not None:
+            # oneDNN on the packed rows beat both forms below at every row count in bf16.
+            return kernels.linear(x, self.weight, self.weight_packed)
+        if x.device.type == "cpu" and x.shape[0] <= CPU_WXT_MAX_ROWS:
+            # For a few rows (a verify row's k + 1) MKL's sgemm streams the [vocab, hidden]
+            # weight 2-3x faster as W x^T than as x W^T (issue #26); their transpose is small.
+            return torch.mm(self.weight, x.t()).t().contiguous()
+        # A batch: x W^T, row-major straight from the GEMM; W x^T's transposed copy of
+        # every logit cost more than the product on `offline-cpu` (docs/benchmarks.md, #43).
+        return kernels.linear(x, self.weight)

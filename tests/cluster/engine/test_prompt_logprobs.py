@@ -147,7 +147,8 @@ def test_prefill_chunks_beside_speculative_verify_rows(hf: Any) -> None:
 def test_logits_are_made_a_bounded_slice_of_rows_at_a_time(hf: Any,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A 64-token chunk with slices of 7 rows: the lm head never sees more than 7 prompt rows
-    at once (the sampled row's call is one row), and the slices join up exactly."""
+    at once, and the slices join up exactly. (The sampled row is greedy: the LM head's
+    `greedy_tokens` takes it, one row, not `compute_logits`.)"""
     import workers.prompt_logprobs as prompt_logprobs
 
     monkeypatch.setattr(prompt_logprobs, "PROMPT_LOGPROB_ROWS", 7)
@@ -162,10 +163,17 @@ def test_logits_are_made_a_bounded_slice_of_rows_at_a_time(hf: Any,
             return compute(hidden)
 
         monkeypatch.setattr(model, "compute_logits", recording)
+        greedy = model.lm_head.greedy_tokens
+
+        def recording_greedy(hidden: torch.Tensor) -> torch.Tensor | None:
+            seen.append(-hidden.shape[0])  # (negative: a greedy_tokens call)
+            return greedy(hidden)
+
+        monkeypatch.setattr(model.lm_head, "greedy_tokens", recording_greedy)
         out = llm.generate([{"prompt_token_ids": ids}],
                            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
                            use_tqdm=False)[0]
-    assert seen == [7] * 9 + [1]  # 63 prompt rows, then the sampled one
+    assert seen == [7] * 9 + [-1]  # 63 prompt rows, then the sampled one, greedy
     check(hf, ids, out.prompt_logprobs, 2)
 
 
