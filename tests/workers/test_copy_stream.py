@@ -91,7 +91,7 @@ def test_worker_waits_for_the_copies_before_the_forward(tiny_dir: str) -> None:
         worker.cache_engine.copy_stream = RecordingStream(worker.cache_engine, 0, log)
         runner = worker.model_runner
         forward = runner.forward
-        runner.forward = lambda batch: (log.append(("forward", None)), forward(batch))[1]
+        runner.forward = lambda *args: (log.append(("forward", None)), forward(*args))[1]
         plan = replace(_prefill(1, 1, list(range(300, 316)), [3]),
                        offload=np.array([[0, 1]], dtype=np.int64),
                        load=np.array([[1, 2]], dtype=np.int64))
