@@ -125,6 +125,7 @@ def build_worker_config(config: EngineConfig, model_path: str, device: str, max_
         kv_offloading_size=config.kv_offloading_size,
         enforce_eager=eager,
         attention_backend=config.attention_backend, seed=config.seed, cpu_nice=config.cpu_nice,
+        # (async_scheduling null is auto, which is off on CPU, the only device this touches)
         cpu_exclusive=config.cpu_exclusive and not config.async_scheduling,
         enable_expert_parallel=config.enable_expert_parallel, speculative_model=draft_path,
         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
