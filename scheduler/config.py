@@ -13,6 +13,8 @@ class SchedulerConfig:
 
     Invariants checked here: every limit >= 1; max_num_batched_tokens >= max_num_seqs (so the
     decodes of every running sequence always fit in one step and prefills still progress);
+    1 <= max_mixed_prefill_tokens <= max_num_batched_tokens when set, with chunked prefill
+    (prefills progress beside decodes, and the cap is not a silent no-op);
     without chunked prefill, max_num_batched_tokens >= max_model_len (so any sequence can be
     prefilled in one step).
     """
@@ -26,6 +28,11 @@ class SchedulerConfig:
     # plans of disjoint sequences in flight at once (pipeline parallelism: one per stage,
     # scheduler/ahead.py); 1: one plan, plus async scheduling's one ahead
     micro_batches: int = 1
+    # Prompt tokens a step that carries decodes may compute (None: the rest of the budget).
+    # Every stream decoding in a step waits for the whole step, so this bounds how much
+    # longer than a decode step its token takes while prompts are prefilled beside it; a
+    # step without decodes still fills max_num_batched_tokens (first tokens stay fast).
+    max_mixed_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "micro_batches"):
@@ -41,6 +48,15 @@ class SchedulerConfig:
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len}); enable chunked prefill or "
                 "raise max_num_batched_tokens")
+        cap = self.max_mixed_prefill_tokens
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1
+                                or cap > self.max_num_batched_tokens):
+            raise ValueError(
+                f"max_mixed_prefill_tokens must be an integer in [1, max_num_batched_tokens = "
+                f"{self.max_num_batched_tokens}] or None (no cap); got {cap!r}")
+        if cap is not None and not self.enable_chunked_prefill:
+            raise ValueError("max_mixed_prefill_tokens needs enable_chunked_prefill (a prompt "
+                             "longer than the cap could not start while others decode)")
         if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) \
                 or self.max_loras < 0:
             raise ValueError(f"max_loras must be an integer >= 0; got {self.max_loras!r}")

@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill, preemption by swap or recompute, and the StepPlan.
 
 One step, `schedule()`, decides in this order (each stage gets what the budget of
-`max_num_batched_tokens` tokens and `max_num_seqs` sequences has left):
+`max_num_batched_tokens` tokens and `max_num_seqs` sequences has left; when stage 1 put rows in
+the step, stages 2-4 together get at most `max_mixed_prefill_tokens` of it):
   1. decodes of running sequences (one token each), in admission order;
   2. prefill chunks of running sequences (partially prefilled, or recomputing after a
      preemption), in admission order;
@@ -207,6 +208,7 @@ class Scheduler:
 
         # 1. Decodes (and n > 1 forks: every sequence computes one token).
         prefill_reqs = self._schedule_decodes(step)
+        step.cap_prefill(cfg.max_mixed_prefill_tokens)
 
         # 2. Prefill chunks of running requests.
         for req in prefill_reqs:

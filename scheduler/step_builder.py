@@ -41,6 +41,16 @@ class StepBuilder:
         self.swap_in: list[tuple[int, int]] = []
         self.copies: list[tuple[int, int]] = []
 
+    def cap_prefill(self, max_mixed_prefill_tokens: int | None) -> None:
+        """After stage 1: when the step already carries rows (decodes, verify rows, forks),
+        leave at most `max_mixed_prefill_tokens` of the budget to the prompt chunks that
+        follow, so every stream decoding in this step waits for a bounded prefill; a step
+        without rows keeps the whole budget (None: no cap)."""
+        rows = len(self.dec_ids) + len(self.pre_ids) + (0 if self.lane is None
+                                                         else len(self.lane[0]))
+        if max_mixed_prefill_tokens is not None and rows:
+            self.budget = min(self.budget, max_mixed_prefill_tokens)
+
     def add(self, req: Request, seq: Seq, alloc: Allocation, start: int, chunk: int,
             kv: KVCacheManager, drafts: list[int] | None = None) -> None:
         """Add a scheduled chunk of `chunk` tokens from position `start`, its slots reserved

@@ -42,6 +42,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # Prompt tokens a step that carries decodes may compute (scheduler/config.py); None: the
+    # rest of max_num_batched_tokens. Bounds a decoding stream's wait while prompts prefill.
+    max_mixed_prefill_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0
@@ -206,9 +209,13 @@ class EngineConfig:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
-                     "max_waiting_requests"):
+                     "max_waiting_requests", "max_mixed_prefill_tokens"):
             if getattr(self, name) is not None:
                 _int_at_least(self, name, 1)
+        if (self.max_mixed_prefill_tokens is not None and self.max_num_batched_tokens is not None
+                and self.max_mixed_prefill_tokens > self.max_num_batched_tokens):
+            raise ValueError(f"max_mixed_prefill_tokens ({self.max_mixed_prefill_tokens}) must be "
+                             f"<= max_num_batched_tokens ({self.max_num_batched_tokens})")
         if not (isinstance(self.gpu_memory_utilization, (int, float))
                 and 0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError("gpu_memory_utilization must be in (0, 1]; "

@@ -131,7 +131,8 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
                             max_model_len=self.max_model_len, preemption_mode=preemption,
                             max_loras=worker_config.max_loras,
-                            micro_batches=config.pipeline_parallel_size),
+                            micro_batches=config.pipeline_parallel_size,
+                            max_mixed_prefill_tokens=config.max_mixed_prefill_tokens),
             kv, eos_token_ids=self.model_config.eos_token_ids, vocab_size=len(self.tokenizer),
             speculative=spec)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer,
