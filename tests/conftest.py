@@ -1,4 +1,5 @@
-"""Session-wide test settings: offline Hugging Face, one model cache, Triton's interpreter on CPU."""
+"""Session-wide test settings: offline Hugging Face, one model cache, Triton's interpreter on CPU,
+one Ray temp dir per pytest-xdist worker."""
 
 from __future__ import annotations
 
@@ -12,6 +13,17 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("QWEN3_SERVE_CACHE", str(Path.home() / ".cache" / "qwen3-serve"))
+
+# Under pytest-xdist (./dev test runs two workers) each worker is a test session of its own
+# with its own Ray clusters. Ray keeps "the cluster to join" in $RAY_TMPDIR/ray/
+# ray_current_cluster (a simulated multi-node cluster writes it; `ray.init()` and `serve run`
+# with no address read it): a temp dir per worker and run keeps one worker's bare `ray.init()`
+# from ever joining the other's cluster. Ray's sockets live under it, hence a short path.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["RAY_TMPDIR"] = os.path.join(
+        os.environ.get("RAY_TMPDIR", "/tmp"),
+        f"ray-{os.environ.get('PYTEST_XDIST_TESTRUNUID', '')[:8]}-{os.environ['PYTEST_XDIST_WORKER']}")
+    os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

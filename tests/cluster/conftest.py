@@ -31,10 +31,16 @@ def _free_port() -> int:
 
 
 # Serve's fixed ports beside the HTTP front (HAProxy's stats page and exporter, the fallback
-# proxy), on free ones: another session's cluster on this machine may hold the defaults.
+# proxy), on free ones: another session's cluster on this machine may hold the defaults. Picked
+# by each test process: a pytest-xdist worker inherits the controller's environment (which
+# loaded this file when given tests/cluster), and two workers' clusters on the same ports clash.
+_PORTS_PICKED_BY = "QWEN3_TEST_SERVE_PORTS_PID"
+_repick = os.environ.get(_PORTS_PICKED_BY, str(os.getpid())) != str(os.getpid())
 for _key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
              "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"):
-    os.environ.setdefault(_key, str(_free_port()))
+    if _repick or _key not in os.environ:
+        os.environ[_key] = str(_free_port())
+        os.environ[_PORTS_PICKED_BY] = str(os.getpid())
 
 # Serve says a replica is slow to be scheduled (the deployment's message in `serve status`)
 # after RAY_SERVE_SLOW_STARTUP_WARNING_S, first once that period has passed since the deploy:
