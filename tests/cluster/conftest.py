@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -53,16 +54,34 @@ for _key in ("RAY_SERVE_SLOW_STARTUP_WARNING_S", "RAY_SERVE_SLOW_STARTUP_WARNING
 RAY_NUM_CPUS = 4
 
 
+# Ray gives a new node 30 s (a constant in ray/_private/node.py) to register with the GCS; on
+# a host at load 30 (this shared machine's other sessions) that can pass, and a failed
+# session fixture errors every Ray test after it: a new cluster is tried that many times.
+RAY_START_ATTEMPTS = 3
+
+
+def _start_local_ray(ray: Any) -> None:
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            # "local": always a new cluster of the session's own. Without it Ray joins whatever
+            # $RAY_TMPDIR/ray/ray_current_cluster names, and a file a killed earlier run left
+            # there fails every test with "When connecting to an existing cluster, num_cpus ...".
+            ray.init("local", num_cpus=RAY_NUM_CPUS, include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
+            return
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == RAY_START_ATTEMPTS:
+                raise
+            ray.shutdown()  # what it holds of the half-started node; the rest dies with this
+            # process (Ray starts its processes with PR_SET_PDEATHSIG on Linux)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
     import ray
 
     if not ray.is_initialized():
-        # "local": always a new cluster of the session's own. Without it Ray joins whatever
-        # $RAY_TMPDIR/ray/ray_current_cluster names, and a file a killed earlier run left
-        # there fails every test with "When connecting to an existing cluster, num_cpus ...".
-        ray.init("local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        _start_local_ray(ray)
     yield
     if not ray.is_initialized():  # a module ran its own cluster (tests/cluster/multinode/)
         return
