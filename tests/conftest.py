@@ -37,10 +37,10 @@ if not HAS_CUDA:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With PYTEST_FAILURE_LOG set, each failure's traceback is appended to that file as it
-    happens (under xdist too): a run cut off by its time budget (the GPU report's) still says
-    why each failed test failed."""
+    happens (under xdist too, where the controller writes it: a worker's reports reach it) - a
+    run cut off by its time budget (the GPU report's) still says why each failed test failed."""
     path = os.environ.get("PYTEST_FAILURE_LOG")
-    if path and report.failed:
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
         with open(path, "a") as f:
             f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
