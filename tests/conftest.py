@@ -1,4 +1,5 @@
-"""Session-wide test settings: offline Hugging Face, one model cache, Triton's interpreter on CPU."""
+"""Session-wide test settings: offline Hugging Face, one model cache, Triton's interpreter on CPU,
+one Ray temp dir per pytest-xdist worker."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("QWEN3_SERVE_CACHE", str(Path.home() / ".cache" / "qwen3-serve"))
 
+# Under pytest-xdist (./dev test runs two workers) each worker is a test session of its own
+# with its own Ray clusters. Ray keeps "the cluster to join" in $RAY_TMPDIR/ray/
+# ray_current_cluster (a simulated multi-node cluster writes it; `ray.init()` and `serve run`
+# with no address read it): a temp dir per worker and run keeps one worker's bare `ray.init()`
+# from ever joining the other's cluster. Ray's sockets live under it, hence a short path.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["RAY_TMPDIR"] = os.path.join(
+        os.environ.get("RAY_TMPDIR", "/tmp"),
+        f"ray-{os.environ.get('PYTEST_XDIST_TESTRUNUID', '')[:8]}-{os.environ['PYTEST_XDIST_WORKER']}")
+    os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -25,10 +37,10 @@ if not HAS_CUDA:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With PYTEST_FAILURE_LOG set, each failure's traceback is appended to that file as it
-    happens (under xdist too): a run cut off by its time budget (the GPU report's) still says
-    why each failed test failed."""
+    happens (under xdist too, where the controller writes it: a worker's reports reach it) - a
+    run cut off by its time budget (the GPU report's) still says why each failed test failed."""
     path = os.environ.get("PYTEST_FAILURE_LOG")
-    if path and report.failed:
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
         with open(path, "a") as f:
             f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 

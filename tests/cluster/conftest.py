@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -31,10 +32,16 @@ def _free_port() -> int:
 
 
 # Serve's fixed ports beside the HTTP front (HAProxy's stats page and exporter, the fallback
-# proxy), on free ones: another session's cluster on this machine may hold the defaults.
+# proxy), on free ones: another session's cluster on this machine may hold the defaults. Picked
+# by each test process: a pytest-xdist worker inherits the controller's environment (which
+# loaded this file when given tests/cluster), and two workers' clusters on the same ports clash.
+_PORTS_PICKED_BY = "QWEN3_TEST_SERVE_PORTS_PID"
+_repick = os.environ.get(_PORTS_PICKED_BY, str(os.getpid())) != str(os.getpid())
 for _key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
              "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"):
-    os.environ.setdefault(_key, str(_free_port()))
+    if _repick or _key not in os.environ:
+        os.environ[_key] = str(_free_port())
+        os.environ[_PORTS_PICKED_BY] = str(os.getpid())
 
 # Serve says a replica is slow to be scheduled (the deployment's message in `serve status`)
 # after RAY_SERVE_SLOW_STARTUP_WARNING_S, first once that period has passed since the deploy:
@@ -47,16 +54,34 @@ for _key in ("RAY_SERVE_SLOW_STARTUP_WARNING_S", "RAY_SERVE_SLOW_STARTUP_WARNING
 RAY_NUM_CPUS = 4
 
 
+# Ray gives a new node 30 s (a constant in ray/_private/node.py) to register with the GCS; on
+# a host at load 30 (this shared machine's other sessions) that can pass, and a failed
+# session fixture errors every Ray test after it: a new cluster is tried that many times.
+RAY_START_ATTEMPTS = 3
+
+
+def _start_local_ray(ray: Any) -> None:
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            # "local": always a new cluster of the session's own. Without it Ray joins whatever
+            # $RAY_TMPDIR/ray/ray_current_cluster names, and a file a killed earlier run left
+            # there fails every test with "When connecting to an existing cluster, num_cpus ...".
+            ray.init("local", num_cpus=RAY_NUM_CPUS, include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
+            return
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == RAY_START_ATTEMPTS:
+                raise
+            ray.shutdown()  # what it holds of the half-started node; the rest dies with this
+            # process (Ray starts its processes with PR_SET_PDEATHSIG on Linux)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
     import ray
 
     if not ray.is_initialized():
-        # "local": always a new cluster of the session's own. Without it Ray joins whatever
-        # $RAY_TMPDIR/ray/ray_current_cluster names, and a file a killed earlier run left
-        # there fails every test with "When connecting to an existing cluster, num_cpus ...".
-        ray.init("local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        _start_local_ray(ray)
     yield
     if not ray.is_initialized():  # a module ran its own cluster (tests/cluster/multinode/)
         return
