@@ -1,8 +1,9 @@
 """The one dispatch point between the model and its kernels.
 
 `backend="auto"` runs Triton when the tensors are on CUDA and torch otherwise: for paged
-attention the fast CPU path (`kernels/cpu_attention.py`, torch's fused SDPA), for the other ops
-the torch reference. `"torch"` runs the plain-torch reference twins (`kernels/reference.py`),
+attention the fast CPU path (`kernels/cpu_attention.py`, torch's fused SDPA), for RMSNorm,
+SiLU-and-mul and the attention prologue the CPU versions with fewer calls
+(`kernels/cpu_fused.py`, bit-identical to the twins), for the other ops the torch reference. `"torch"` runs the plain-torch reference twins (`kernels/reference.py`),
 the oracle the other backends are tested against.
 `"triton"` also accepts CPU tensors when `TRITON_INTERPRET=1` is set (how the kernel tests run
 without a GPU). `"flash_attn"` exists for `paged_attention` only.
@@ -21,7 +22,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kernels import cpu_attention, fp8_reference, lora_reference, moe_reference, reference
+from kernels import (
+    cpu_attention,
+    cpu_fused,
+    fp8_reference,
+    lora_reference,
+    moe_reference,
+    reference,
+)
 from kernels.reference import FP8_KV_DTYPE
 from kernels.rotary_tables import compute_cos_sin_cache
 
@@ -158,7 +166,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     if _resolve(backend, x) == "torch":
-        return reference.rms_norm(x, weight, eps, residual)
+        twin = reference if backend == "torch" else cpu_fused  # "auto" on CPU: fewer calls
+        return twin.rms_norm(x, weight, eps, residual)
     from kernels.triton_fused import rms_norm as triton_rms_norm
     return triton_rms_norm(x, weight, eps, residual)
 
@@ -183,14 +192,17 @@ def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_we
                           k_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
                           k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                           backend: Backend = "auto", k_scale: Tensor | None = None,
-                          v_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                          v_scale: Tensor | None = None, step_cache: dict | None = None
+                          ) -> tuple[Tensor, Tensor, Tensor]:
     """Qwen3's attention prologue on the QKV projection's output `[T, (Hq + 2 Hkv) D]`, one launch.
 
     q and k get their per-head RMSNorm (`q_weight`/`k_weight` `[D]`) and the rotary embedding at
     `positions`, in place inside `qkv`; K and V are stored into the paged caches at
     `slot_mapping` (-1 = skip), an FP8 cache divided by each head's `k_scale` / `v_scale`
     (float32 `[Hkv]`). Returns the views
-    (q `[T, Hq, D]`, k, v `[T, Hkv, D]`) of `qkv`.
+    (q `[T, Hq, D]`, k, v `[T, Hkv, D]`) of `qkv`. `step_cache`, optional: the step's
+    `AttentionMetadata.step_cache`, where the CPU path keeps the rotary rows of `positions` and
+    the slots it writes once for every layer; the other backends ignore it.
     """
     if qkv.dim() != 2 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"qkv must be [T, (Hq + 2 Hkv) * D] and k/v caches [num_blocks, "
@@ -215,7 +227,9 @@ def qk_norm_rope_write_kv(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_we
     chosen = _resolve(backend, qkv)
     _check_kv_scales(k_cache, k_scale, v_scale, chosen)
     if chosen == "torch":
-        return reference.qk_norm_rope_write_kv(*args, k_scale, v_scale)
+        if backend == "torch":
+            return reference.qk_norm_rope_write_kv(*args, k_scale, v_scale)
+        return cpu_fused.qk_norm_rope_write_kv(*args, k_scale, v_scale, step_cache)
     from kernels.triton_fused import qk_norm_rope_write_kv as triton_qk_norm_rope_write_kv
     return triton_qk_norm_rope_write_kv(*args, k_scale, v_scale)
 
@@ -225,7 +239,7 @@ def silu_and_mul(x: Tensor, backend: Backend = "auto") -> Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dim (gate and up halves); got {x.shape[-1]}")
     if _resolve(backend, x) == "torch":
-        return reference.silu_and_mul(x)
+        return (reference if backend == "torch" else cpu_fused).silu_and_mul(x)
     from kernels.triton_fused import silu_and_mul as triton_silu_and_mul
     return triton_silu_and_mul(x)
 

@@ -72,7 +72,7 @@ class Qwen3Attention(nn.Module):
             qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
             self.q_norm.eps, positions, self.rotary_emb.cos_sin_cache, k_cache, v_cache,
             attn_metadata.slot_mapping, backend=self.ops, k_scale=self.attn.k_scale,
-            v_scale=self.attn.v_scale)
+            v_scale=self.attn.v_scale, step_cache=attn_metadata.step_cache)
         if self.attn.kv_scales_pending:  # calculate_kv_scales: the first step after start-up
             calculate_kv_scales(self.attn, k, v, attn_metadata.slot_mapping, self.ops)
         o = self.attn(q, k, v, attn_metadata)
