@@ -29,7 +29,6 @@ class HandleEngineClient:
         self.stream_handle = handle.options(stream=True, _by_reference=False,
                                             request_serialization="pickle",
                                             response_serialization="pickle")
-        self.transfer_handle = handle.options(stream=True)
 
     async def model_info(self) -> ModelInfo:
         return await self.handle.model_info.remote()
@@ -38,19 +37,17 @@ class HandleEngineClient:
                  request_id: str, cache_salt: str | None = None,
                  routing_key: str | None = None,
                  lora_request: LoRARequest | None = None,
-                 kv_transfer_params: Any = None) -> AsyncIterator[Any]:
+                 disaggregated: bool = False) -> AsyncIterator[Any]:
         """The request's deltas; resumed (under the same adapter) on another replica if the
         one serving it is lost (the request router has dropped that replica and its KV
-        holdings). `kv_transfer_params` (a decode deployment's): the first attempt imports
-        that KV; a resume recomputes, after the prefill's first token."""
-        transfer = [kv_transfer_params]
-        before = [] if kv_transfer_params is None else [kv_transfer_params.first_token]
+        holdings). `disaggregated` (a decode deployment's, cluster/api/pd_app.py): the first
+        attempt runs the prompt on the prefill role first; a resume recomputes it."""
+        prefill_first = [disaggregated]
 
         def open_stream(resume_token_ids: list[int]) -> AsyncIterator[Any]:
-            kv, transfer[0] = transfer[0], None
+            first, prefill_first[0] = prefill_first[0], False
             return self._generate(prompt_token_ids, sampling_params, request_id, cache_salt,
-                                  routing_key, None if kv else (before + resume_token_ids) or None,
-                                  lora_request, kv)
+                                  routing_key, resume_token_ids or None, lora_request, first)
         return resuming_stream(open_stream, request_id, sampling_params.n)
 
     async def prefill(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -66,14 +63,12 @@ class HandleEngineClient:
                         request_id: str, cache_salt: str | None, routing_key: str | None,
                         resume_token_ids: list[int] | None,
                         lora_request: LoRARequest | None,
-                        kv_transfer_params: Any = None) -> AsyncIterator[Any]:
-        # (KV payload refs go by Ray's serializer, which tracks them, not plain pickle)
-        handle = self.stream_handle if kv_transfer_params is None else self.transfer_handle
-        gen = handle.generate.remote(prompt_token_ids, sampling_params, request_id,
-                                     cache_salt, routing_key=routing_key,
-                                     resume_token_ids=resume_token_ids,
-                                     lora_request=lora_request,
-                                     kv_transfer_params=kv_transfer_params)
+                        disaggregated: bool = False) -> AsyncIterator[Any]:
+        gen = self.stream_handle.generate.remote(prompt_token_ids, sampling_params, request_id,
+                                                 cache_salt, routing_key=routing_key,
+                                                 resume_token_ids=resume_token_ids,
+                                                 lora_request=lora_request,
+                                                 disaggregated=disaggregated)
         finished = False
         try:
             async for packed in gen:

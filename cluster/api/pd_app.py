@@ -9,15 +9,25 @@ function of its own, gets its role's policy, scaling on its own signal:
 cluster/api/pd_autoscaling.py); each becomes its own LLMServer deployment (`LLMServer-prefill`, `LLMServer-decode`),
 and the ingress and its routes are the same as for one deployment.
 
-The handshake, per request (`PDEngineClient.generate`): the prefill deployment's router
-(prefix-aware by default) picks a replica, which runs the prompt with max_tokens 1 and answers
-with its first token and the prompt's KV (`LLMServer.prefill`, `KVTransferParams`: payloads
-in the object store, cluster/engine/kv_transfers.py); the client streams that token at once,
-then the decode deployment's stream, which starts from the transferred KV and the first
-token. Nothing is lost: a prefill replica lost before it answered -> the decode side runs the
-whole request; a payload lost after (the prefill replica died mid-transfer) -> the decode
-engine computes the prompt itself; a decode replica lost mid-stream -> the stream resumes on
-another decode replica with the tokens so far, as failover.py does for every request.
+The handshake, per request: the ingress opens one ordinary stream to the decode deployment
+(`PDEngineClient.generate`; Serve's direct gRPC channel with plain pickle, as for colocated
+serving), and the decode replica runs the rest (`decode_after_prefill`): the prefill
+deployment's router (prefix-aware by default) picks a prefill replica, which runs the prompt
+with max_tokens 1 and answers with its first token and the prompt's KV
+(`LLMServer.prefill`, `KVTransferParams`: payloads in the object store,
+cluster/engine/kv_transfers.py); the decode replica yields that token at once, then its
+engine's stream, which starts from the transferred KV and the first token. The payloads'
+refs go from the prefill replica (their owner) to the decode replica (the one reader) in that
+call's answer and never through the ingress, so the token stream needs no ObjectRef: with
+refs in it, the ingress's decode call went through Ray's object-ref streaming (every chunk
+reported to the ingress's core worker), and every token of a disaggregated stream reached the
+ingress later than a colocated one's, with a long tail (docs/benchmarks.md, prefill/decode).
+Nothing is lost: a prefill replica lost before it answered -> the decode replica runs the
+whole request; a payload lost after (the prefill replica died mid-transfer)
+-> the decode engine computes the prompt itself; a decode replica lost mid-stream -> the
+stream resumes on another decode replica with the tokens so far (the first token included),
+as failover.py does for every request. A request counts against its decode replica's
+max_ongoing_requests from its prefill on (the decode replica waits for the prefill's answer).
 A request with n > 1, max_tokens 1 or prompt logprobs runs on the decode side alone.
 """
 
@@ -79,7 +89,7 @@ def pd_entries(args: dict[str, Any], split: Callable[[dict[str, Any]], tuple[Any
 
 class PDEngineClient:
     """The ingress's `EngineClient` over a prefill and a decode deployment (HandleEngineClient
-    each, serve_app.py); see the module docstring for the handshake."""
+    each, handle_client.py); see the module docstring for the handshake."""
 
     def __init__(self, prefill: Any, decode: Any) -> None:
         self.prefill = prefill
@@ -88,39 +98,15 @@ class PDEngineClient:
     async def model_info(self) -> ModelInfo:
         return await self.decode.model_info()
 
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str, cache_salt: str | None = None,
-                       routing_key: str | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
+    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 request_id: str, cache_salt: str | None = None,
+                 routing_key: str | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
         p = sampling_params
-        args = (prompt_token_ids, p, request_id, cache_salt, routing_key, lora_request)
-        if p.n != 1 or (p.max_tokens is not None and p.max_tokens < 2) \
-                or p.prompt_logprobs is not None:
-            async for out in self.decode.generate(*args):
-                yield out
-            return
-        try:
-            first, transfer = await self.prefill.prefill(
-                prompt_token_ids, prefill_sampling(p), request_id, cache_salt,
-                routing_key, lora_request)
-        except Exception as e:  # noqa: BLE001 - a lost prefill replica: decode does it all
-            if not replica_lost(e):
-                raise
-            logger.warning("request %s: its prefill replica was lost (%s); the decode side "
-                           "runs it whole", request_id, type(e).__name__)
-            async for out in self.decode.generate(*args):
-                yield out
-            return
-        if transfer is None:  # its first token ended it (a stop token or string)
-            yield first
-            return
-        first.finished = False
-        first.outputs[0].finish_reason = first.outputs[0].stop_reason = None
-        yield first
-        stream = self.decode.generate(*args, kv_transfer_params=transfer)
-        transfer = None  # (the payloads' refs: held by the stream's first attempt only)
-        async for out in stream:
-            yield out
+        whole = p.n != 1 or (p.max_tokens is not None and p.max_tokens < 2) \
+            or p.prompt_logprobs is not None
+        return self.decode.generate(prompt_token_ids, p, request_id, cache_salt, routing_key,
+                                    lora_request, disaggregated=not whole)
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         await self.prefill.add_lora(lora_request)
@@ -138,3 +124,40 @@ class PDEngineClient:
     async def metrics(self) -> list[dict[str, Any]]:
         """Every reachable replica's of both roles (each snapshot names its `kv_role`)."""
         return [*await self.prefill.metrics(), *await self.decode.metrics()]
+
+
+async def decode_after_prefill(prefill: Any, engine: Any, prompt_token_ids: list[int],
+                               sampling_params: SamplingParams, request_id: str,
+                               cache_salt: str | None, routing_key: str | None,
+                               lora_request: LoRARequest | None) -> AsyncIterator[Any]:
+    """A decode replica's disaggregated request (see the module docstring): `prefill` is its
+    HandleEngineClient of the prefill deployment, `engine` its AsyncLLMEngine. The prefill's
+    first token, then the decode engine's deltas."""
+    if prefill is None:
+        raise ValueError("a disaggregated request needs a decode replica of a pd app (one "
+                         "started with the prefill deployment's handle); this replica has none")
+    p = sampling_params
+    args = (prompt_token_ids, p, request_id)
+    kw = {"cache_salt": cache_salt, "lora_request": lora_request}
+    try:
+        first, transfer = await prefill.prefill(prompt_token_ids, prefill_sampling(p),
+                                                request_id, cache_salt, routing_key,
+                                                lora_request)
+    except Exception as e:  # noqa: BLE001 - a lost prefill replica: decode does it all
+        if not replica_lost(e):
+            raise
+        logger.warning("request %s: its prefill replica was lost (%s); the decode side "
+                       "runs it whole", request_id, type(e).__name__)
+        async for out in engine.generate(*args, **kw):
+            yield out
+        return
+    if transfer is None:  # its first token ended it (a stop token or string)
+        yield first
+        return
+    first.finished = False
+    first.outputs[0].finish_reason = first.outputs[0].stop_reason = None
+    yield first
+    stream = engine.generate(*args, kv_transfer_params=transfer, **kw)
+    transfer = None  # (the payloads' refs: the engine's stream holds them from here)
+    async for out in stream:
+        yield out

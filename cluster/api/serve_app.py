@@ -40,7 +40,7 @@ from cluster.api.lora_models import LORA_SERVING_DEFAULTS, LoRAModels, check_lor
 from cluster.api.multi_model import ModelDispatch, deployment_name, model_entries
 from cluster.api.openai_api import create_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
-from cluster.api.pd_app import PDEngineClient, pd_entries
+from cluster.api.pd_app import PDEngineClient, decode_after_prefill, pd_entries
 from cluster.api.pd_autoscaling import autoscaling_stats
 from cluster.api.prefix_router import check_router_args, request_router_config
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
@@ -113,7 +113,9 @@ SHUTDOWN_POLL_S = 0.5
 class LLMServer:
     """One engine (one TP group). Streams `RequestOutput` deltas to the ingress."""
 
-    def __init__(self, engine_args: dict[str, Any]) -> None:
+    def __init__(self, engine_args: dict[str, Any], prefill: DeploymentHandle | None = None
+                 ) -> None:
+        """`prefill`: a pd app's decode replica's handle of the prefill deployment."""
         import ray
 
         from cluster.api.prometheus import RayMetricsExporter
@@ -123,6 +125,7 @@ class LLMServer:
         config = EngineConfig.from_dict(engine_args)
         self.engine = AsyncLLMEngine(config, placement_group=ray.util.get_current_placement_group())
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.prefill_role = None if prefill is None else HandleEngineClient(prefill)
         self._exporter = RayMetricsExporter(self.engine.model_name, replica_id=self.replica_id,
                                             role=config.kv_role or "colocated")
         self._export_task: asyncio.Task | None = None
@@ -150,25 +153,27 @@ class LLMServer:
                        routing_key: str | None = None,
                        resume_token_ids: list[int] | None = None,
                        lora_request: LoRARequest | None = None,
-                       kv_transfer_params: Any = None) -> AsyncIterator[tuple]:
+                       disaggregated: bool = False) -> AsyncIterator[tuple]:
         """Stream `pack_output` tuples (not RequestOutput: it repeats the whole prompt); the
         first names this replica; HANDOFF last when the request goes on elsewhere because this
         replica is draining (cluster/api/drain.py). `routing_key` is the request router's
         (prefix_router.py); `resume_token_ids`: the request comes from a lost or draining
         replica with these outputs (cluster/api/failover.py); `lora_request`: its adapter;
-        `kv_transfer_params`: a decode replica's request, with its prompt's KV
-        (cluster/api/pd_app.py)."""
+        `disaggregated`: a decode replica's request whose prompt the prefill role runs first
+        (cluster/api/pd_app.py `decode_after_prefill`)."""
         # Serve cancels this generator when the caller goes away; the engine's generator
         # then aborts the request in its `finally`, freeing its blocks within a step.
         self._ensure_exporter()
 
         async def packed() -> AsyncIterator[tuple]:
             replica_id = self.replica_id
-            async for out in self.engine.generate(prompt_token_ids, sampling_params,
-                                                   request_id, cache_salt=cache_salt,
-                                                   resume_token_ids=resume_token_ids,
-                                                   lora_request=lora_request,
-                                                   kv_transfer_params=kv_transfer_params):
+            outs = (decode_after_prefill(self.prefill_role, self.engine, prompt_token_ids,
+                                         sampling_params, request_id, cache_salt, routing_key,
+                                         lora_request) if disaggregated else
+                    self.engine.generate(prompt_token_ids, sampling_params, request_id,
+                                         cache_salt=cache_salt, resume_token_ids=resume_token_ids,
+                                         lora_request=lora_request))
+            async for out in outs:
                 yield pack_output(out, replica_id)
                 replica_id = None
 
@@ -352,12 +357,15 @@ def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any],
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve app builder named by the manifests (`cluster.api.serve_app:build_app`)."""
     entries = _entries(dict(args or {}))
-    several = len(entries) > 1
-    models = [(llm_deployment(config, serving, f"LLMServer-{config.kv_role}" if config.kv_role
-                              else deployment_name(config, serving, several)),
-               ingress_spec(config, serving)) for config, serving in entries]
     if "pd" in (args or {}):  # one model: (prefill, decode) deployments, the decode's spec
-        models = [((models[0][0], models[1][0]), models[1][1])]
+        (p, ps), (d, ds) = entries  # (the decode replicas call the prefill deployment)
+        prefill = llm_deployment(p, ps, "LLMServer-prefill")
+        models = [((prefill, llm_deployment(d, ds, "LLMServer-decode", prefill)),
+                   ingress_spec(d, ds))]
+    else:
+        models = [(llm_deployment(config, serving, deployment_name(config, serving,
+                                                                   len(entries) > 1)),
+                   ingress_spec(config, serving)) for config, serving in entries]
     serving = entries[0][1]  # (the ingress's keys are the same in every entry)
     ingress_actor: dict[str, Any] = {"num_cpus": float(serving["ingress_num_cpus"]),
                                      "runtime_env": {"env_vars": REPLICA_ENV_VARS}}
@@ -372,8 +380,10 @@ def build_app(args: dict[str, Any]) -> Application:
     ).bind(models, serving["api_key"] or os.environ.get(API_KEY_ENV) or None)
 
 
-def llm_deployment(config: EngineConfig, serving: dict[str, Any], name: str) -> Application:
-    """One model's LLMServer deployment: its placement group, replicas and router."""
+def llm_deployment(config: EngineConfig, serving: dict[str, Any], name: str,
+                   prefill: Application | None = None) -> Application:
+    """One model's LLMServer deployment: its placement group, replicas and router (a pd
+    app's decode deployment: bound to the prefill deployment, `prefill`)."""
     from cluster.engine.ray_executor import worker_env
 
     # The replica may land on any node: ask the cluster (when connected), not this process.
@@ -402,4 +412,4 @@ def llm_deployment(config: EngineConfig, serving: dict[str, Any], name: str) -> 
         health_check_period_s=float(serving["health_check_period_s"]),
         health_check_timeout_s=float(serving["health_check_timeout_s"]),
         backpressure_config=BACKPRESSURE, **replicas,
-    ).bind(config.to_dict())
+    ).bind(config.to_dict(), prefill)
