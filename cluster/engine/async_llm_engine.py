@@ -29,7 +29,7 @@ from cluster.engine.errors import (
     EngineStalledError,
     OverloadedError,
 )
-from cluster.engine.executor import WorkerDiedError, step_result
+from cluster.engine.executor import WorkerDiedError
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.lora import lora_metrics
 from kvcache.events import KVEventBatch
@@ -165,8 +165,9 @@ class AsyncLLMEngine:
                     undelivered = []
                     await asyncio.sleep(0)  # consumers (HTTP streams) take them now
                     result = None
-                    if future is not None:
-                        result = await step_result(future)
+                    if future is not None:  # (on a thread: the wait may block on the device)
+                        result = (future.result() if future.done()
+                                  else await asyncio.to_thread(future.result))
                 except WorkerDiedError as e:
                     self._stepping = False
                     await self._recover(e)

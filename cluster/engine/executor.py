@@ -2,13 +2,11 @@
 
 `Executor` is the interface the engine steps through; `InProcessExecutor` (here) runs tp = 1
 in this process (tests, benchmarks, and a Serve replica with tp = 1, where it saves a process
-hop per step); `RayExecutor` (ray_executor.py) runs one Ray actor per rank. `step_result` is
-how an event loop awaits a step's future (AsyncLLMEngine's loop).
+hop per step); `RayExecutor` (ray_executor.py) runs one Ray actor per rank.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 from abc import ABC, abstractmethod
 from typing import Any
@@ -115,21 +113,6 @@ class _Collect(concurrent.futures.Future):
             except BaseException as e:  # noqa: BLE001 — handed to whoever waits on it
                 self.set_exception(e)
         return super().result(timeout)
-
-
-async def step_result(future: concurrent.futures.Future) -> StepResult:
-    """A step's result, awaited on the event loop. A future that completes by itself (a helper
-    thread's: the in-process CPU executor's, every Ray group's) wakes the loop from its own
-    done-callback, one thread hand-off; only `_Collect`, whose `result()` is the wait itself
-    (the device's sampled ids), takes a thread to wait on. A waiting thread was one more
-    wake-up on every step, the first token's included (docs/benchmarks.md, issue #43).
-    Cancelling the awaiting task never cancels the step: it runs on and is collected as before.
-    """
-    if future.done():
-        return future.result()
-    if isinstance(future, _Collect):
-        return await asyncio.to_thread(future.result)
-    return await asyncio.shield(asyncio.wrap_future(future))
 
 
 class InProcessExecutor(Executor):
