@@ -15,6 +15,13 @@ bf16 workload from 29.9 to 35.2 tok/s but qwen3-tiny (hidden 128, fp32) from 452
 (docs/benchmarks.md, "Threads for an offline engine", issue #43). A served engine keeps the
 reserved core: its event loop streams the last step's tokens while the model computes.
 
+A narrow model in an exclusive engine still gives its LM head and sampler every core
+(`head_threads`, entered through a `ThreadScope` around them): the head is one GEMM of
+`[rows, hidden] x [hidden, vocab]` (151,936 columns for Qwen3) and an argmax over its output,
+milliseconds per call where a 2-thread region's fork and join are microseconds; switching the
+count is an OpenMP setting, not a new pool (docs/benchmarks.md, "The LM head on every core",
+issue #43).
+
 Why fewer threads than cores: an intra-op parallel region waits for its slowest thread. When
 another process holds a core (the engine's loop, a second replica, the proxy, other users of a
 shared machine), every small op of a decode step waits for a thread that is not scheduled, and
@@ -56,6 +63,38 @@ def model_threads(tensor_parallel_size: int, environ: Mapping[str, str] = os.env
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, ((cores or 1) - (0 if every_core else 1)) // tensor_parallel_size)
+
+
+def head_threads(exclusive: bool, hidden_size: int, tensor_parallel_size: int,
+                 environ: Mapping[str, str] = os.environ, cores: int | None = None) -> int | None:
+    """Threads for the LM head and sampler of a CPU rank whose model keeps a core free (a
+    narrow model in an exclusive engine: every core), or None: they run on the model's count."""
+    if not exclusive or takes_every_core(exclusive, hidden_size):
+        return None
+    every = model_threads(tensor_parallel_size, environ, cores, every_core=True)
+    rest = model_threads(tensor_parallel_size, environ, cores)
+    return every if every is not None and every != rest else None
+
+
+class ThreadScope:
+    """`with scope:` runs its block on `threads` torch threads and restores the count in force
+    after it (None: changes nothing). Made once and re-entered every step; not re-entrant."""
+
+    __slots__ = ("threads", "_saved")
+
+    def __init__(self, threads: int | None) -> None:
+        self.threads = threads
+        self._saved = 0
+
+    def __enter__(self) -> None:
+        if self.threads is not None:
+            self._saved = torch.get_num_threads()
+            if self._saved != self.threads:
+                torch.set_num_threads(self.threads)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.threads is not None and self._saved != self.threads:
+            torch.set_num_threads(self._saved)
 
 
 def check_cpu_nice(nice: object) -> None:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from scheduler.plan import DRAFT_TOKEN, StepPlan
+from workers.cpu_threads import ThreadScope
 from workers.cuda_graph import CUDAGraphRunner
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftBatch, DraftRunner
@@ -62,7 +63,7 @@ class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, device: torch.device, block_size: int,
                  max_model_len: int, max_num_seqs: int, vocab_size: int, seed: int,
                  lora: LoRAModel | None = None, pooler: Pooler | None = None,
-                 stage: PipelineStage | None = None) -> None:
+                 stage: PipelineStage | None = None, head_threads: int | None = None) -> None:
         self.model = model
         self.stage = stage or PipelineStage.single()  # a pipeline stage runs its layers only
         self.lora = lora
@@ -82,6 +83,8 @@ class ModelRunner:
                                     device=device)
         self.sampler = Sampler()
         self._inference = torch.inference_mode()  # forward's; entered by one step at a time
+        # the LM head's and the sampler's torch threads (workers/cpu_threads.py `head_threads`)
+        self._head = ThreadScope(head_threads)
         self.graph_runner: CUDAGraphRunner | None = None  # decode graphs
         # speculative verify graphs by query length (proposals + 1)
         self.verify_graph_runners: dict[int, CUDAGraphRunner] = {}
@@ -341,9 +344,10 @@ class ModelRunner:
             return None, None
         if batch.logits_indices is not None:  # (None: every row samples, one token each)
             hidden = hidden[batch.logits_indices]
-        if batch.simple and batch.sampling.all_greedy and not keep_logits:
-            return None, self.model.lm_head.greedy_tokens(hidden)  # (no logits sent)
-        return self.model.compute_logits(hidden), None
+        with self._head:
+            if batch.simple and batch.sampling.all_greedy and not keep_logits:
+                return None, self.model.lm_head.greedy_tokens(hidden)  # (no logits sent)
+            return self.model.compute_logits(hidden), None
 
     def follow(self, batch: StepBatch, drafter: DraftRunner) -> None:
         """The draft's K/V for every token of the step (workers/draft_runner.py's invariant):
@@ -377,5 +381,6 @@ class ModelRunner:
                 prompt_mask=state.prompt_counts.index_select(0, slots) > 0,
                 repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres,
                 logit_bias=state.logit_bias.index_select(0, slots))
-        return self.sampler(logits, md)
+        with self._head:
+            return self.sampler(logits, md)
 

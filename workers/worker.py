@@ -27,7 +27,7 @@ from scheduler.plan import StepPlan, StepResult
 from workers.cache_engine import CacheEngine
 from workers.cache_sizing import KVCacheSizing, dtype_bytes, loaded
 from workers.config import WorkerConfig
-from workers.cpu_threads import set_model_threads, set_process_nice, takes_every_core
+from workers.cpu_threads import head_threads, set_model_threads, set_process_nice, takes_every_core
 from workers.cuda_graph import capture_step_graphs
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftRunner
@@ -157,8 +157,15 @@ class Worker(KVCacheSizing):
             cfg.pooler, cfg.max_num_seqs, mc.hidden_size, self.device, self.tp.is_first)
         self.model_runner = ModelRunner(model, self.device, cfg.block_size, cfg.max_model_len,
                                         cfg.max_num_seqs, mc.vocab_size, cfg.seed, self.lora,
-                                        pooler, stage)
+                                        pooler, stage, self._head_threads(mc.hidden_size))
         self._outputs = StepOutputs(self.device, rows, MAX_LAUNCHED + 1)
+
+    def _head_threads(self, hidden_size: int) -> int | None:
+        """The LM head's and sampler's torch threads on CPU (None: the model's count)."""
+        cfg = self.config
+        if cfg.device != "cpu":
+            return None
+        return head_threads(cfg.cpu_exclusive, hidden_size, cfg.tensor_parallel_size)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int,
                    num_offload_blocks: int = 0) -> None:

@@ -1,6 +1,7 @@
 """A CPU rank's torch threads (workers/cpu_threads.py): the cores less one, split over the
 ranks, at least one; every core for an exclusive engine's wide model; an OMP_NUM_THREADS in
-the environment wins."""
+the environment wins; a narrow model's LM head and sampler on every core of an exclusive
+engine."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import pytest
 import torch
 
 from workers import cpu_threads
-from workers.cpu_threads import model_threads, set_model_threads, takes_every_core
+from workers.cpu_threads import (
+    ThreadScope,
+    head_threads,
+    model_threads,
+    set_model_threads,
+    takes_every_core,
+)
 
 
 @pytest.mark.parametrize(("cores", "tp", "threads"),
@@ -101,6 +108,75 @@ def test_llm_marks_its_engine_exclusive_unless_it_schedules_async(tiny_model_pat
     assert worker_exclusive(cpu_exclusive=True, async_scheduling=True) is False
     with pytest.raises(ValueError, match="cpu_exclusive must be true or false"):
         EngineConfig(model=tiny_model_path, cpu_exclusive="yes")
+
+
+@pytest.mark.parametrize(("exclusive", "hidden", "tp", "cores", "env", "threads"), [
+    (True, 128, 1, 2, {}, 2),       # qwen3-tiny offline: the model on 1, its head on both
+    (True, 128, 2, 16, {}, 8),
+    (True, 1024, 1, 2, {}, None),   # a wide model already has every core
+    (False, 128, 1, 2, {}, None),   # a served engine keeps the reserved core for its loop
+    (True, 128, 1, 1, {}, None),    # one core: nothing to add
+    (True, 128, 1, 16, {"OMP_NUM_THREADS": "1"}, None),  # the environment's count wins
+])
+def test_head_threads(exclusive: bool, hidden: int, tp: int, cores: int, env: dict,
+                      threads: int | None) -> None:
+    assert head_threads(exclusive, hidden, tp, environ=env, cores=cores) == threads
+
+
+def test_a_thread_scope_sets_the_count_for_its_block_and_restores_it() -> None:
+    before = torch.get_num_threads()
+    scope, inside = ThreadScope(before + 1), []
+    try:
+        for _ in range(2):  # (made once, entered every step)
+            with scope:
+                inside.append(torch.get_num_threads())
+            assert torch.get_num_threads() == before
+        with pytest.raises(RuntimeError), scope:
+            raise RuntimeError("a failed step")
+        assert torch.get_num_threads() == before
+        with ThreadScope(None):
+            assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+    assert inside == [before + 1] * 2
+
+
+def test_an_offline_engine_runs_a_narrow_models_head_on_every_core(
+        monkeypatch: pytest.MonkeyPatch, tiny_model_path: str) -> None:
+    """`LLM` with qwen3-tiny on 3 cores: the model on 2 threads, its LM head (greedy over the
+    vocabulary) and its sampler (a seeded row) on 3, the model's count back after each."""
+    from cluster import LLM, SamplingParams
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    try:
+        llm = LLM(tiny_model_path, max_model_len=64, max_num_seqs=2)
+        worker = llm.engine.executor.worker
+        head, sampler = worker.model.lm_head, worker.model_runner.sampler
+        seen: dict[str, list[int]] = {"head": [], "sampler": [], "after": []}
+
+        def spy(name: str, fn):  # noqa: ANN001, ANN202 (a recording wrapper)
+            def wrapped(*args: object) -> object:
+                seen[name].append(torch.get_num_threads())
+                return fn(*args)
+            return wrapped
+
+        monkeypatch.setattr(head, "greedy_tokens", spy("head", head.greedy_tokens))
+        monkeypatch.setattr(worker.model_runner, "sampler", spy("sampler", sampler))
+        monkeypatch.setattr(worker, "collect", spy("after", worker.collect))
+        greedy = llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2,
+                              SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        seeded = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                              SamplingParams(temperature=0.8, seed=5, max_tokens=3),
+                              use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in greedy + seeded] == [3, 3, 3]
+        llm.engine.executor.shutdown()
+    finally:
+        torch.set_num_threads(before)
+    assert seen["head"] and set(seen["head"]) == {3}  # the all-greedy steps
+    assert seen["sampler"] and set(seen["sampler"]) == {3}  # the seeded request's
+    assert set(seen["after"]) == {2}
 
 
 @pytest.mark.parametrize("nice", [-1, 20, 2.5, True, "10"])
