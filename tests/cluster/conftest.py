@@ -66,8 +66,10 @@ def _start_local_ray(ray: Any) -> None:
             # "local": always a new cluster of the session's own. Without it Ray joins whatever
             # $RAY_TMPDIR/ray/ray_current_cluster names, and a file a killed earlier run left
             # there fails every test with "When connecting to an existing cluster, num_cpus ...".
+            # Its own dashboard port: Ray's head binds one even without the dashboard's UI, and
+            # 8265 may be another xdist worker's or session's cluster's.
             ray.init("local", num_cpus=RAY_NUM_CPUS, include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
+                     dashboard_port=_free_port(), log_to_driver=False, configure_logging=False)
             return
         except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == RAY_START_ATTEMPTS:
@@ -77,11 +79,10 @@ def _start_local_ray(ray: Any) -> None:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
+def _ray_session() -> Iterator[None]:
+    """The session's own Ray cluster, shut down at the end (started by `ray_cluster`)."""
     import ray
 
-    if not ray.is_initialized():
-        _start_local_ray(ray)
     yield
     if not ray.is_initialized():  # a module ran its own cluster (tests/cluster/multinode/)
         return
@@ -91,3 +92,15 @@ def ray_cluster() -> Iterator[None]:
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(_ray_session: None) -> Iterator[None]:
+    """Ray up for the module: the session's cluster, started again when a module before this
+    one ran a simulated cluster of its own (tests/cluster/multinode/ leaves Ray down), as
+    pytest-xdist's file order can put it before any module."""
+    import ray
+
+    if not ray.is_initialized():
+        _start_local_ray(ray)
+    yield

@@ -133,8 +133,11 @@ def simulated_cluster(node_cpus: tuple[int, ...] = (1, 1)) -> Iterator[Sim]:
         _stop_cluster(_haproxies(os.getpid()), serve.shutdown, ray.shutdown)
     saved = {key: os.environ.get(key) for key in SERVE_SIDE_PORTS}
     os.environ.update({key: str(get_free_port()) for key in SERVE_SIDE_PORTS})
+    # (its own dashboard port: the head binds one even without the UI, and Ray's 8265 may be
+    # another cluster's on this machine: another xdist worker's, another session's)
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "_system_config": GCS_HEALTH_CHECKS})
+        "num_cpus": 0, "include_dashboard": False, "dashboard_port": get_free_port(),
+        "_system_config": GCS_HEALTH_CHECKS})
     try:
         for cpus in node_cpus:
             add_node(cluster, wait=False, num_cpus=cpus)  # all start at once
