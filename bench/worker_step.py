@@ -99,6 +99,17 @@ def _write_json(args: argparse.Namespace, rows: list[dict], **extra: object) -> 
                        "torch": torch.__version__, **extra, "rows": rows}, f, indent=2)
 
 
+class _NoComputeHead:
+    """Stands in for the LM head of an all-greedy step (`ParallelLMHead.greedy_tokens`, no
+    logits sent): the argmax of preallocated logits."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits[:hidden.shape[0]].argmax(-1)
+
+
 class _NoCompute(torch.nn.Module):
     """Stands in for the model: the forward and the logits are preallocated slices."""
 
@@ -107,6 +118,7 @@ class _NoCompute(torch.nn.Module):
         gen = torch.Generator().manual_seed(0)
         self.hidden = torch.zeros(max_tokens, hidden, device=device)
         self.logits = torch.randn(max_tokens, vocab, generator=gen).to(device)
+        self.lm_head = _NoComputeHead(self.logits)
 
     def forward(self, input_ids, positions, attn_metadata):  # noqa: ANN001 — the model's
         return self.hidden[:input_ids.shape[0]]
