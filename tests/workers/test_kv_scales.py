@@ -184,16 +184,24 @@ def test_calculate_kv_scales_needs_an_fp8_cache() -> None:
 
 def test_triton_kernels_calculate_and_read_the_same_scales(big_kv: str, full_precision) -> None:
     """The Triton prologue, KV write and attention (interpreter) with calculated scales: the
-    torch kernels' scales and logits (the kernels' rounding of K/V ties may differ: 2e-3)."""
+    torch kernels' scales and logits. The first layer's scales come from the same inputs
+    (1e-6). Later layers see activations that went through the earlier layers' FP8 K/V, where
+    an element near a rounding tie may land one e4m3 step (6-12 %) apart in the two kernels
+    (fp32 sums in another order): a later layer's calculated scale then moves (1.25e-3 on one
+    V scale here), and with it that layer's whole FP8 grid. How far depends on the CPU's
+    fp32 kernels, not on this code: on Intel Xeon (AMX) every figure stayed within 2e-3, on
+    AMD EPYC (Zen 4) the logits reached 6.1e-3 (2026-11-27). Bounds: 2e-3 on the scales,
+    1e-2 on the logits."""
     prompts, tokens, _ = full_precision
     out = {backend: _run(big_kv, prompts[:1], tokens, kv_cache_dtype="fp8",
                          calculate_kv_scales=True, attention_backend=backend)[1:]
            for backend in ("torch", "triton")}
-    assert np.allclose(_per_tensor(out["triton"][1]), _per_tensor(out["torch"][1]), rtol=1e-6,
-                       atol=0)
+    got, want = _per_tensor(out["triton"][1]), _per_tensor(out["torch"][1])
+    assert np.allclose(got[0], want[0], rtol=1e-6, atol=0)
+    assert np.allclose(got, want, rtol=2e-3, atol=0)
     for sid, ref in out["torch"][0].items():
         err = np.abs(out["triton"][0][sid] - ref).max(axis=1) / np.abs(ref).max(axis=1)
-        assert err.max() <= 2e-3
+        assert err.max() <= 1e-2
 
 
 def test_a_drafts_layers_calculate_their_own_scales(big_kv: str, full_precision) -> None:
