@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from cluster.engine.metrics import Histogram
@@ -89,9 +91,33 @@ def _ray() -> Any:
 
 
 def publish(payload: torch.Tensor) -> Any:
-    """A handle other processes can fetch `payload` by (see the module docstring)."""
+    """A handle other processes can fetch `payload` by (see the module docstring). In the
+    object store it is a numpy byte array with its dtype and shape beside it (`_ObjectPayload`),
+    not a tensor: Ray writes and maps a numpy array's buffer as it is (pickle 5, out of band),
+    where a tensor goes through torch's own pickling, several times the CPU in the fetching
+    process, taken from the decode steps that run beside the pull (docs/benchmarks.md,
+    prefill/decode)."""
     ray = _ray()
-    return payload if ray is None else ray.put(payload)
+    if ray is None:
+        return payload
+    flat = payload.contiguous().view(-1).view(torch.uint8)
+    return ray.put(_ObjectPayload(flat.numpy(), payload.dtype, tuple(payload.shape)))
+
+
+@dataclass(frozen=True, slots=True)
+class _ObjectPayload:
+    """A payload as the object store holds it (see `publish`)."""
+
+    data: np.ndarray  # uint8, the tensor's bytes
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def tensor(self) -> torch.Tensor:
+        """The payload as a tensor over the fetched buffer (read only: nothing writes it)."""
+        with warnings.catch_warnings():  # (torch warns of a read-only buffer; it is only read)
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(self.data)
+        return flat.view(self.dtype).view(self.shape)
 
 
 def fetch(handle: Any, timeout_s: float) -> torch.Tensor:
@@ -104,9 +130,10 @@ def fetch(handle: Any, timeout_s: float) -> torch.Tensor:
         raise KVTransferError(f"KV payload handle {type(handle).__name__} cannot be fetched "
                               "here (not a Ray object, or Ray is not up)")
     try:
-        return ray.get(handle, timeout=timeout_s)
+        got = ray.get(handle, timeout=timeout_s)
     except Exception as e:  # noqa: BLE001 — owner died, object lost, timeout: all a fallback
         raise KVTransferError(f"KV payload not fetched: {type(e).__name__}: {e}") from e
+    return got.tensor() if isinstance(got, _ObjectPayload) else got
 
 
 def ready(handles: list[Any]) -> bool:

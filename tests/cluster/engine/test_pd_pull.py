@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from pd_testlib import (
     RAY_PROMPT,
     assert_imported,
@@ -121,3 +122,13 @@ def test_abort_during_a_pull_leaves_nothing(engines: tuple, gate: tuple) -> None
     after = d.metrics()
     assert after["kv_transfer_imports_total"] == before["kv_transfer_imports_total"]
     assert after["kv_transfer_fallbacks_total"] == before["kv_transfer_fallbacks_total"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_payload_crosses_the_object_store_as_it_was(ray_cluster: None, dtype: torch.dtype
+                                                      ) -> None:
+    payload = torch.arange(2 * 4 * 3 * 16 * 2 * 32, dtype=torch.float32).view(
+        2, 4, 3, 16, 2, 32).to(dtype)
+    got = kv_transport.fetch(kv_transport.publish(payload), timeout_s=30.0)
+    assert got.dtype == dtype and got.shape == payload.shape
+    assert torch.equal(got, payload)
