@@ -21,7 +21,9 @@ in-process executor), its object-store fetch runs on a background thread as soon
 request arrives, never on the engine loop's thread: a `ray.get` waits on the payload's owner
 (the prefill replica, whose cores are busy prefilling) and the object store, and every running
 stream would wait with it (docs/benchmarks.md, prefill/decode). The loop only looks at whether
-the pull is done and then writes the fetched tensors into blocks.
+the pull is done and then reserves blocks for the fetched tensors; where the executor can write
+beside its steps (its rank on this CPU), the write runs on these threads too (`write`), and the
+loop admits the request once it is done.
 """
 
 from __future__ import annotations
@@ -170,6 +172,12 @@ def _pull(handles: list[Any], deadline: float) -> tuple[list[Any], float]:
     return out, time.perf_counter() - start
 
 
+def _write(executor: Any, block_ids: list[int], payloads: list[Any], first: int) -> float:
+    start = time.perf_counter()
+    executor.write_kv(block_ids, payloads, first)
+    return time.perf_counter() - start
+
+
 class PayloadPuller:
     """Fetches a request's object-store payloads into this process on background threads
     (see the module docstring). `start` gives a future of `(payloads, seconds)`, whose
@@ -189,6 +197,15 @@ class PayloadPuller:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.MAX_PULLS, "kv-pull")
         return self._pool.submit(_pull, list(handles), deadline)
+
+    def write(self, executor: Any, block_ids: list[int], payloads: list[Any], first: int
+              ) -> concurrent.futures.Future | None:
+        """A future of the seconds it takes to write pulled `payloads` into `block_ids` on a
+        background thread, beside the executor's steps (`Executor.write_kv`); None where the
+        executor cannot write beside its steps (the caller writes between them)."""
+        if self._pool is None or not executor.writes_kv_beside_steps:
+            return None
+        return self._pool.submit(_write, executor, list(block_ids), payloads, first)
 
     def shutdown(self) -> None:
         """Drop the pulls not yet started; one in progress ends by its deadline."""

@@ -1,8 +1,9 @@
 """A decode engine whose ranks run in its own process (the in-process executor, what a tp 1
 Serve replica runs) pulls a request's payloads from Ray's object store on a background thread
-(kv_transport.PayloadPuller): its steps go on while a pull is in flight, the request is
-admitted once the payloads are here, and a pull that fails or is aborted leaves nothing
-behind (qwen3-tiny, tp 1, in-process engines on the session's Ray cluster)."""
+(kv_transport.PayloadPuller) and writes them into its blocks on one too: its steps go on while
+a pull or a write is in flight, the request is admitted once its blocks hold the payloads,
+and a pull that fails or a request aborted during a pull or a write leaves nothing behind
+(qwen3-tiny, tp 1, in-process engines on the session's Ray cluster)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pd_testlib import (
 )
 
 from cluster.engine import kv_transport
+from cluster.engine.executor import InProcessExecutor
 from scheduler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -61,6 +63,23 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, lis
         return real(handle, timeout_s)
 
     monkeypatch.setattr(kv_transport, "fetch", gated)
+    yield opened, threads
+    opened.set()
+
+
+@pytest.fixture
+def write_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, list[str]]]:
+    """Writes of pulled payloads into blocks wait for the event; the list names their
+    threads."""
+    opened, threads = threading.Event(), []
+    real = InProcessExecutor.write_kv
+
+    def gated(self: InProcessExecutor, *args: Any) -> None:
+        threads.append(threading.current_thread().name)
+        opened.wait(GATE_TIMEOUT_S)
+        real(self, *args)
+
+    monkeypatch.setattr(InProcessExecutor, "write_kv", gated)
     yield opened, threads
     opened.set()
 
@@ -119,6 +138,59 @@ def test_abort_during_a_pull_leaves_nothing(engines: tuple, gate: tuple) -> None
     d.abort("pull-abort")
     opened.set()
     assert not d.has_unfinished() and tokens_of(drain(d), "pull-abort") == []
+    after = d.metrics()
+    assert after["kv_transfer_imports_total"] == before["kv_transfer_imports_total"]
+    assert after["kv_transfer_fallbacks_total"] == before["kv_transfer_fallbacks_total"]
+
+
+def test_decode_steps_go_on_while_a_payload_is_written(engines: tuple, write_gate: tuple
+                                                       ) -> None:
+    p, d, c = engines
+    opened, threads = write_gate
+    prompt = [305] + RAY_PROMPT[1:]
+    want = colocated(c, "written-c", prompt, GREEDY)
+    transfer = prefill(p, "written", prompt, GREEDY)
+    running = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    d.add_request("running-w", [306] + RAY_PROMPT[1:20], running)
+    outs = d.step()
+    before = d.metrics()
+    d.add_request("written", prompt, GREEDY, kv_transfer_params=transfer)
+    for _ in range(200):  # until the pull is done and the write waits at the gate
+        outs += d.step()
+        if threads:
+            break
+    steps = len(tokens_of(outs, "running-w"))
+    for _ in range(5):  # the write is held; the running stream goes on
+        outs += d.step()
+    assert len(tokens_of(outs, "running-w")) == steps + 5
+    assert d.kv_transfers.pending and tokens_of(outs, "written") == []
+    assert all(t.startswith("kv-pull") for t in threads)
+    opened.set()
+    outs += drain(d)
+    assert [transfer.first_token] + tokens_of(outs, "written") == want
+    assert len(tokens_of(outs, "running-w")) == 40
+    assert_imported(before, d.metrics(), transfer)
+
+
+def test_abort_during_a_write_gives_the_blocks_back_after_it(engines: tuple, write_gate: tuple
+                                                             ) -> None:
+    p, d, _ = engines
+    opened, threads = write_gate
+    prompt = [307] + RAY_PROMPT[1:]
+    transfer = prefill(p, "write-abort", prompt, GREEDY)
+    free = d.scheduler.kv.num_free_gpu_blocks
+    before = d.metrics()
+    d.add_request("write-abort", prompt, GREEDY, kv_transfer_params=transfer)
+    for _ in range(200):
+        d.step()
+        if threads:
+            break
+    assert threads
+    d.abort("write-abort")
+    d.step()  # (the write is still held: its blocks stay reserved)
+    assert d.scheduler.kv.num_free_gpu_blocks == free - transfer.num_blocks
+    opened.set()
+    assert tokens_of(drain(d), "write-abort") == []
     after = d.metrics()
     assert after["kv_transfer_imports_total"] == before["kv_transfer_imports_total"]
     assert after["kv_transfer_fallbacks_total"] == before["kv_transfer_fallbacks_total"]
