@@ -51,59 +51,65 @@ def _no_leak(engines: tuple) -> Iterator[None]:
         assert_no_block_held(e)
 
 
-@pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, list[str]]]:
-    """Object-store fetches wait for the event; the list names the threads that fetched."""
+def _hold(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str
+          ) -> tuple[threading.Event, list[str]]:
+    """Calls of `owner.name` wait for the event; the list names the threads that made them."""
     opened, threads = threading.Event(), []
-    real = kv_transport.fetch
+    real = getattr(owner, name)
 
-    def gated(handle: Any, timeout_s: float) -> Any:
+    def gated(*args: Any) -> Any:
         threads.append(threading.current_thread().name)
         opened.wait(GATE_TIMEOUT_S)
-        return real(handle, timeout_s)
+        return real(*args)
 
-    monkeypatch.setattr(kv_transport, "fetch", gated)
+    monkeypatch.setattr(owner, name, gated)
+    return opened, threads
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, list[str]]]:
+    """Object-store fetches wait for the event."""
+    opened, threads = _hold(monkeypatch, kv_transport, "fetch")
     yield opened, threads
     opened.set()
 
 
 @pytest.fixture
 def write_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, list[str]]]:
-    """Writes of pulled payloads into blocks wait for the event; the list names their
-    threads."""
-    opened, threads = threading.Event(), []
-    real = InProcessExecutor.write_kv
-
-    def gated(self: InProcessExecutor, *args: Any) -> None:
-        threads.append(threading.current_thread().name)
-        opened.wait(GATE_TIMEOUT_S)
-        real(self, *args)
-
-    monkeypatch.setattr(InProcessExecutor, "write_kv", gated)
+    """Writes of pulled payloads into their blocks wait for the event."""
+    opened, threads = _hold(monkeypatch, InProcessExecutor, "write_kv")
     yield opened, threads
     opened.set()
 
 
-def test_decode_steps_go_on_while_a_payload_is_pulled(engines: tuple, gate: tuple) -> None:
+@pytest.mark.parametrize("held", ["gate", "write_gate"])
+def test_decode_steps_go_on_while_a_payload_is_pulled_or_written(
+        engines: tuple, held: str, request: pytest.FixtureRequest) -> None:
     p, d, c = engines
-    opened, threads = gate
-    prompt = [301] + RAY_PROMPT[1:]
-    want = colocated(c, "pulled-c", prompt, GREEDY)
-    transfer = prefill(p, "pulled", prompt, GREEDY)
+    opened, threads = request.getfixturevalue(held)
+    first = 301 if held == "gate" else 305
+    prompt = [first] + RAY_PROMPT[1:]
+    want = colocated(c, f"held-c{first}", prompt, GREEDY)
+    transfer = prefill(p, f"held{first}", prompt, GREEDY)
     running = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    d.add_request("running", [302] + RAY_PROMPT[1:20], running)
+    d.add_request(f"running{first}", [first + 1] + RAY_PROMPT[1:20], running)
     outs = d.step()
     before = d.metrics()
-    d.add_request("pulled", prompt, GREEDY, kv_transfer_params=transfer)
-    for _ in range(5):  # the pull waits at the gate; the running stream goes on
+    d.add_request(f"held{first}", prompt, GREEDY, kv_transfer_params=transfer)
+    for _ in range(200):  # until the held stage is reached (the pull: at once)
+        if threads:
+            break
         outs += d.step()
-    assert len(tokens_of(outs, "running")) == 6
-    assert d.kv_transfers.pending and tokens_of(outs, "pulled") == []
+    steps = len(tokens_of(outs, f"running{first}"))
+    for _ in range(5):  # the pull or the write waits at the gate; the running stream goes on
+        outs += d.step()
+    assert len(tokens_of(outs, f"running{first}")) == steps + 5
+    assert d.kv_transfers.pending and tokens_of(outs, f"held{first}") == []
     assert threads and all(t.startswith("kv-pull") for t in threads)
     opened.set()
     outs += drain(d)
-    assert [transfer.first_token] + tokens_of(outs, "pulled") == want
-    assert len(tokens_of(outs, "running")) == 40
+    assert [transfer.first_token] + tokens_of(outs, f"held{first}") == want
+    assert len(tokens_of(outs, f"running{first}")) == 40
     assert_imported(before, d.metrics(), transfer)
 
 
@@ -141,35 +147,6 @@ def test_abort_during_a_pull_leaves_nothing(engines: tuple, gate: tuple) -> None
     after = d.metrics()
     assert after["kv_transfer_imports_total"] == before["kv_transfer_imports_total"]
     assert after["kv_transfer_fallbacks_total"] == before["kv_transfer_fallbacks_total"]
-
-
-def test_decode_steps_go_on_while_a_payload_is_written(engines: tuple, write_gate: tuple
-                                                       ) -> None:
-    p, d, c = engines
-    opened, threads = write_gate
-    prompt = [305] + RAY_PROMPT[1:]
-    want = colocated(c, "written-c", prompt, GREEDY)
-    transfer = prefill(p, "written", prompt, GREEDY)
-    running = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    d.add_request("running-w", [306] + RAY_PROMPT[1:20], running)
-    outs = d.step()
-    before = d.metrics()
-    d.add_request("written", prompt, GREEDY, kv_transfer_params=transfer)
-    for _ in range(200):  # until the pull is done and the write waits at the gate
-        outs += d.step()
-        if threads:
-            break
-    steps = len(tokens_of(outs, "running-w"))
-    for _ in range(5):  # the write is held; the running stream goes on
-        outs += d.step()
-    assert len(tokens_of(outs, "running-w")) == steps + 5
-    assert d.kv_transfers.pending and tokens_of(outs, "written") == []
-    assert all(t.startswith("kv-pull") for t in threads)
-    opened.set()
-    outs += drain(d)
-    assert [transfer.first_token] + tokens_of(outs, "written") == want
-    assert len(tokens_of(outs, "running-w")) == 40
-    assert_imported(before, d.metrics(), transfer)
 
 
 def test_abort_during_a_write_gives_the_blocks_back_after_it(engines: tuple, write_gate: tuple
