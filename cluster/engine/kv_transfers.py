@@ -21,13 +21,13 @@ fetches and writes its payload (Executor.import_kv), and the blocks join the pre
 under the prompt's hashes. With the payloads pulled into this process and its rank on this
 CPU (`Executor.writes_kv_beside_steps`), the write runs on a background thread beside the
 next steps instead (no plan uses the reserved blocks until the request is admitted, at the
-first look after the write is done): on the steps' path it cost a first touch of each
-fresh page, several ms per prompt on a shared 2-core VM (docs/benchmarks.md,
-prefill/decode). The request is admitted as a resumed one with the first token as its
-output: the prefix cache hits every received block, and only the partial last block's tokens
-(and the first token) are computed. A payload that cannot be fetched (the prefill replica died, the object is lost, the
-bound passed) or a pool without room: the blocks go back unhashed and the request is admitted
-the same way, computing its prompt itself: nothing lost, nothing hangs.
+first look after the write is done): between two steps, its first touch of fresh pages held
+up every running stream (docs/benchmarks.md, prefill/decode). The request is admitted as a
+resumed one with the first token as its output: the prefix cache hits every received block,
+and only the partial last block's tokens (and the first token) are computed. A payload that
+cannot be fetched (the prefill replica died, the object is lost, the bound passed) or a pool
+without room: the blocks go back unhashed and the request is admitted the same way,
+computing its prompt itself: nothing lost, nothing hangs.
 
 Invariants: every request received is admitted exactly once or aborted; no block is held
 after `export` returns or `admit_ready` admits (the invariant checker finds no leak); a
