@@ -71,6 +71,15 @@ class Executor(ABC):
         in flight (nothing else reads or writes those blocks meanwhile)."""
         raise ValueError(f"{type(self).__name__} does not transfer KV blocks")
 
+    # Whether `write_kv` may run on any thread while steps run (InProcessExecutor on CPU).
+    writes_kv_beside_steps: bool = False
+
+    def write_kv(self, block_ids: list[int], payloads: list[Any], first: int) -> None:
+        """Write fetched payloads (rank r's: `payloads[r]`) into blocks `first ..` of
+        `block_ids`, on the caller's thread, while steps run: only into blocks that no plan
+        submitted before it returns reads or writes (`writes_kv_beside_steps`)."""
+        raise ValueError(f"{type(self).__name__} does not write KV blocks beside its steps")
+
     def park(self) -> None:  # noqa: B027 — a real default
         """Nothing is in flight and nothing will be for a while: let the workers wait without
         burning a core (a Ray compiled graph's ranks otherwise spin). The next submit wakes
@@ -122,7 +131,7 @@ class InProcessExecutor(Executor):
     caller (a Serve replica's event loop) stays free to stream the last step's tokens while
     torch computes this one (on the loop itself, a step's chunks went out in bursts: ITL p50
     1.4 ms, p99 3.2 s, docs/benchmarks.md, issue #43). Only that thread touches the worker
-    while a step is in flight."""
+    while a step is in flight, apart from `write_kv`'s copy into blocks no plan uses."""
 
     def __init__(self, config: WorkerConfig) -> None:
         from workers.worker import Worker
@@ -172,6 +181,15 @@ class InProcessExecutor(Executor):
                   timeout_s: float) -> None:
         payload = fetch(handles[0], timeout_s)
         self._on_worker(self.worker.import_kv, block_ids, payload, first)
+
+    @property
+    def writes_kv_beside_steps(self) -> bool:  # type: ignore[override]
+        """On CPU: the worker's steps run on their own thread, and a payload's write into
+        blocks no plan uses is a host copy that touches nothing a step does."""
+        return self._thread is not None
+
+    def write_kv(self, block_ids: list[int], payloads: list[Any], first: int) -> None:
+        self.worker.import_kv(block_ids, payloads[0], first)
 
     def _on_worker(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` where the worker's steps run, after every step submitted so far."""

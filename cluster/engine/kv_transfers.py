@@ -15,18 +15,24 @@ this process (the in-process executor), `receive` starts pulling the payloads in
 background thread (kv_transport.PayloadPuller), so the engine loop never waits on the object
 store; with Ray ranks, each rank pulls its own, and the request waits until its payloads exist
 (`ray.wait` without copying). Then, with no plan in flight (the engine calls
-`admit_ready` only then, so no step reads or writes the blocks being written, and a freed
-block that a step in flight still writes is never reused under it), it takes free blocks for
-the hashes its prefix cache lacks, every rank fetches and writes its payload
-(Executor.import_kv), and the blocks join the prefix cache under the prompt's hashes. The
-request is admitted as a resumed one with the first token as its output: the prefix cache
-hits every received block, and only the partial last block's tokens (and the first token) are
-computed. A payload that cannot be fetched (the prefill replica died, the object is lost, the
-bound passed) or a pool without room: the blocks go back unhashed and the request is admitted
-the same way, computing its prompt itself: nothing lost, nothing hangs.
+`admit_ready` only then, so a freed block that a step in flight still writes is never
+reused under it), it takes free blocks for the hashes its prefix cache lacks, every rank
+fetches and writes its payload (Executor.import_kv), and the blocks join the prefix cache
+under the prompt's hashes. With the payloads pulled into this process and its rank on this
+CPU (`Executor.writes_kv_beside_steps`), the write runs on a background thread beside the
+next steps instead (no plan uses the reserved blocks until the request is admitted, at the
+first look after the write is done): between two steps, its first touch of fresh pages held
+up every running stream (docs/benchmarks.md, prefill/decode). The request is admitted as a
+resumed one with the first token as its output: the prefix cache hits every received block,
+and only the partial last block's tokens (and the first token) are computed. A payload that
+cannot be fetched (the prefill replica died, the object is lost, the bound passed) or a pool
+without room: the blocks go back unhashed and the request is admitted the same way,
+computing its prompt itself: nothing lost, nothing hangs.
 
 Invariants: every request received is admitted exactly once or aborted; no block is held
-after `export` returns or `admit_ready` admits (the invariant checker finds no leak).
+after `export` returns or `admit_ready` admits (the invariant checker finds no leak); a
+request aborted while its blocks are written keeps them until the write is done, then gives
+them back.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from cluster.engine.kv_transport import (
     ready,
 )
 from kvcache.hashing import extra_key, prompt_block_hashes
-from kvcache.transfer import abandon, adopt, hold_cached_prefix, release, reserve
+from kvcache.transfer import BlockHold, abandon, adopt, hold_cached_prefix, release, reserve
 from scheduler import RequestOutput, SamplingParams
 from scheduler.lora import LoRARequest
 
@@ -74,6 +80,20 @@ class _Incoming:
         return self.pull.done() if self.pull is not None else ready(self.transfer.payloads)
 
 
+@dataclass(slots=True)
+class _Writing:
+    """A decode-side request whose fetched payloads are being written into its reserved
+    blocks beside the steps; admitted once the write is done."""
+
+    item: _Incoming
+    hashes: list[bytes]
+    cached: BlockHold
+    fresh: BlockHold
+    write: concurrent.futures.Future  # of the seconds the write took
+    pulled_s: float
+    aborted: bool = False
+
+
 def prefill_sampling(params: SamplingParams) -> SamplingParams:
     """The prefill side's copy of a request's sampling parameters: the same first token (the
     same seed, penalties and logprobs), then done."""
@@ -94,13 +114,15 @@ class KVTransfers:
         self.metrics = KVTransferMetrics()
         self._exports: dict[str, bytes | None] = {}  # request id -> its blocks' extra key
         self._incoming: dict[str, _Incoming] = {}
+        self._writing: dict[str, _Writing] = {}
         # (Ray ranks pull their own payloads where they run: nothing to pull here)
         self._puller = None if engine.config.uses_ray else PayloadPuller()
 
     @property
     def pending(self) -> bool:
-        """Decode-side requests not yet admitted."""
-        return bool(self._incoming)
+        """Decode-side requests not yet admitted (or aborted ones whose blocks are still
+        being written)."""
+        return bool(self._incoming) or bool(self._writing)
 
     def _require(self, role: str) -> None:
         if self.role != role:
@@ -152,6 +174,10 @@ class KVTransfers:
     def forget(self, request_id: str) -> bool:
         """An aborted request: nothing to export or import; whether it was waiting here."""
         self._exports.pop(request_id, None)
+        writing = self._writing.get(request_id)
+        if writing is not None:  # (its blocks go back once the write is done: admit_ready)
+            writing.aborted = True
+            return True
         item = self._incoming.pop(request_id, None)
         if item is not None and item.pull is not None:
             item.pull.cancel()
@@ -193,45 +219,60 @@ class KVTransfers:
     def admit_ready(self) -> None:
         """Import the payloads that exist (or whose bound passed) and admit their requests.
         Call only with no plan in flight. With nothing else to do, waits a moment first."""
-        if not self._incoming:
+        if not self._incoming and not self._writing:
             return
         if not self.engine.scheduler.has_unfinished():
             time.sleep(_IDLE_POLL_S)  # (the loop would otherwise spin on empty steps)
+        for writing in [w for w in self._writing.values() if w.write.done()]:
+            del self._writing[writing.item.request_id]
+            self._written(writing)
         now = time.monotonic()
         for item in list(self._incoming.values()):
             if now < item.deadline and not item.arrived():
                 continue
             del self._incoming[item.request_id]
-            self._import(item, now >= item.deadline)
-            self.engine.queue_request(item.request_id, item.prompt, item.params,
-                                      item.cache_salt, [item.transfer.first_token],
-                                      item.lora_request)
+            if not self._import(item, now >= item.deadline):
+                self._admit(item)
 
-    def _import(self, item: _Incoming, expired: bool) -> None:
+    def _admit(self, item: _Incoming) -> None:
+        self.engine.queue_request(item.request_id, item.prompt, item.params, item.cache_salt,
+                                  [item.transfer.first_token], item.lora_request)
+
+    def _import(self, item: _Incoming, expired: bool) -> bool:
         """Write the payloads into this engine's blocks and cache them (see the docstring);
-        on any failure count a fallback and leave the prompt to be computed."""
+        on any failure count a fallback and leave the prompt to be computed. True when the
+        write goes on beside the steps (the request is admitted once it is done)."""
         engine, transfer = self.engine, item.transfer
         kv = engine.scheduler.kv
         hashes = prompt_block_hashes(item.prompt[:transfer.num_blocks * kv.block_size],
                                      kv.block_size, _key(item.cache_salt, item.lora_request))
         if not hashes:
-            return
+            return False
         if expired and not (item.pull is not None and item.pull.done()):
             self.metrics.fallbacks += 1
-            return
+            return False
         payloads, pulled_s = transfer.payloads, 0.0
         if item.pull is not None:
             try:
                 payloads, pulled_s = item.pull.result()
             except KVTransferError:
                 self.metrics.fallbacks += 1
-                return
+                return False
         start = time.perf_counter()
         try:
             cached, fresh = reserve(kv, hashes)
         except ValueError:  # no room now: computing the prompt needs the room anyway
             self.metrics.fallbacks += 1
-            return
+            return False
+        if fresh.blocks and item.pull is not None and self._puller is not None:
+            # Fetched into this process: the write goes on while the next steps run. No plan
+            # reads or writes the reserved blocks until `_written` admits the request.
+            write = self._puller.write(engine.executor, fresh.block_ids, payloads,
+                                       len(cached.blocks))
+            if write is not None:
+                self._writing[item.request_id] = _Writing(item, hashes, cached, fresh, write,
+                                                          pulled_s)
+                return True
         try:
             if fresh.blocks:
                 engine.executor.import_kv(fresh.block_ids, payloads, len(cached.blocks),
@@ -239,14 +280,36 @@ class KVTransfers:
         except KVTransferError:
             abandon(kv, cached, fresh)
             self.metrics.fallbacks += 1
-            return
+            return False
         except BaseException:
             abandon(kv, cached, fresh)
             raise
+        self._imported(item, hashes, cached, fresh, pulled_s + time.perf_counter() - start)
+        return False
+
+    def _written(self, writing: _Writing) -> None:
+        """A write beside the steps is done: cache the blocks and admit the request (or, for
+        a request aborted meanwhile, give the blocks back)."""
+        kv = self.engine.scheduler.kv
+        try:
+            seconds = writing.write.result()
+        except BaseException:
+            abandon(kv, writing.cached, writing.fresh)
+            raise
+        if writing.aborted:
+            abandon(kv, writing.cached, writing.fresh)
+            return
+        self._imported(writing.item, writing.hashes, writing.cached, writing.fresh,
+                       writing.pulled_s + seconds)
+        self._admit(writing.item)
+
+    def _imported(self, item: _Incoming, hashes: list[bytes], cached: BlockHold,
+                  fresh: BlockHold, seconds: float) -> None:
+        transfer = item.transfer
         self.metrics.imports += 1
         self.metrics.bytes_in += transfer.nbytes * len(fresh.blocks) // transfer.num_blocks
-        self.metrics.seconds.observe(pulled_s + time.perf_counter() - start)
-        adopt(kv, cached, fresh, hashes)
+        self.metrics.seconds.observe(seconds)
+        adopt(self.engine.scheduler.kv, cached, fresh, hashes)
 
     def shutdown(self) -> None:
         """Stop pulling (the engine shuts down)."""

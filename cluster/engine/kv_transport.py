@@ -21,16 +21,20 @@ in-process executor), its object-store fetch runs on a background thread as soon
 request arrives, never on the engine loop's thread: a `ray.get` waits on the payload's owner
 (the prefill replica, whose cores are busy prefilling) and the object store, and every running
 stream would wait with it (docs/benchmarks.md, prefill/decode). The loop only looks at whether
-the pull is done and then writes the fetched tensors into blocks.
+the pull is done and then reserves blocks for the fetched tensors; where the executor can write
+beside its steps (its rank on this CPU), the write runs on these threads too (`write`), and the
+loop admits the request once it is done.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from cluster.engine.metrics import Histogram
@@ -89,9 +93,33 @@ def _ray() -> Any:
 
 
 def publish(payload: torch.Tensor) -> Any:
-    """A handle other processes can fetch `payload` by (see the module docstring)."""
+    """A handle other processes can fetch `payload` by (see the module docstring). In the
+    object store it is a numpy byte array with its dtype and shape beside it (`_ObjectPayload`),
+    not a tensor: Ray writes and maps a numpy array's buffer as it is (pickle 5, out of band),
+    where a tensor goes through torch's own pickling, several times the CPU in the fetching
+    process, taken from the decode steps that run beside the pull (docs/benchmarks.md,
+    prefill/decode)."""
     ray = _ray()
-    return payload if ray is None else ray.put(payload)
+    if ray is None:
+        return payload
+    flat = payload.contiguous().view(-1).view(torch.uint8)
+    return ray.put(_ObjectPayload(flat.numpy(), payload.dtype, tuple(payload.shape)))
+
+
+@dataclass(frozen=True, slots=True)
+class _ObjectPayload:
+    """A payload as the object store holds it (see `publish`)."""
+
+    data: np.ndarray  # uint8, the tensor's bytes
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def tensor(self) -> torch.Tensor:
+        """The payload as a tensor over the fetched buffer (read only: nothing writes it)."""
+        with warnings.catch_warnings():  # (torch warns of a read-only buffer; it is only read)
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(self.data)
+        return flat.view(self.dtype).view(self.shape)
 
 
 def fetch(handle: Any, timeout_s: float) -> torch.Tensor:
@@ -104,9 +132,10 @@ def fetch(handle: Any, timeout_s: float) -> torch.Tensor:
         raise KVTransferError(f"KV payload handle {type(handle).__name__} cannot be fetched "
                               "here (not a Ray object, or Ray is not up)")
     try:
-        return ray.get(handle, timeout=timeout_s)
+        got = ray.get(handle, timeout=timeout_s)
     except Exception as e:  # noqa: BLE001 — owner died, object lost, timeout: all a fallback
         raise KVTransferError(f"KV payload not fetched: {type(e).__name__}: {e}") from e
+    return got.tensor() if isinstance(got, _ObjectPayload) else got
 
 
 def ready(handles: list[Any]) -> bool:
@@ -143,6 +172,12 @@ def _pull(handles: list[Any], deadline: float) -> tuple[list[Any], float]:
     return out, time.perf_counter() - start
 
 
+def _write(executor: Any, block_ids: list[int], payloads: list[Any], first: int) -> float:
+    start = time.perf_counter()
+    executor.write_kv(block_ids, payloads, first)
+    return time.perf_counter() - start
+
+
 class PayloadPuller:
     """Fetches a request's object-store payloads into this process on background threads
     (see the module docstring). `start` gives a future of `(payloads, seconds)`, whose
@@ -162,6 +197,15 @@ class PayloadPuller:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.MAX_PULLS, "kv-pull")
         return self._pool.submit(_pull, list(handles), deadline)
+
+    def write(self, executor: Any, block_ids: list[int], payloads: list[Any], first: int
+              ) -> concurrent.futures.Future | None:
+        """A future of the seconds it takes to write pulled `payloads` into `block_ids` on a
+        background thread, beside the executor's steps (`Executor.write_kv`); None where the
+        executor cannot write beside its steps (the caller writes between them)."""
+        if self._pool is None or not executor.writes_kv_beside_steps:
+            return None
+        return self._pool.submit(_write, executor, list(block_ids), payloads, first)
 
     def shutdown(self) -> None:
         """Drop the pulls not yet started; one in progress ends by its deadline."""
