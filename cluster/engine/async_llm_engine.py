@@ -15,7 +15,6 @@ pings but serves nobody.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 import uuid
@@ -41,19 +40,6 @@ logger = logging.getLogger(__name__)
 
 # How often an idle engine probes its workers, so a dead one is noticed within seconds.
 _HEALTH_PROBE_SECONDS = 2.0
-
-
-async def _step_result(future: concurrent.futures.Future) -> Any:
-    """A submitted step's StepResult, awaited. A plain Future is completed by the executor's
-    own thread, which then wakes the loop; a subclass whose `result()` does the work (waits on
-    the device: executor.py `_Collect`) is waited for on a helper thread, whose wake-up is one
-    more for a busy replica's cores to schedule between two steps (docs/benchmarks.md,
-    prefill/decode)."""
-    if future.done():
-        return future.result()
-    if type(future) is concurrent.futures.Future:
-        return await asyncio.wrap_future(future)
-    return await asyncio.to_thread(future.result)
 
 
 class AsyncLLMEngine:
@@ -179,8 +165,9 @@ class AsyncLLMEngine:
                     undelivered = []
                     await asyncio.sleep(0)  # consumers (HTTP streams) take them now
                     result = None
-                    if future is not None:
-                        result = await _step_result(future)
+                    if future is not None:  # (on a thread: the wait may block on the device)
+                        result = (future.result() if future.done()
+                                  else await asyncio.to_thread(future.result))
                 except WorkerDiedError as e:
                     self._stepping = False
                     await self._recover(e)
