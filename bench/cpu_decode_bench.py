@@ -5,10 +5,12 @@ model's forward does): this tree makes its plan once per step into the step's ca
 ref's code does whatever it does per call. Shapes: Qwen3-0.6B's (16 q / 8 KV heads, head_dim 128,
 bf16; B 16, contexts 32-200) and qwen3-tiny's (4 / 2 heads, head_dim 64, fp32; B 64 and 256,
 contexts ~300), blocks of 16 scattered over the cache as a running server leaves them, one
-torch thread. Each round times both back to back, so a shared machine's load hits them alike;
+torch thread (`--threads`: more). This tree's decode rows go to the C++ op when it is built
+(scripts/bootstrap.sh), to its SDPA fallback otherwise. Each round times both back to back, so a shared machine's load hits them alike;
 the table is the medians per step.
 
-    python bench/cpu_decode_bench.py [--against main] [--rounds 9] [--layers 4] [--json out.json]
+    python bench/cpu_decode_bench.py [--against main] [--rounds 9] [--layers 4] [--threads 1]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ def make_case(batch: int, lo: int, hi: int, num_q: int, num_kv: int, head_dim: i
             lens.int(), head_dim ** -0.5)
 
 
-def run(ref: str, rounds: int, layers: int) -> list[dict[str, object]]:
-    torch.set_num_threads(1)
+def run(ref: str, rounds: int, layers: int, threads: int = 1) -> list[dict[str, object]]:
+    torch.set_num_threads(threads)
     other = load_ref(ref)
     rows = []
     for name, shape in CASES.items():
@@ -107,9 +109,10 @@ def main() -> None:
     parser.add_argument("--against", default="main", help="git ref of the other cpu_attention.py")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--layers", type=int, default=4, help="layers per step (one plan)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    rows = run(args.against, args.rounds, args.layers)
+    rows = run(args.against, args.rounds, args.layers, args.threads)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -1,37 +1,49 @@
-"""Paged attention on CPU: torch's fused scaled-dot-product attention over the paged cache.
+"""Paged attention on CPU: decode rows read straight from the paged cache by a C++ op, longer
+chunks on torch's fused scaled-dot-product attention.
 
 What `backend="auto"` runs for CPU tensors (`kernels.ops.paged_attention`); the plain-torch
 twin in `kernels/reference.py` (HF's eager attention, operation for operation) stays the oracle
 this path is tested against, and is what `backend="torch"` runs.
 
-Decode rows (one query token) go through one SDPA call per bucket of similar lengths, the
-query heads of one KV head standing in for its query rows (GQA without repeating K/V); their
-K/V rows are read with one `index_select` of token rows each, and the padding up to the
-bucket's longest is masked in the scores. The buckets, their row indices and masks depend on
-the step's metadata only: `DecodePlan` makes them once per step (kept in the metadata's
-`step_cache`) and every layer reuses them. The other sequences (prefill chunks, verify rows)
-go one at a time, causal over their cached prefix, on whole blocks (`index_select` of blocks,
-sliced to seq_len, handed to SDPA as strided views).
+Sequences of at most OP_MAX_QUERY_ROWS query rows (decode, speculative verify) go to the C++
+op (`kernels/csrc/paged_attention_cpu.cpp`, built by scripts/bootstrap.sh, loaded by
+`kernels/cpu_extension.py`): all of them in one call, each (sequence, KV head) reading its K/V
+rows through the block table once for its whole query group, online softmax in float32. The
+other sequences (prefill chunks) go one at a time to SDPA's flash kernel, causal over their
+cached prefix, on whole blocks (`index_select` of blocks, sliced to seq_len, handed to SDPA as
+strided views). Which sequences go where depends on the step's metadata only: `DecodePlan`
+decides it once per step (kept in the metadata's `step_cache`) and every layer reuses it.
+
+Where the op is not built (no compiler on the host) or does not take the tensors (an FP8
+cache), decode rows go through one SDPA call per bucket of similar lengths instead, the query
+heads of one KV head standing in for its query rows (GQA without repeating K/V), their K/V rows
+read with one `index_select` of token rows each and the padding up to the bucket's longest
+masked in the scores. This fallback stays because the reference twin, the other candidate, is
+2.4-3.9x slower on decode (docs/benchmarks.md, "Decode attention from the paged cache in C++").
 
 Invariants:
 - Only cache rows at positions < seq_len are ever weighted: block-table entries past a
   sequence's ceil(seq_len / block_size) are never read, and a decode row's padding positions
   read that sequence's own position 0 (a row it wrote) with an additive -inf mask, so whatever
   the rest of the cache holds (stale rows, NaN in tests) never leaks in.
+  The C++ op reads no position >= seq_len at all.
 - A `DecodePlan` in a step cache is only used with the metadata tensors it was made from
-  (the cache lives in that `AttentionMetadata`), keyed by the query dtype and cache geometry.
-- fp32 in, fp32 math; bf16/fp16 attend in their own dtype (SDPA accumulates in float32); an
-  FP8 cache is dequantized to the query's dtype.
+  (the cache lives in that `AttentionMetadata`), keyed by the query dtype, cache geometry and
+  whether the op runs.
+- fp32 in, fp32 math; bf16/fp16 attend in their own dtype (SDPA and the op accumulate in
+  float32); an FP8 cache is dequantized to the query's dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import cpu_extension
 from kernels.reference import dequantize_kv
 
 # Decode rows are attended in buckets of similar lengths, of at most this many rows (each
@@ -39,6 +51,10 @@ from kernels.reference import dequantize_kv
 # batch of long contexts never gathers gigabytes at once).
 DECODE_BUCKET_ROWS = 16
 DECODE_CHUNK_ELEMENTS = 1 << 24
+# Sequences of at most this many query rows (decode, a speculative verify) go to the C++ op;
+# longer chunks (prefill) to SDPA's flash kernel, which tiles the query rows.
+OP_MAX_QUERY_ROWS = 8
+_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +74,21 @@ class DecodePlan:
     rows: Tensor | None  # long: the decode sequences' query rows; None: every sequence decodes
     buckets: tuple[DecodeBucket, ...]
     others: tuple[tuple[int, int, int, int], ...]  # (sequence, q start, q end, seq_len)
+    few: Tensor | None = None  # long: the sequences the C++ op attends; None: it is not used
 
     @staticmethod
     def make(block_tables: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
-             cache_shape: torch.Size, dtype: torch.dtype) -> DecodePlan:
-        """Buckets of the single-token sequences, in order of length, of at most
-        DECODE_BUCKET_ROWS rows and DECODE_CHUNK_ELEMENTS gathered elements each."""
+             cache_shape: torch.Size, dtype: torch.dtype, op_rows: int = 0) -> DecodePlan:
+        """With `op_rows`: the sequences of at most that many query rows go to the C++ op
+        (`few`), the others one at a time to SDPA. Without: buckets of the single-token
+        sequences, in order of length, of at most DECODE_BUCKET_ROWS rows and
+        DECODE_CHUNK_ELEMENTS gathered elements each."""
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+        if op_rows:
+            few = [b for b in range(len(lens)) if starts[b + 1] - starts[b] <= op_rows]
+            others = tuple((b, starts[b], starts[b + 1], lens[b]) for b in range(len(lens))
+                           if starts[b + 1] - starts[b] > op_rows)
+            return DecodePlan(None, (), others, torch.tensor(few, dtype=torch.long))
         decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
         others = tuple((b, starts[b], starts[b + 1], lens[b]) for b in range(len(lens))
                        if starts[b + 1] - starts[b] > 1)
@@ -109,13 +133,22 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     a dict that lives as long as these metadata tensors (one step: `AttentionMetadata`); the
     decode plan is made once into it and reused by every layer.
     """
-    key = ("cpu_attention.DecodePlan", q.dtype, tuple(k_cache.shape[1:]))
+    op = _op_for(q, k_cache, block_tables, query_start_loc, seq_lens)
+    key = ("cpu_attention.DecodePlan", q.dtype, tuple(k_cache.shape[1:]), op is not None)
     plan = None if step_cache is None else step_cache.get(key)
     if plan is None:
-        plan = DecodePlan.make(block_tables, query_start_loc, seq_lens, k_cache.shape, q.dtype)
+        plan = DecodePlan.make(block_tables, query_start_loc, seq_lens, k_cache.shape, q.dtype,
+                               OP_MAX_QUERY_ROWS if op is not None else 0)
         if step_cache is not None:
             step_cache[key] = plan
     out = torch.empty_like(q)
+    if plan.few is not None:
+        if plan.few.numel():
+            op(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, plan.few, scale, out)
+        for b, start, end, seq_len in plan.others:
+            out[start:end] = _sequence(q[start:end], k_cache, v_cache, block_tables[b], seq_len,
+                                       scale, k_scale, v_scale)
+        return out
     if plan.rows is None:  # every sequence decodes: query row b is sequence b
         _decode_into(out, q, k_cache, v_cache, plan, scale, k_scale, v_scale)
         return out
@@ -128,6 +161,17 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         out[start:end] = _sequence(q[start:end], k_cache, v_cache, block_tables[b], seq_len,
                                    scale, k_scale, v_scale)
     return out
+
+
+def _op_for(q: Tensor, k_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,
+            seq_lens: Tensor) -> Callable | None:
+    """The C++ op when it is built and takes these tensors (an FP8 cache, int64 metadata or a
+    non-contiguous cache go to SDPA)."""
+    if (k_cache.dtype != q.dtype or q.dtype not in _OP_DTYPES or not k_cache.is_contiguous()
+            or q.stride(2) != 1
+            or any(t.dtype != torch.int32 for t in (block_tables, query_start_loc, seq_lens))):
+        return None
+    return cpu_extension.paged_attention_rows()
 
 
 def _gather(cache: Tensor, blocks: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:

@@ -1,7 +1,8 @@
 """The one dispatch point between the model and its kernels.
 
 `backend="auto"` runs Triton when the tensors are on CUDA and torch otherwise: for paged
-attention the fast CPU path (`kernels/cpu_attention.py`, torch's fused SDPA), for RMSNorm,
+attention the fast CPU path (`kernels/cpu_attention.py`: decode in a C++ op, prefill on torch's
+fused SDPA), for RMSNorm,
 SiLU-and-mul and the attention prologue the CPU versions with fewer calls
 (`kernels/cpu_fused.py`, bit-identical to the twins), for the other ops the torch reference. `"torch"` runs the plain-torch reference twins (`kernels/reference.py`),
 the oracle the other backends are tested against.

@@ -1,6 +1,8 @@
-"""The CPU path of paged attention (kernels/cpu_attention.py, torch's fused SDPA) against the
-plain-torch reference twin, on NaN-poisoned caches (padding blocks and the rows past each
-sequence's length hold NaN, so a read of them shows up)."""
+"""The CPU path of paged attention (kernels/cpu_attention.py: decode rows in the C++ op, or on
+torch's fused SDPA where the op is not built; prefill on SDPA) against the plain-torch reference
+twin, on NaN-poisoned caches (padding blocks and the rows past each sequence's length hold NaN,
+so a read of them shows up). Tests that hold for both decode paths run on each; the C++ op's
+own cases are tests/kernels/test_cpu_paged_op.py."""
 
 from __future__ import annotations
 
@@ -9,11 +11,28 @@ import torch
 from kernel_cases import make_paged_batch
 
 import kernels
-from kernels import cpu_attention, reference
+from kernels import cpu_attention, cpu_extension, reference
 
 DECODE = [(1, 9), (1, 1), (1, 33), (1, 16), (1, 17)]
 MIXED = [(1, 9), (1, 1), (1, 33), (5, 12), (1, 16), (7, 7), (1, 17), (3, 3)]
 PREFILL = [(6, 6), (4, 19), (1, 1)]
+
+
+@pytest.fixture(params=["op", "sdpa"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Decode rows in the C++ op (built here if it is not yet) or in the SDPA fallback."""
+    if request.param == "op":
+        cpu_extension.build(quiet=True)
+        monkeypatch.setattr(cpu_extension, "_loaded", {})
+        assert cpu_extension.paged_attention_rows() is not None
+    else:
+        monkeypatch.setattr(cpu_extension, "_loaded", {"op": None})
+    return request.param
+
+
+@pytest.fixture
+def sdpa_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_extension, "_loaded", {"op": None})
 
 
 def _run(batch, impl, **scales):  # noqa: ANN001, ANN202 — a test helper over PagedBatch
@@ -24,7 +43,7 @@ def _run(batch, impl, **scales):  # noqa: ANN001, ANN202 — a test helper over 
 @pytest.mark.parametrize("lens", [DECODE, MIXED, PREFILL], ids=["decode", "mixed", "prefill"])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa4", "mha"])
 def test_cpu_attention_matches_the_reference_fp32(lens: list[tuple[int, int]],
-                                                  heads: tuple[int, int]) -> None:
+                                                  heads: tuple[int, int], decode_path: str) -> None:
     batch = make_paged_batch(lens, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=16,
                              block_size=4, dtype=torch.float32, device="cpu",
                              share_first_block=True, seed=7)
@@ -33,7 +52,7 @@ def test_cpu_attention_matches_the_reference_fp32(lens: list[tuple[int, int]],
     torch.testing.assert_close(got, _run(batch, reference), atol=2e-6, rtol=2e-6)
 
 
-def test_decode_chunks_give_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_chunks_give_the_same_rows(monkeypatch: pytest.MonkeyPatch, sdpa_only: None) -> None:
     """Rows attended one per chunk equal the rows attended all at once."""
     batch = make_paged_batch(DECODE, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
                              dtype=torch.float32, device="cpu", seed=8)
@@ -42,7 +61,7 @@ def test_decode_chunks_give_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> No
     torch.testing.assert_close(_run(batch, cpu_attention), whole, atol=1e-6, rtol=1e-6)
 
 
-def test_bf16_attends_within_bf16_rounding_of_the_float32_reference() -> None:
+def test_bf16_attends_within_bf16_rounding_of_the_float32_reference(decode_path: str) -> None:
     batch = make_paged_batch(MIXED, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                              dtype=torch.bfloat16, device="cpu", seed=9)
     got = _run(batch, cpu_attention)
@@ -50,7 +69,7 @@ def test_bf16_attends_within_bf16_rounding_of_the_float32_reference() -> None:
     torch.testing.assert_close(got, _run(batch, reference), atol=2e-2, rtol=2e-2)
 
 
-def test_fp8_cache_is_read_times_its_scales() -> None:
+def test_fp8_cache_is_read_times_its_scales(decode_path: str) -> None:
     batch = make_paged_batch(MIXED, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
                              dtype=torch.float32, device="cpu", seed=10)
     # per KV head: the heads' magnitudes 50x apart, each over its own scale
@@ -66,7 +85,7 @@ def test_fp8_cache_is_read_times_its_scales() -> None:
 
 
 def test_dispatch_auto_runs_the_cpu_path_and_torch_the_reference(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, decode_path: str) -> None:
     batch = make_paged_batch(MIXED, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
                              dtype=torch.float32, device="cpu", seed=11)
     calls: list[str] = []
@@ -84,7 +103,7 @@ def test_dispatch_auto_runs_the_cpu_path_and_torch_the_reference(
 
 @pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
 def test_step_cache_makes_the_plan_once_and_every_layer_reuses_it(
-        lens: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch) -> None:
+        lens: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch, decode_path: str) -> None:
     """Layers sharing one step's metadata share one DecodePlan, and attend exactly as a call
     without a cache does; another cache geometry (a draft model's layers) gets its own."""
     batch = make_paged_batch(lens, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
@@ -106,7 +125,7 @@ def test_step_cache_makes_the_plan_once_and_every_layer_reuses_it(
     assert len(made) == 3 and len(cache) == 2
 
 
-def test_decode_padding_is_masked_not_read_into_the_sum() -> None:
+def test_decode_padding_is_masked_not_read_into_the_sum(sdpa_only: None) -> None:
     """A bucket padded to its longest row: the short rows' padding positions hold NaN in the
     cache, yet every row equals the reference (the mask weighs their stand-in rows zero)."""
     lens = [(1, 2), (1, 30), (1, 5), (1, 17)]

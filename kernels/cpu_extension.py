@@ -1,0 +1,101 @@
+"""The C++ CPU op (`kernels/csrc/paged_attention_cpu.cpp`): its build and its loading.
+
+`scripts/bootstrap.sh` runs this file (`python kernels/cpu_extension.py`), which compiles the
+source with the host's compiler into `build/cpu_ops/` under the repository (git-ignored), a
+library named by a digest of the source, the torch version and the flags, so a changed source or
+another torch is never loaded stale. A build that cannot happen (no compiler, no headers) prints
+one line and leaves the CPU path on its torch fallback; nothing else fails.
+
+`paged_attention_rows()` is the loaded op (`torch.ops.qwen3_cpu.paged_attention_rows`) or None
+when the library is not built; the first process to find it missing says so once, on stderr.
+Loading never compiles: a Ray rank or a Serve replica must not start a compiler on the hot path.
+
+Invariants:
+- The library is compiled for the machine that builds it (`-march=native`): its vector loops
+  use the instructions that machine has. A host that shares the build directory but lacks them
+  must build its own (another `BUILD_DIR`).
+- OpenMP: the library links the `libgomp` torch ships and loads, so `at::parallel_for` runs on
+  torch's own intra-op threads (`torch.set_num_threads` applies).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+BUILD_DIR = Path(os.environ.get("QWEN3_SERVE_CPU_OPS_DIR",
+                                Path(__file__).resolve().parents[1] / "build" / "cpu_ops"))
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
+
+_loaded: dict[str, object] = {}
+
+
+def library_path() -> Path:
+    """Where this source, torch version and flag set's library is (built or not)."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(importlib.metadata.version("torch").encode())
+    digest.update(" ".join(FLAGS).encode())
+    return BUILD_DIR / f"qwen3_cpu_ops-{digest.hexdigest()[:16]}.so"
+
+
+def build(quiet: bool = False) -> Path:
+    """Compile the library if it is not there yet; returns its path. Raises RuntimeError with
+    the compiler's message when it cannot be built."""
+    target = library_path()
+    if target.exists():
+        return target
+    import torch
+    from torch.utils import cpp_extension  # torch's include and library directories
+    compiler = os.environ.get("CXX", "c++")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(SOURCE), "-o"]
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()]
+    rpath = [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".{os.getpid()}.tmp")
+    full = [*cmd, str(partial), *includes, *libs, *rpath, "-lc10", "-ltorch_cpu"]
+    if not quiet:
+        print(f"building {target.name} (C++ paged attention for CPU) ...", file=sys.stderr)
+    try:
+        done = subprocess.run(full, capture_output=True, text=True)
+    except FileNotFoundError as e:
+        raise RuntimeError(f"no C++ compiler ({compiler}): {e}") from e
+    if done.returncode != 0:
+        raise RuntimeError(f"{compiler} failed:\n{done.stderr[-4000:]}")
+    partial.replace(target)  # atomic: a concurrent loader sees the whole library or none
+    for stale in BUILD_DIR.glob("qwen3_cpu_ops-*.so"):  # an older source's or torch's
+        if stale != target:
+            stale.unlink(missing_ok=True)
+    return target
+
+
+def paged_attention_rows() -> Callable | None:
+    """The op, loaded once per process; None (and one line on stderr) when it is not built."""
+    if "op" not in _loaded:
+        target = library_path()
+        if target.exists():
+            import torch
+            torch.ops.load_library(str(target))
+            _loaded["op"] = torch.ops.qwen3_cpu.paged_attention_rows
+        else:
+            print(f"kernels: the C++ CPU paged attention is not built ({target} missing; "
+                  "scripts/bootstrap.sh builds it): decode attention runs on torch's SDPA",
+                  file=sys.stderr)
+            _loaded["op"] = None
+    return _loaded["op"]
+
+
+if __name__ == "__main__":  # scripts/bootstrap.sh
+    try:
+        build()
+    except RuntimeError as e:
+        first = str(e).splitlines()[0]
+        print(f"warning: the C++ CPU paged attention was not built ({first}); the CPU path "
+              "runs decode attention on torch's SDPA instead", file=sys.stderr)
