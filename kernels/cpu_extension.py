@@ -12,8 +12,9 @@ Loading never compiles: a Ray rank or a Serve replica must not start a compiler 
 
 Invariants:
 - The library is compiled for the machine that builds it (`-march=native`): its vector loops
-  use the instructions that machine has. A host that shares the build directory but lacks them
-  must build its own (another `BUILD_DIR`).
+  use the instructions that machine has, and its name carries a digest of that CPU's feature
+  flags too, so a host with other features sharing the build directory never loads it (it
+  builds its own).
 - OpenMP: the library links the `libgomp` torch ships and loads, so `at::parallel_for` runs on
   torch's own intra-op threads (`torch.set_num_threads` applies).
 """
@@ -41,7 +42,18 @@ def library_path() -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(importlib.metadata.version("torch").encode())
     digest.update(" ".join(FLAGS).encode())
+    digest.update(_cpu_flags().encode())  # (-march=native: another CPU, another library)
     return BUILD_DIR / f"qwen3_cpu_ops-{digest.hexdigest()[:16]}.so"
+
+
+def _cpu_flags() -> str:
+    """This machine's CPU features as the kernel lists them ('' where there is no
+    /proc/cpuinfo): what `-march=native` compiles for."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
 
 
 def build(quiet: bool = False) -> Path:
