@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("QWEN3_SERVE_CACHE", str(Path.home() / ".cache" / "qwen3-serve"))
 
-# Under pytest-xdist (`TEST_WORKERS=2 ./dev test`) each worker is a test session of its own
+# Under pytest-xdist (`./dev test`: two workers) each worker is a test session of its own
 # with its own Ray clusters. Ray keeps "the cluster to join" in $RAY_TMPDIR/ray/
 # ray_current_cluster (a simulated multi-node cluster writes it; `ray.init()` and `serve run`
 # with no address read it): a temp dir per worker and run keeps one worker's bare `ray.init()`
