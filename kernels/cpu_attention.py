@@ -84,14 +84,13 @@ class DecodePlan:
         sequences, in order of length, of at most DECODE_BUCKET_ROWS rows and
         DECODE_CHUNK_ELEMENTS gathered elements each."""
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-        if op_rows:
-            few = [b for b in range(len(lens)) if starts[b + 1] - starts[b] <= op_rows]
-            others = tuple((b, starts[b], starts[b + 1], lens[b]) for b in range(len(lens))
-                           if starts[b + 1] - starts[b] > op_rows)
-            return DecodePlan(None, (), others, torch.tensor(few, dtype=torch.long))
-        decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+        # the query rows of a sequence the op takes (up to op_rows) or the buckets (exactly 1)
+        fewest, short = (0, op_rows) if op_rows else (1, 1)
+        decode = [b for b in range(len(lens)) if fewest <= starts[b + 1] - starts[b] <= short]
         others = tuple((b, starts[b], starts[b + 1], lens[b]) for b in range(len(lens))
-                       if starts[b + 1] - starts[b] > 1)
+                       if starts[b + 1] - starts[b] > short)
+        if op_rows:
+            return DecodePlan(None, (), others, torch.tensor(decode, dtype=torch.long))
         rows = (None if len(decode) == len(lens)
                 else torch.tensor([starts[b] for b in decode], dtype=torch.long))
         block_size, num_kv_heads, head_dim = cache_shape[1:]
