@@ -45,6 +45,28 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
+# Test files that run on one xdist worker, one after another, as if they were one file: each
+# starts a simulated multi-node cluster (a head and up to four raylets), and two at once on a
+# 2-core host, beside the other worker's tests, overloaded the GCS on CI (a node not registered
+# within Ray's fixed 30 s).
+ONE_WORKER_DIRS = ("tests/cluster/multinode/",)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `--dist loadfile` (`./dev test`), the files of each of `ONE_WORKER_DIRS` are one
+    unit of work (one worker, in order); every other file is its own unit, as loadfile has it."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class OneWorkerDirs(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return next((d for d in ONE_WORKER_DIRS if scope.startswith(d)), scope)
+
+    return OneWorkerDirs(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_CUDA:
         return

@@ -17,6 +17,10 @@ raylet's port refuses at once, so that is threshold x period (5 x 1 s here, not 
 a live raylet that is slow to answer (the host overloaded) fails a check only after
 `health_check_timeout_ms`, so marking it dead by mistake takes 5 x 10 s of silence, as in Ray's
 defaults.
+A node that does not register within Ray's fixed 30 s (`Node.__init__`: "timed out during
+startup", seen on CI with another xdist worker loading the host) is killed with everything it
+started and started again (`_started`), at most `START_ATTEMPTS` times; the nodes start one at
+a time, so the GCS registers one at once.
 """
 
 from __future__ import annotations
@@ -44,6 +48,46 @@ SERVE_SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_P
                     "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 
 
+# Tries for each simulated node (the head included) to register with the GCS in Ray's 30 s.
+START_ATTEMPTS = 3
+
+
+def _children(pid: int) -> set[int]:
+    """The direct children of process `pid` (from /proc; Linux)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.add(int(entry))
+    return found
+
+
+def _started(start: Any) -> Any:
+    """`start()`, a call that starts one Ray node as this process's child; a node that timed
+    out registering is SIGKILLed with its whole process tree (its raylet would register later
+    and add CPUs the test does not expect) and started again, `START_ATTEMPTS` tries in all."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        before = _children(os.getpid())
+        try:
+            return start()
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == START_ATTEMPTS:
+                raise
+            for child in _children(os.getpid()) - before:
+                for pid in _process_tree(child):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(child, 0)
+    raise AssertionError("unreachable")
+
+
 class Sim:
     """The simulated cluster and the app's URL."""
 
@@ -60,7 +104,7 @@ def add_node(cluster: Any, wait: bool = True, num_cpus: int = 1) -> Any:
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("add a simulated node from the main thread: its raylet dies with "
                            "the thread that started it (PR_SET_PDEATHSIG)")
-    node = cluster.add_node(wait=wait, num_cpus=num_cpus)
+    node = _started(lambda: cluster.add_node(wait=wait, num_cpus=num_cpus))
     if wait and num_cpus:
         import ray
         from ray._private.state import total_resources_per_node
@@ -135,12 +179,12 @@ def simulated_cluster(node_cpus: tuple[int, ...] = (1, 1)) -> Iterator[Sim]:
     os.environ.update({key: str(get_free_port()) for key in SERVE_SIDE_PORTS})
     # (its own dashboard port: the head binds one even without the UI, and Ray's 8265 may be
     # another cluster's on this machine: another xdist worker's, another session's)
-    cluster = Cluster(initialize_head=True, head_node_args={
+    cluster = _started(lambda: Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "dashboard_port": get_free_port(),
-        "_system_config": GCS_HEALTH_CHECKS})
+        "_system_config": GCS_HEALTH_CHECKS}))
     try:
-        for cpus in node_cpus:
-            add_node(cluster, wait=False, num_cpus=cpus)  # all start at once
+        for cpus in node_cpus:  # one at a time: each registers with the GCS before the next
+            add_node(cluster, wait=False, num_cpus=cpus)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
         port = get_free_port()
