@@ -1,14 +1,20 @@
-"""bench/peer_vllm.py's set-up step that gives the `vllm` command the distribution it asks for."""
+"""bench/peer_vllm.py: the set-up step that gives the `vllm` command the distribution it asks
+for, the workloads, and the served load client's CPU priority."""
 
 from __future__ import annotations
 
 import csv
 import importlib.metadata
+import os
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
+import peer_vllm  # noqa: E402
 from peer_vllm import _OURS_OFFLINE, _PEER_OFFLINE, OFFLINE, write_vllm_dist_info  # noqa: E402
 
 
@@ -33,3 +39,40 @@ def test_both_sides_run_the_workloads_dtype() -> None:
     # both child scripts must hand the job's dtype to their engine.
     assert 'dtype=job["dtype"]' in _PEER_OFFLINE
     assert 'dtype=job["dtype"]' in _OURS_OFFLINE
+
+
+_REPORT = ("import os, sys; ag = open('/proc/self/autogroup').read().split()[-1] "
+           "if os.path.exists('/proc/self/autogroup') else 'none'; "
+           "open(sys.argv[1], 'w').write(f'{os.getpriority(os.PRIO_PROCESS, 0)} {ag} "
+           "{os.getsid(0) == os.getpid()}')")
+
+
+def test_the_load_client_runs_in_its_own_session_at_top_priority(tmp_path: Path) -> None:
+    out = tmp_path / "prio"
+    how = peer_vllm.run_load_client([sys.executable, "-c", _REPORT, str(out)], dict(os.environ),
+                                    60, "top")
+    nice, autogroup, own_session = out.read_text().split()
+    assert own_session == "True"
+    if os.geteuid() != 0:
+        assert how == "default (not root: no lower nice)"
+        assert int(nice) == os.getpriority(os.PRIO_PROCESS, 0)
+        return
+    assert int(nice) == peer_vllm.CLIENT_NICE == -20
+    if autogroup == "none":  # a kernel without autogroups
+        assert how.startswith("nice -20, autogroup not set")
+    else:
+        assert (how, autogroup) == ("nice -20, autogroup -20", "-20")
+
+
+def test_the_load_client_at_default_priority_and_its_failure(tmp_path: Path) -> None:
+    out = tmp_path / "prio"
+    how = peer_vllm.run_load_client([sys.executable, "-c", _REPORT, str(out)], dict(os.environ),
+                                    60, "default")
+    nice, autogroup, _ = out.read_text().split()
+    assert how == "default"
+    assert int(nice) == os.getpriority(os.PRIO_PROCESS, 0)
+    assert autogroup in ("0", "none")
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        peer_vllm.run_load_client([sys.executable, "-c", "import sys; sys.exit(3)"],
+                                  dict(os.environ), 60, "top")
+    assert failed.value.returncode == 3
