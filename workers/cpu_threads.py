@@ -22,6 +22,18 @@ milliseconds per call where a 2-thread region's fork and join are microseconds; 
 count is an OpenMP setting, not a new pool (docs/benchmarks.md, "The LM head on every core",
 issue #43).
 
+A narrow model in a served engine takes more cores for its LM head and sampler only for a
+step of at most IDLE_HEAD_MAX_ROWS rows and only cores idle at that moment (`idle_head_threads`,
+a `ThreadScope` with `when_idle`, entered as `scope(rows)`): entering reads the machine's
+runnable tasks (/proc/loadavg's fourth field, which counts the caller) and takes one more thread
+per core that nothing else is ready to run on, never a busy one. On two replicas of qwen3-tiny
+on 2 cores (`manifests/qwen3-tiny-2x.yaml`) at concurrency 1 the other replica's core is idle,
+and the head at one row, 6.2 ms of a ~10 ms decode step, takes 3.1 on two threads. A replica
+with more rows is under load, where a core found idle is soon the other replica's again and
+the head's second thread then waits for it (without the row cap, -2 to -3 % request throughput
+at concurrency 8 and 32); it keeps the model's one thread (docs/benchmarks.md, "The LM head on
+an idle core", #43).
+
 Why fewer threads than cores: an intra-op parallel region waits for its slowest thread. When
 another process holds a core (the engine's loop, a second replica, the proxy, other users of a
 shared machine), every small op of a decode step waits for a thread that is not scheduled, and
@@ -44,6 +56,10 @@ import torch
 # megabytes of weights per call, where a 2-thread region's fork and join are noise; at
 # qwen3-tiny's 128 every op is a few microseconds and waiting for the second thread costs more.
 EXCLUSIVE_MIN_HIDDEN = 1024
+
+# The most rows (sequences sampled in a step) for which a served engine's head looks for idle
+# cores: at concurrency 1 a tp-1 replica's steps sample 1 row; a replica with more is loaded.
+IDLE_HEAD_MAX_ROWS = 2
 
 
 def takes_every_core(exclusive: bool, hidden_size: int) -> bool:
@@ -76,24 +92,87 @@ def head_threads(exclusive: bool, hidden_size: int, tensor_parallel_size: int,
     return every if every is not None and every != rest else None
 
 
+def idle_head_threads(exclusive: bool, hidden_size: int, tensor_parallel_size: int,
+                      cores: int | None = None) -> int | None:
+    """The most threads a served (not `exclusive`) engine's narrow model may give its LM head
+    and sampler when cores are idle (a `ThreadScope` with `when_idle`), or None: a wide model,
+    an exclusive engine (`head_threads`) or one core per rank. The cores this process may run
+    on, split over the tensor-parallel ranks; an OMP_NUM_THREADS (Ray sets 1 for a fractional
+    actor) does not cap it: the scope takes only cores nothing else is ready to run on."""
+    if exclusive or hidden_size >= EXCLUSIVE_MIN_HIDDEN:
+        return None
+    every = model_threads(tensor_parallel_size, {}, cores, every_core=True)
+    return every if every is not None and every > 1 else None
+
+
+class RunnableTasks:
+    """The machine's runnable tasks right now, the caller included (/proc/loadavg's fourth
+    field, "running/total"), read with one pread on a file kept open; None where there is no
+    such file."""
+
+    __slots__ = ("_fd",)
+
+    def __init__(self, path: str = "/proc/loadavg") -> None:
+        try:
+            self._fd: int | None = os.open(path, os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def __call__(self) -> int | None:
+        if self._fd is None:
+            return None
+        fields = os.pread(self._fd, 128, 0).split()
+        return int(fields[3].split(b"/")[0]) if len(fields) > 3 else None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    __del__ = close  # (a worker's scope lives as long as its model runner)
+
+
 class ThreadScope:
     """`with scope:` runs its block on `threads` torch threads and restores the count in force
-    after it (None: changes nothing). Made once and re-entered every step; not re-entrant."""
+    after it (None: changes nothing). With `when_idle`, `with scope(rows):` does so only for a
+    block of at most `max_rows` rows, and on at most as many threads as there are cores with
+    nothing else runnable on them, plus the caller's own (`RunnableTasks`): the count in force
+    when every core is busy. Made once and re-entered every step; not re-entrant."""
 
-    __slots__ = ("threads", "_saved")
+    __slots__ = ("threads", "max_rows", "_saved", "_runnable", "_cores", "_rows")
 
-    def __init__(self, threads: int | None) -> None:
+    def __init__(self, threads: int | None, when_idle: bool = False,
+                 runnable: RunnableTasks | None = None, cores: int | None = None,
+                 max_rows: int = IDLE_HEAD_MAX_ROWS) -> None:
         self.threads = threads
+        self.max_rows = max_rows
         self._saved = 0
+        self._rows = 0
+        self._runnable = (runnable or RunnableTasks()) if when_idle and threads else None
+        if cores is None and self._runnable is not None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else os.cpu_count()
+        self._cores = cores or 1
+
+    def __call__(self, rows: int) -> ThreadScope:
+        """The scope for a block over `rows` rows (what `when_idle` caps)."""
+        self._rows = rows
+        return self
 
     def __enter__(self) -> None:
-        if self.threads is not None:
-            self._saved = torch.get_num_threads()
-            if self._saved != self.threads:
-                torch.set_num_threads(self.threads)
+        want = self.threads
+        if want is None:
+            return
+        self._saved = torch.get_num_threads()
+        if self._runnable is not None:
+            running = self._runnable() if self._rows <= self.max_rows else None
+            want = self._saved if running is None else min(
+                want, max(self._saved, self._saved + self._cores - running))
+        if self._saved != want:
+            torch.set_num_threads(want)
 
     def __exit__(self, *exc: object) -> None:
-        if self.threads is not None and self._saved != self.threads:
+        if self.threads is not None and torch.get_num_threads() != self._saved:
             torch.set_num_threads(self._saved)
 
 

@@ -63,7 +63,7 @@ class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, device: torch.device, block_size: int,
                  max_model_len: int, max_num_seqs: int, vocab_size: int, seed: int,
                  lora: LoRAModel | None = None, pooler: Pooler | None = None,
-                 stage: PipelineStage | None = None, head_threads: int | None = None) -> None:
+                 stage: PipelineStage | None = None, head: ThreadScope | None = None) -> None:
         self.model = model
         self.stage = stage or PipelineStage.single()  # a pipeline stage runs its layers only
         self.lora = lora
@@ -83,8 +83,8 @@ class ModelRunner:
                                     device=device)
         self.sampler = Sampler()
         self._inference = torch.inference_mode()  # forward's; entered by one step at a time
-        # the LM head's and the sampler's torch threads (workers/cpu_threads.py `head_threads`)
-        self._head = ThreadScope(head_threads)
+        # the LM head's and the sampler's torch threads (workers/cpu_threads.py)
+        self._head = head or ThreadScope(None)
         self.graph_runner: CUDAGraphRunner | None = None  # decode graphs
         # speculative verify graphs by query length (proposals + 1)
         self.verify_graph_runners: dict[int, CUDAGraphRunner] = {}
@@ -344,7 +344,7 @@ class ModelRunner:
             return None, None
         if batch.logits_indices is not None:  # (None: every row samples, one token each)
             hidden = hidden[batch.logits_indices]
-        with self._head:
+        with self._head(hidden.shape[0]):
             if batch.simple and batch.sampling.all_greedy and not keep_logits:
                 return None, self.model.lm_head.greedy_tokens(hidden)  # (no logits sent)
             return self.model.compute_logits(hidden), None
@@ -381,6 +381,6 @@ class ModelRunner:
                 prompt_mask=state.prompt_counts.index_select(0, slots) > 0,
                 repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres,
                 logit_bias=state.logit_bias.index_select(0, slots))
-        with self._head:
+        with self._head(logits.shape[0]):
             return self.sampler(logits, md)
 

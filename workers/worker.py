@@ -27,7 +27,14 @@ from scheduler.plan import StepPlan, StepResult
 from workers.cache_engine import CacheEngine
 from workers.cache_sizing import KVCacheSizing, dtype_bytes, loaded
 from workers.config import WorkerConfig
-from workers.cpu_threads import head_threads, set_model_threads, set_process_nice, takes_every_core
+from workers.cpu_threads import (
+    ThreadScope,
+    head_threads,
+    idle_head_threads,
+    set_model_threads,
+    set_process_nice,
+    takes_every_core,
+)
 from workers.cuda_graph import capture_step_graphs
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftRunner
@@ -157,15 +164,20 @@ class Worker(KVCacheSizing):
             cfg.pooler, cfg.max_num_seqs, mc.hidden_size, self.device, self.tp.is_first)
         self.model_runner = ModelRunner(model, self.device, cfg.block_size, cfg.max_model_len,
                                         cfg.max_num_seqs, mc.vocab_size, cfg.seed, self.lora,
-                                        pooler, stage, self._head_threads(mc.hidden_size))
+                                        pooler, stage, self._head_scope(mc.hidden_size))
         self._outputs = StepOutputs(self.device, rows, MAX_LAUNCHED + 1)
 
-    def _head_threads(self, hidden_size: int) -> int | None:
-        """The LM head's and sampler's torch threads on CPU (None: the model's count)."""
+    def _head_scope(self, hidden_size: int) -> ThreadScope:
+        """The LM head's and sampler's torch threads on CPU (workers/cpu_threads.py): every
+        core for an exclusive engine's narrow model, the idle ones for a served engine's; the
+        model's count otherwise and on a GPU."""
         cfg = self.config
         if cfg.device != "cpu":
-            return None
-        return head_threads(cfg.cpu_exclusive, hidden_size, cfg.tensor_parallel_size)
+            return ThreadScope(None)
+        if cfg.cpu_exclusive:
+            return ThreadScope(head_threads(True, hidden_size, cfg.tensor_parallel_size))
+        return ThreadScope(idle_head_threads(False, hidden_size, cfg.tensor_parallel_size),
+                           when_idle=True)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int,
                    num_offload_blocks: int = 0) -> None:

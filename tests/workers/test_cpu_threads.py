@@ -5,13 +5,18 @@ engine."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from workers import cpu_threads
 from workers.cpu_threads import (
+    IDLE_HEAD_MAX_ROWS,
+    RunnableTasks,
     ThreadScope,
     head_threads,
+    idle_head_threads,
     model_threads,
     set_model_threads,
     takes_every_core,
@@ -139,6 +144,119 @@ def test_a_thread_scope_sets_the_count_for_its_block_and_restores_it() -> None:
     finally:
         torch.set_num_threads(before)
     assert inside == [before + 1] * 2
+
+
+@pytest.mark.parametrize(("exclusive", "hidden", "tp", "cores", "threads"), [
+    (False, 128, 1, 2, 2),      # a served qwen3-tiny replica: both cores when both are idle
+    (False, 128, 2, 16, 8),
+    (False, 128, 2, 2, None),   # one core per rank: nothing to add
+    (False, 1024, 1, 2, None),  # a wide model: its own count
+    (True, 128, 1, 2, None),    # an exclusive engine: head_threads' every core, always
+])
+def test_idle_head_threads(exclusive: bool, hidden: int, tp: int, cores: int,
+                           threads: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # Ray's, for a fractional actor: not a cap here
+    assert idle_head_threads(exclusive, hidden, tp, cores=cores) == threads
+
+
+class _Runnable(RunnableTasks):
+    """/proc/loadavg's runnable count as a test sets it (the real one is read below)."""
+
+    def __init__(self) -> None:
+        super().__init__(path="/nonexistent")
+        self.count: int | None = 1
+        self.reads = 0
+
+    def __call__(self) -> int | None:
+        self.reads += 1
+        return self.count
+
+
+def test_an_idle_scope_takes_only_idle_cores_and_only_for_few_rows() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    runnable = _Runnable()
+    scope = ThreadScope(4, when_idle=True, runnable=runnable, cores=4)
+
+    def inside(rows: int, count: int | None) -> int:
+        runnable.count = count
+        with scope(rows):
+            threads = torch.get_num_threads()
+        assert torch.get_num_threads() == 1
+        return threads
+
+    try:
+        assert inside(1, 1) == 4      # only this thread runnable: every core
+        assert inside(1, 2) == 3      # one other task: its core is left to it
+        assert inside(2, 3) == 2
+        assert inside(1, 4) == 1      # every core busy: the model's count
+        assert inside(1, 9) == 1
+        assert inside(1, None) == 1   # no /proc/loadavg: the model's count
+        reads = runnable.reads
+        assert inside(IDLE_HEAD_MAX_ROWS + 1, 1) == 1  # a loaded replica: not even looked at
+        assert runnable.reads == reads
+        with pytest.raises(RuntimeError), scope(1):
+            raise RuntimeError("a failed step")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_runnable_tasks_reads_this_machines_count() -> None:
+    """/proc/loadavg counts the reader itself: at least 1, at most every task there is."""
+    runnable = RunnableTasks()
+    if not os.path.exists("/proc/loadavg"):
+        assert runnable() is None
+        return
+    total = int(open("/proc/loadavg").read().split()[3].split("/")[1])
+    counts = [runnable() for _ in range(3)]  # (one file, read again each time)
+    assert all(c is not None and 1 <= c <= total + 64 for c in counts)
+    runnable.close()
+    assert runnable() is None
+
+
+def test_a_served_engine_gives_its_head_the_idle_cores(
+        monkeypatch: pytest.MonkeyPatch, tiny_model_path: str) -> None:
+    """A served (not exclusive) in-process qwen3-tiny engine on 2 cores: its model on 1 thread,
+    the head of a one-row step on 2 when /proc/loadavg shows one runnable task (this one) and
+    on 1 when it shows two; the model's count after each."""
+    from cluster.engine.config import EngineConfig
+    from cluster.engine.llm_engine import LLMEngine
+    from scheduler.sampling_params import SamplingParams
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    engine = LLMEngine(EngineConfig(model=tiny_model_path, device="cpu", max_model_len=64,
+                                    max_num_seqs=2, executor="inprocess"))
+    try:
+        worker = engine.executor.worker
+        assert worker.config.cpu_exclusive is False
+        scope = worker.model_runner._head
+        assert (scope.threads, scope._cores) == (2, 2)
+        loadavg = {"running": 1}
+        monkeypatch.setattr(scope, "_runnable", lambda: loadavg["running"])
+        head = worker.model.lm_head
+        seen: list[int] = []
+        greedy = head.greedy_tokens
+
+        def spy(*args: object) -> object:
+            seen.append(torch.get_num_threads())
+            return greedy(*args)
+
+        monkeypatch.setattr(head, "greedy_tokens", spy)
+        sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for running, request in ((1, "idle"), (2, "busy")):
+            loadavg["running"] = running
+            engine.add_request(request, [1, 2, 3], sp)
+            while engine.has_unfinished():
+                engine.step()
+        model_threads = torch.get_num_threads()
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(before)
+    assert model_threads == 1
+    assert seen == [2, 2, 1, 1]  # each request: its prefill's and its decode's head
 
 
 def test_an_offline_engine_runs_a_narrow_models_head_on_every_core(
