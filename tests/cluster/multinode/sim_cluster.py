@@ -54,18 +54,7 @@ START_ATTEMPTS = 3
 
 def _children(pid: int) -> set[int]:
     """The direct children of process `pid` (from /proc; Linux)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.add(int(entry))
-    return found
+    return set(_child_lists().get(pid, []))
 
 
 def _started(start: Any) -> Any:
@@ -119,8 +108,8 @@ def add_node(cluster: Any, wait: bool = True, num_cpus: int = 1) -> Any:
     return node
 
 
-def _process_tree(root: int) -> list[int]:
-    """`root` and every process descended from it (from /proc; Linux)."""
+def _child_lists() -> dict[int, list[int]]:
+    """Every process's direct children, by parent PID (from /proc; Linux)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -132,6 +121,12 @@ def _process_tree(root: int) -> list[int]:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])  # (the name may hold spaces)
         children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _process_tree(root: int) -> list[int]:
+    """`root` and every process descended from it (from /proc; Linux)."""
+    children = _child_lists()
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()
