@@ -146,12 +146,15 @@ def run_load_client(cmd: list[str], env: dict[str, str], timeout: float,
     "top", in a session of its own at nice CLIENT_NICE with that session's autogroup at
     CLIENT_NICE too (root only: a lower nice needs CAP_SYS_NICE). Returns how it ran, for the
     row: "nice -20, autogroup -20", or "default" and why not."""
+    if priority not in ("top", "default"):
+        raise ValueError(f"the load client's priority is 'top' or 'default'; got {priority!r}")
     top = priority == "top" and os.geteuid() == 0
     proc = subprocess.Popen((["nice", "-n", str(CLIENT_NICE)] if top else []) + cmd, env=env,
                             start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    how = "default" if priority != "top" else "default (not root: no lower nice)"
-    if top:
+    if not top:
+        how = "default" if priority == "default" else "default (not root: no lower nice)"
+    else:
         how = f"nice {CLIENT_NICE}"
         try:  # (the autogroup is the new session's; absent when the kernel has none)
             Path(f"/proc/{proc.pid}/autogroup").write_text(str(CLIENT_NICE))

@@ -47,32 +47,39 @@ _REPORT = ("import os, sys; ag = open('/proc/self/autogroup').read().split()[-1]
            "{os.getsid(0) == os.getpid()}')")
 
 
-def test_the_load_client_runs_in_its_own_session_at_top_priority(tmp_path: Path) -> None:
+def _client_sees(tmp_path: Path, priority: str) -> tuple[str, int, str, str]:
+    """(how `run_load_client` says it ran, then the client's nice, its autogroup's nice and
+    whether it leads its own session, as the client itself read them)."""
     out = tmp_path / "prio"
     how = peer_vllm.run_load_client([sys.executable, "-c", _REPORT, str(out)], dict(os.environ),
-                                    60, "top")
+                                    60, priority)
     nice, autogroup, own_session = out.read_text().split()
+    return how, int(nice), autogroup, own_session
+
+
+def test_the_load_client_runs_in_its_own_session_at_top_priority(tmp_path: Path) -> None:
+    how, nice, autogroup, own_session = _client_sees(tmp_path, "top")
     assert own_session == "True"
     if os.geteuid() != 0:
         assert how == "default (not root: no lower nice)"
-        assert int(nice) == os.getpriority(os.PRIO_PROCESS, 0)
+        assert nice == os.getpriority(os.PRIO_PROCESS, 0)
         return
-    assert int(nice) == peer_vllm.CLIENT_NICE == -20
+    assert nice == peer_vllm.CLIENT_NICE == -20
     if autogroup == "none":  # a kernel without autogroups
         assert how.startswith("nice -20, autogroup not set")
     else:
         assert (how, autogroup) == ("nice -20, autogroup -20", "-20")
 
 
-def test_the_load_client_at_default_priority_and_its_failure(tmp_path: Path) -> None:
-    out = tmp_path / "prio"
-    how = peer_vllm.run_load_client([sys.executable, "-c", _REPORT, str(out)], dict(os.environ),
-                                    60, "default")
-    nice, autogroup, _ = out.read_text().split()
-    assert how == "default"
-    assert int(nice) == os.getpriority(os.PRIO_PROCESS, 0)
+def test_the_load_client_at_default_priority_its_failure_and_a_bad_priority(
+        tmp_path: Path) -> None:
+    how, nice, autogroup, own_session = _client_sees(tmp_path, "default")
+    assert (how, own_session) == ("default", "True")
+    assert nice == os.getpriority(os.PRIO_PROCESS, 0)
     assert autogroup in ("0", "none")
     with pytest.raises(subprocess.CalledProcessError) as failed:
         peer_vllm.run_load_client([sys.executable, "-c", "import sys; sys.exit(3)"],
                                   dict(os.environ), 60, "top")
     assert failed.value.returncode == 3
+    with pytest.raises(ValueError, match="'top' or 'default'; got 'high'"):
+        peer_vllm.run_load_client([sys.executable, "-c", "pass"], dict(os.environ), 60, "high")

@@ -139,7 +139,7 @@ class ThreadScope:
     nothing else runnable on them, plus the caller's own (`RunnableTasks`): the count in force
     when every core is busy. Made once and re-entered every step; not re-entrant."""
 
-    __slots__ = ("threads", "max_rows", "_saved", "_runnable", "_cores", "_rows")
+    __slots__ = ("threads", "max_rows", "_saved", "_changed", "_runnable", "_cores", "_rows")
 
     def __init__(self, threads: int | None, when_idle: bool = False,
                  runnable: RunnableTasks | None = None, cores: int | None = None,
@@ -147,6 +147,7 @@ class ThreadScope:
         self.threads = threads
         self.max_rows = max_rows
         self._saved = 0
+        self._changed = False
         self._rows = 0
         self._runnable = (runnable or RunnableTasks()) if when_idle and threads else None
         if cores is None and self._runnable is not None:
@@ -168,11 +169,13 @@ class ThreadScope:
             running = self._runnable() if self._rows <= self.max_rows else None
             want = self._saved if running is None else min(
                 want, max(self._saved, self._saved + self._cores - running))
-        if self._saved != want:
+        self._changed = self._saved != want
+        if self._changed:
             torch.set_num_threads(want)
 
     def __exit__(self, *exc: object) -> None:
-        if self.threads is not None and torch.get_num_threads() != self._saved:
+        if self._changed:
+            self._changed = False
             torch.set_num_threads(self._saved)
 
 
