@@ -53,15 +53,18 @@ def test_the_load_runs_with_the_start_up_heap_frozen() -> None:
     assert id(start_up) in {id(o) for o in gc.get_objects()}
 
 
-def test_itl_counts_only_the_burst_window() -> None:
+def test_itl_counts_the_gaps_that_overlap_the_burst_window() -> None:
     s = pd_bench.Stream(0.0, [1.0, 1.1, 1.2, 2.2, 2.3, 4.0])
+    ended = pd_bench.Stream(0.0, [1.0, 1.2, 1.3])
     burst = [pd_bench.Stream(1.15, [2.25, 2.4]), pd_bench.Stream(1.5, [2.35, 2.5])]
-    row = pd_bench.summarize("colocated", [s], burst, wall=4.0)
-    # ITLs landing in [1.15, 2.35]: 1.2 (0.1), 2.2 (1.0), 2.3 (0.1)
-    assert row["itl_samples"] == 3 and row["itl_p99_s"] == pytest.approx(1.0)
+    row = pd_bench.summarize("colocated", [s, ended], burst, wall=4.0)
+    # gaps overlapping [1.15, 2.35]: 1.1-1.2 (0.1), 1.2-2.2 (1.0), 2.2-2.3 (0.1), and the stall
+    # 2.3-4.0 (1.7) still going on when the window closed; `ended`'s 1.0-1.2 (0.2), 1.2-1.3 (0.1)
+    assert row["itl_samples"] == 6 and row["itl_p99_s"] == pytest.approx(1.7)
     assert row["itl_p50_s"] == pytest.approx(0.1)
+    assert row["streams_past_window"] == 1  # `ended` stopped inside the window
     assert row["ttft_p50_s"] == pytest.approx((1.1 + 0.85) / 2)
-    assert row["output_tok_s"] == pytest.approx(10 / 4.0)
+    assert row["output_tok_s"] == pytest.approx(13 / 4.0)
 
 
 def test_transfer_figures_come_from_the_metrics_text() -> None:
