@@ -32,7 +32,9 @@ and the head at one row, 6.2 ms of a ~10 ms decode step, takes 3.1 on two thread
 with more rows is under load, where a core found idle is soon the other replica's again and
 the head's second thread then waits for it (without the row cap, -2 to -3 % request throughput
 at concurrency 8 and 32); it keeps the model's one thread (docs/benchmarks.md, "The LM head on
-an idle core", #43).
+an idle core", #43). So does an engine at a lower CPU priority (`cpu_nice`, below): it is there
+to yield cores (a PD app's prefill role), and a core idle between the decode role's steps is
+the decode role's.
 
 Why fewer threads than cores: an intra-op parallel region waits for its slowest thread. When
 another process holds a core (the engine's loop, a second replica, the proxy, other users of a

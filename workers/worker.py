@@ -170,12 +170,15 @@ class Worker(KVCacheSizing):
     def _head_scope(self, hidden_size: int) -> ThreadScope:
         """The LM head's and sampler's torch threads on CPU (workers/cpu_threads.py): every
         core for an exclusive engine's narrow model, the idle ones for a served engine's; the
-        model's count otherwise and on a GPU."""
+        model's count for a background role (`cpu_nice`: it yields cores, it takes none),
+        otherwise and on a GPU."""
         cfg = self.config
         if cfg.device != "cpu":
             return ThreadScope(None)
         if cfg.cpu_exclusive:
             return ThreadScope(head_threads(True, hidden_size, cfg.tensor_parallel_size))
+        if cfg.cpu_nice:  # e.g. a PD app's prefill role: the idle core is the decode role's
+            return ThreadScope(None)
         return ThreadScope(idle_head_threads(False, hidden_size, cfg.tensor_parallel_size),
                            when_idle=True)
 

@@ -259,6 +259,22 @@ def test_a_served_engine_gives_its_head_the_idle_cores(
     assert seen == [2, 2, 1, 1]  # each request: its prefill's and its decode's head
 
 
+def test_a_worker_with_cpu_nice_takes_no_idle_core_for_its_head(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A background role (cpu_nice > 0: a PD app's prefill replica) yields cores by design: its
+    narrow model's head keeps the model's threads instead of taking the idle ones (which are the
+    decode replica's between its steps); the same worker at nice 0 looks for them."""
+    from workers.config import WorkerConfig
+    from workers.worker import Worker
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    served = Worker(WorkerConfig(model="qwen3-tiny", device="cpu"))._head_scope(128)
+    background = Worker(WorkerConfig(model="qwen3-tiny", device="cpu", cpu_nice=10)
+                        )._head_scope(128)
+    assert (served.threads, served._runnable is not None) == (2, True)
+    assert (background.threads, background._runnable) == (None, None)
+
+
 def test_an_offline_engine_runs_a_narrow_models_head_on_every_core(
         monkeypatch: pytest.MonkeyPatch, tiny_model_path: str) -> None:
     """`LLM` with qwen3-tiny on 3 cores: the model on 2 threads, its LM head (greedy over the
