@@ -10,6 +10,7 @@ long on big prompts: the HTTP layer runs them off its event loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, RequestError
@@ -28,6 +29,7 @@ class PromptProcessor:
         self.vocab_size = len(tokenizer)
         self.max_token_bytes = max_token_bytes(tokenizer)
         self._token_text: dict[int, str] = {}
+        self._encode = text_encoder(tokenizer)
 
     def completion_prompts(self, prompt: Any, max_model_len: int) -> list[list[int]]:
         """/v1/completions' `prompt` (a string, ids, or a batch of either) as id lists."""
@@ -78,7 +80,7 @@ class PromptProcessor:
                 f"This model's maximum context length is {max_model_len} tokens. However, the "
                 f"{num_bytes} bytes of text in `{param}` make at least {at_least} tokens. Please "
                 "reduce the length of the prompt.", param=param)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._encode(text)
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         if not ids:
@@ -117,6 +119,32 @@ class PromptProcessor:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+def text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """`text -> ids` without special tokens added: the tokenizer's Rust backend called directly
+    (`encode_batch_fast`: no offsets computed) when it gives transformers' `encode`'s ids on
+    probe texts (special tokens, whitespace runs, multi-byte characters), else that `encode`.
+    transformers' layers around the backend cost more than the tokenization itself: a
+    256-token prompt 0.9 ms against 0.34 ms (docs/benchmarks.md, issue #43)."""
+    def slow(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    batch = getattr(getattr(tokenizer, "backend_tokenizer", None), "encode_batch_fast", None)
+    if batch is None:
+        return slow
+
+    def fast(text: str) -> list[int]:
+        return batch([text], add_special_tokens=False)[0].ids
+
+    added = "".join(sorted(tokenizer.get_added_vocab())[:8])
+    probes = ("", "hello world", "  two  spaces\n\n\ttab ", "héllo wörld 你好 🙂 \u2581x",
+              f"{added}user\nhi {added}", "x" * 300)
+    try:
+        same = all(fast(p) == slow(p) for p in probes)
+    except Exception:  # noqa: BLE001 - a backend that cannot say: the checked path
+        same = False
+    return fast if same else slow
 
 
 def max_token_bytes(tokenizer: Any) -> int:

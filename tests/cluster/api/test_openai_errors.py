@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from fake_engine import FakeEngine, fetch, sse_events
 
+from cluster.api import openai_prompts
 from cluster.api.openai_api import INLINE_PROMPT_BYTES, default_max_body_bytes
 from cluster.api.openai_prompts import max_token_bytes
 
@@ -187,12 +188,21 @@ def test_default_body_limit_follows_max_model_len() -> None:
     assert default_max_body_bytes(131072) == 32 * 131072
 
 
+def _spy_on_tokenization(monkeypatch: pytest.MonkeyPatch, record: Any) -> None:
+    """Every prompt text the app's PromptProcessor tokenizes goes through `record` first."""
+    real = openai_prompts.text_encoder
+
+    def spying(tokenizer: Any) -> Any:
+        encode = real(tokenizer)
+        return lambda text: record(text) or encode(text)
+
+    monkeypatch.setattr(openai_prompts, "text_encoder", spying)
+
+
 def test_text_too_long_for_any_tokenization_is_refused_untokenized(
         engine: FakeEngine, tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     encoded: list[int] = []
-    real_encode = tokenizer.encode
-    monkeypatch.setattr(tokenizer, "encode",
-                        lambda text, **kw: encoded.append(len(text)) or real_encode(text, **kw))
+    _spy_on_tokenization(monkeypatch, lambda text: encoded.append(len(text)))
     longest = max_token_bytes(tokenizer)
     assert longest == 128  # Qwen3's longest token: 128 spaces, one byte each
     # 64 tokens of context hold at most 63 prompt tokens, so 63 * 128 bytes can still fit.
@@ -214,9 +224,7 @@ def test_text_too_long_for_any_tokenization_is_refused_untokenized(
 def test_big_prompts_are_tokenized_off_the_event_loop(engine: FakeEngine, tokenizer: Any,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     threads: list[str] = []
-    real_encode = tokenizer.encode
-    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: threads.append(
-        threading.current_thread().name) or real_encode(text, **kw))
+    _spy_on_tokenization(monkeypatch, lambda text: threads.append(threading.current_thread().name))
     for size in (100, INLINE_PROMPT_BYTES + 1):
         fetch(engine, tokenizer, "POST", "/v1/completions",
               {"prompt": [" a b c d"] * (size // 8 + 1), "max_tokens": 1})
