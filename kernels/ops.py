@@ -4,7 +4,9 @@
 attention the fast CPU path (`kernels/cpu_attention.py`: decode in a C++ op, prefill on torch's
 fused SDPA), for RMSNorm,
 SiLU-and-mul and the attention prologue the CPU versions with fewer calls
-(`kernels/cpu_fused.py`, bit-identical to the twins), for the other ops the torch reference. `"torch"` runs the plain-torch reference twins (`kernels/reference.py`),
+(`kernels/cpu_fused.py`, bit-identical to the twins), for sampling the C++ op of
+`kernels/csrc/sample_cpu.cpp` (the twin's draw token for token, but at a chunk's or token's edge
+within float rounding), for the other ops the torch reference. `"torch"` runs the plain-torch reference twins (`kernels/reference.py`),
 the oracle the other backends are tested against.
 `"triton"` also accepts CPU tensors when `TRITON_INTERPRET=1` is set (how the kernel tests run
 without a GPU). `"flash_attn"` exists for `paged_attention` only.
@@ -25,6 +27,7 @@ from torch import Tensor
 
 from kernels import (
     cpu_attention,
+    cpu_extension,
     cpu_fused,
     fp8_reference,
     lora_reference,
@@ -266,6 +269,12 @@ def sample_tokens(logits: Tensor, rng_key: Tensor, rng_counter: Tensor,
         raise ValueError(f"temperature must be float32 [S={rows}]; got {temperature.dtype} "
                          f"{tuple(temperature.shape)}")
     if _resolve(backend, logits) == "torch":
+        # "auto" on CPU: the C++ op (the twin's draw, one pass per row) where it is built;
+        # "torch" asked for by name: the reference twin.
+        op = (cpu_extension.sample_rows() if backend == "auto" and logits.dtype == torch.float32
+              and logits.stride(1) == 1 else None)
+        if op is not None:
+            return op(logits, rng_key.contiguous(), rng_counter.contiguous(), temperature)
         return reference.sample_tokens(logits, rng_key, rng_counter, temperature)
     from kernels.triton_sampling import sample_tokens as triton_sample_tokens
     return triton_sample_tokens(logits, rng_key, rng_counter, temperature)

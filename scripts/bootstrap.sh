@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv and installs the project (editable, with dev extras) on a fresh clone.
 # Idempotent: a second run with nothing changed takes a second.
-# Then builds the C++ CPU op (kernels/cpu_extension.py) if this source and torch lack one.
+# Then builds the C++ CPU ops (kernels/cpu_extension.py) if these sources and torch lack them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3.11}"
@@ -17,6 +17,7 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi
-# The C++ CPU paged attention, into build/cpu_ops/ (~15 s once per source and torch version;
-# a no-op after). Where it cannot be built: one warning, and the CPU path stays on torch's SDPA.
+# The C++ CPU paged attention and sampling, into build/cpu_ops/ (~20 s once per source and torch
+# version; a no-op after). Where they cannot be built: one warning, and the CPU path stays on
+# torch's SDPA and the sampling twin.
 .venv/bin/python kernels/cpu_extension.py

@@ -26,13 +26,13 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setattr(cpu_extension, "_loaded", {})
         assert cpu_extension.paged_attention_rows() is not None
     else:
-        monkeypatch.setattr(cpu_extension, "_loaded", {"op": None})
+        monkeypatch.setattr(cpu_extension, "_loaded", {"paged_attention_rows": None})
     return request.param
 
 
 @pytest.fixture
 def sdpa_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_extension, "_loaded", {"op": None})
+    monkeypatch.setattr(cpu_extension, "_loaded", {"paged_attention_rows": None})
 
 
 def _run(batch, impl, **scales):  # noqa: ANN001, ANN202 — a test helper over PagedBatch

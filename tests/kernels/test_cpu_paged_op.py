@@ -21,7 +21,7 @@ from kernels import cpu_attention, cpu_extension, reference
 @pytest.fixture(scope="module")
 def op() -> Callable:
     cpu_extension.build(quiet=True)
-    cpu_extension._loaded.pop("op", None)  # (a process that looked before the build)
+    cpu_extension._loaded.clear()  # (a process that looked before the build)
     loaded = cpu_extension.paged_attention_rows()
     assert loaded is not None
     return loaded
@@ -113,7 +113,7 @@ def test_dispatch_sends_few_row_sequences_to_the_op_and_prefill_to_sdpa(
     lens = [(1, 9), (8, 30), (9, 30), (40, 40), (1, 1)]
     batch = make_paged_batch(lens, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
                              dtype=torch.float32, device="cpu", seed=8)
-    monkeypatch.setitem(cpu_extension._loaded, "op", op)
+    monkeypatch.setitem(cpu_extension._loaded, "paged_attention_rows", op)
     attended: list[int] = []
     real = cpu_attention._sequence
     monkeypatch.setattr(cpu_attention, "_sequence",
@@ -126,7 +126,7 @@ def test_dispatch_sends_few_row_sequences_to_the_op_and_prefill_to_sdpa(
 
 
 def test_an_fp8_cache_goes_to_sdpa(op: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(cpu_extension._loaded, "op", op)
+    monkeypatch.setitem(cpu_extension._loaded, "paged_attention_rows", op)
     batch = make_paged_batch([(1, 9), (1, 20)], num_q_heads=4, num_kv_heads=2, head_dim=16,
                              block_size=4, dtype=torch.float32, device="cpu", seed=9)
     fp8 = batch.k_cache.to(reference.FP8_KV_DTYPE)
@@ -142,8 +142,9 @@ def test_a_missing_library_says_so_once_and_falls_back(
     monkeypatch.setattr(cpu_extension, "_loaded", {})
     assert cpu_extension.paged_attention_rows() is None
     assert cpu_extension.paged_attention_rows() is None
+    assert cpu_extension.sample_rows() is None
     err = capsys.readouterr().err
-    assert err.count("scripts/bootstrap.sh builds it") == 1
+    assert err.count("scripts/bootstrap.sh builds them") == 1
 
 
 def test_a_build_without_a_compiler_raises_a_clear_error(

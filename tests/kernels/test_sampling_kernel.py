@@ -1,8 +1,10 @@
-"""`kernels.ops.sample_tokens`: the Triton kernel against its torch twin, token for token, and
-the draw's edges (the lowest and highest uniforms, -inf masks, ragged chunks) on both.
+"""`kernels.ops.sample_tokens`: the Triton kernel and the CPU's C++ op (`kernels/csrc/
+sample_cpu.cpp`, what "auto" runs on CPU) against their torch twin, token for token, and the
+draw's edges (the lowest and highest uniforms, -inf masks, ragged chunks) on each.
 
-CPU cases run the kernel under Triton's interpreter at small vocabularies; the `gpu` cases run
-it at Qwen3's vocabulary in bf16, and inside a CUDA graph.
+CPU cases run the Triton kernel under Triton's interpreter at small vocabularies, the C++ op at
+those and at Qwen3's; the `gpu` cases run the kernel at Qwen3's vocabulary in bf16, and inside a
+CUDA graph.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from kernels import ops
+from kernels import cpu_extension, ops
 from kernels.reference import SAMPLE_CHUNK, uniform
 
 INTERPRETER = pytest.mark.skipif(
@@ -77,11 +79,11 @@ def _random_case(rows: int, vocab: int, dtype: torch.dtype, device: str, seed: i
 
 
 def check_kernel_equals_twin(rows: int, vocab: int, dtype: torch.dtype, device: str,
-                             seed: int) -> None:
+                             seed: int, backend: str = "triton") -> None:
     x, temperature, keys, counters = _random_case(rows, vocab, dtype, device, seed)
     for t in (temperature, None):
         want = ops.sample_tokens(x, keys, counters, t, backend="torch")
-        got = ops.sample_tokens(x, keys, counters, t, backend="triton")
+        got = ops.sample_tokens(x, keys, counters, t, backend=backend)
         assert got.dtype == torch.int64 and got.device == x.device
         assert got.tolist() == want.tolist()
         assert bool(torch.isfinite(x.float().gather(1, got[:, None])).all())
@@ -114,9 +116,49 @@ def test_kernel_many_chunks_and_batch_sizes() -> None:
     assert alone == [int(got[r]) for r in (5, 7, 8)]
 
 
+@pytest.fixture
+def cpu_op(monkeypatch: pytest.MonkeyPatch) -> object:
+    """The C++ sampling op, built here if it is not yet and looked up afresh."""
+    cpu_extension.build(quiet=True)
+    monkeypatch.setattr(cpu_extension, "_loaded", {})
+    op = cpu_extension.sample_rows()
+    assert op is not None
+    return op
+
+
+@pytest.mark.parametrize("vocab", [1000, 1024, 200, 77, 151936])
+def test_cpu_op_equals_twin_token_for_token(cpu_op: object, vocab: int,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setitem(cpu_extension._loaded, "sample_rows",
+                        lambda x, *a: calls.append(x.shape[0]) or cpu_op(x, *a))
+    check_kernel_equals_twin(12, vocab, torch.float32, "cpu", seed=vocab, backend="auto")
+    assert calls == [12, 12]  # "auto" on CPU ran the op (with and without temperatures)
+
+
+def test_cpu_op_many_rows_at_qwen3_vocab_and_alone(cpu_op: object) -> None:
+    """64 rows of Qwen3's vocabulary at temperatures 0.05-2 (no greedy row): the twin's tokens;
+    a row's token the same alone as in the batch (rows run on any thread)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 151936, generator=g) * 3
+    t = torch.rand(64, generator=g) * 1.95 + 0.05
+    keys = torch.randint(-2 ** 63, 2 ** 63 - 1, (64,), generator=g)
+    counters = torch.arange(64) * 7
+    want = ops.sample_tokens(x, keys, counters, t, backend="torch")
+    got = ops.sample_tokens(x, keys, counters, t)
+    assert got.tolist() == want.tolist()
+    alone = [int(ops.sample_tokens(x[r:r + 1], keys[r:r + 1], counters[r:r + 1], t[r:r + 1]))
+             for r in (0, 31, 63)]
+    assert alone == [int(got[r]) for r in (0, 31, 63)]
+    # a non-float32 or column-strided input goes to the twin (same tokens)
+    assert ops.sample_tokens(x.T.contiguous().T, keys, counters, t).tolist() == want.tolist()
+
+
 @pytest.mark.parametrize("backend", [
-    "torch", pytest.param("triton", marks=INTERPRETER)])
+    "torch", "auto", pytest.param("triton", marks=INTERPRETER)])
 def test_draw_edges_of_the_uniform_land_on_allowed_tokens(backend: str) -> None:
+    if backend == "auto":  # on CPU: the C++ op
+        cpu_extension.build(quiet=True)
     vocab = 1000  # 7 chunks of 128 and a ragged one of 104
     rows = len(U_EDGES)
     x = torch.full((rows, vocab), NEG)
