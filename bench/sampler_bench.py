@@ -13,7 +13,8 @@ slows whatever runs next on the CPU), median of `--reps`:
 - per-row generators: what a seeded row cost before the counter-based streams (one
   `torch.Generator.manual_seed` and one `exponential_` over the vocabulary per row, then the
   exponential race), for scale.
-On CUDA also the torch twin of the draw (`backend="torch"`) beside the Triton kernel. With
+Also the torch twin of the draw (`backend="torch"`) beside what the modes above run (the Triton
+kernel on CUDA, the C++ op of kernels/csrc/sample_cpu.cpp on CPU). With
 `--compare-ref REF`, also `sample_simple` of `workers/sampler.py` as it was at git REF (loaded
 from its source, if it imports nothing of the project) on the unseeded rows.
 
@@ -108,7 +109,7 @@ def modes(logits: torch.Tensor, ref: types.ModuleType | None
     if ref is not None:
         out[f"unseeded, {ref.__name__[11:]}"] = lambda: ref.sample_simple(
             logits, unseeded.temperature, unseeded.rng_key, unseeded.rng_counter)
-    if logits.is_cuda:
+    if logits.dtype == torch.float32 or logits.is_cuda:  # (the C++ op takes float32)
         out["unseeded, torch twin"] = lambda: ops.sample_tokens(
             logits, unseeded.rng_key, unseeded.rng_counter, unseeded.temperature,
             backend="torch")
