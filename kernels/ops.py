@@ -2,12 +2,11 @@
 
 `backend="auto"` runs Triton when the tensors are on CUDA and torch otherwise: for paged
 attention the fast CPU path (`kernels/cpu_attention.py`: decode in a C++ op, prefill on torch's
-fused SDPA), for RMSNorm,
-SiLU-and-mul and the attention prologue the CPU versions with fewer calls
-(`kernels/cpu_fused.py`, bit-identical to the twins), for sampling the C++ op of
+fused SDPA), for RMSNorm, SiLU-and-mul and the attention prologue the CPU versions with fewer
+calls (`kernels/cpu_fused.py`, bit-identical to the twins), for sampling the C++ op of
 `kernels/csrc/sample_cpu.cpp` (the twin's draw token for token, but at a chunk's or token's edge
-within float rounding), for the other ops the torch reference. `"torch"` runs the plain-torch reference twins (`kernels/reference.py`),
-the oracle the other backends are tested against.
+within float rounding), for the other ops the torch reference. `"torch"` runs the plain-torch
+reference twins (`kernels/reference.py`), the oracle the other backends are tested against.
 `"triton"` also accepts CPU tensors when `TRITON_INTERPRET=1` is set (how the kernel tests run
 without a GPU). `"flash_attn"` exists for `paged_attention` only.
 
