@@ -24,7 +24,9 @@ def to_cache(x, scale, FP8: tl.constexpr):
     (nearest, ties to even, as torch's cast) so that the cast is exact wherever it runs
     (Triton's interpreter drops a rounding carry into the exponent)."""
     if FP8:
-        x = tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0)
+        # div_rn: IEEE division (a plain `/` compiles to an approximate one on CUDA, which put
+        # values near a rounding midpoint on the other side of it from torch's twin on an H100)
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
         bits = x.to(tl.int32, bitcast=True)
         exp = tl.maximum((bits >> 23) & 0xFF, 127 - 6)  # subnormals: the smallest normal's step
         step = ((exp - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
