@@ -1,8 +1,9 @@
 """Session-wide test settings: offline Hugging Face, one model cache, Triton's interpreter on CPU,
-one Ray temp dir per pytest-xdist worker."""
+one Ray temp dir per pytest-xdist worker, a gpu test's device memory returned after it."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -65,6 +66,30 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return next((d for d in ONE_WORKER_DIRS if scope.startswith(d)), scope)
 
     return OneWorkerDirs(config, log)
+
+
+# The GPU report (bench/gpu_report.py) runs the gpu tests on six xdist workers sharing one GPU,
+# so a gpu test that builds an engine or a worker on CUDA names its KV cache's size
+# (`num_gpu_blocks_override`, `num_gpu_blocks`, or a `gpu_memory_utilization` of at most 0.1;
+# the engine's default, 0.9, took 69 GiB of an H100 for qwen3-tiny and every other worker's
+# tests ran out of memory) and shuts it down in a `finally` or a fixture's teardown
+# (tests/test_gpu_report.py checks the first where it can read it).
+
+
+@pytest.fixture(autouse=True)
+def _gpu_test_leaves_the_device_free(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a gpu test, what it allocated goes back to the device, for the other test workers
+    sharing it: a failed test's error, which pytest keeps in `sys.last_traceback` (and with it
+    every frame's locals: the engine the test was building) until the next failure, is
+    dropped; cycles are collected (an engine raises the collector's threshold, so they wait);
+    the caching allocator's free blocks are returned (another process cannot use them)."""
+    yield
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_initialized():
+        return
+    for name in ("last_exc", "last_type", "last_value", "last_traceback"):
+        vars(sys).pop(name, None)
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

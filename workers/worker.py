@@ -409,9 +409,14 @@ class Worker(KVCacheSizing):
         return self._bound_cache.gpu_cache
 
     def shutdown(self) -> None:
-        """Release the cache, the model and the process group."""
+        """Release the cache, the model and the process group. Also what a start-up that
+        failed part-way built (the executors call it then): the attention layers let go of
+        the cache first, so a model something else still holds (a failed start's traceback:
+        its frames keep the model) no longer keeps the KV cache on the device."""
+        if self.model is not None:
+            self._bind_cache(None)
         self.cache_engine = self._bound_cache = None
-        self.model_runner = self.drafter = self._outputs = None
+        self.model_runner = self.drafter = self._outputs = self.lora = None
         self.model = None
         self._launched.clear()
         self.tp.destroy()

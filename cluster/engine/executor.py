@@ -137,11 +137,18 @@ class InProcessExecutor(Executor):
         from workers.worker import Worker
 
         self.worker = Worker(config)
-        self.worker.init_distributed()
-        self.worker.load_model()
-        self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks = \
-            self.worker.determine_num_blocks()
-        self.worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks)
+        try:
+            self.worker.init_distributed()
+            self.worker.load_model()
+            self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks = \
+                self.worker.determine_num_blocks()
+            self.worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks,
+                                   self.num_offload_blocks)
+        except BaseException:
+            # (the error's traceback keeps the worker: without this its model and KV cache
+            # stay on the device for as long as the error is kept, e.g. by a test runner)
+            self.worker.shutdown()
+            raise
         self._thread = (concurrent.futures.ThreadPoolExecutor(1, "inprocess-worker")
                         if config.device == "cpu" else None)
         self._launches: dict[int, concurrent.futures.Future] = {}

@@ -121,27 +121,32 @@ class LLMEngine:
         self.executor: Executor = build_executor(
             config, worker_config, self.device, placement_group,
             self.async_scheduling and config.pipeline_parallel_size == 1)
-        kv = KVCacheManager(self.executor.num_gpu_blocks, self.executor.num_cpu_blocks,
-                            config.block_size, enable_prefix_caching=config.enable_prefix_caching
-                            and not (self.pooling and self.pooling.pooler.accumulates),
-                            num_offload_blocks=self.executor.num_offload_blocks)
-        preemption = config.preemption_mode or (
-            "swap" if self.executor.num_cpu_blocks > 0 else "recompute")
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
-                            max_model_len=self.max_model_len, preemption_mode=preemption,
-                            max_loras=worker_config.max_loras,
-                            micro_batches=config.pipeline_parallel_size,
-                            max_mixed_prefill_tokens=config.max_mixed_prefill_tokens),
-            kv, eos_token_ids=self.model_config.eos_token_ids, vocab_size=len(self.tokenizer),
-            speculative=spec)
-        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer,
-                                                detokenizer_factory(self.tokenizer))
-        self.structured = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
-            disable_any_whitespace=config.disable_any_whitespace)
+        try:  # (a start that fails from here on must not keep the workers' device memory)
+            kv = KVCacheManager(
+                self.executor.num_gpu_blocks, self.executor.num_cpu_blocks, config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching
+                and not (self.pooling and self.pooling.pooler.accumulates),
+                num_offload_blocks=self.executor.num_offload_blocks)
+            preemption = config.preemption_mode or (
+                "swap" if self.executor.num_cpu_blocks > 0 else "recompute")
+            self.scheduler = Scheduler(
+                SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
+                                max_model_len=self.max_model_len, preemption_mode=preemption,
+                                max_loras=worker_config.max_loras,
+                                micro_batches=config.pipeline_parallel_size,
+                                max_mixed_prefill_tokens=config.max_mixed_prefill_tokens),
+                kv, eos_token_ids=self.model_config.eos_token_ids,
+                vocab_size=len(self.tokenizer), speculative=spec)
+            self.output_processor = OutputProcessor(self.scheduler, self.tokenizer,
+                                                    detokenizer_factory(self.tokenizer))
+            self.structured = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
+                disable_any_whitespace=config.disable_any_whitespace)
+            self.kv_transfers = KVTransfers(self)  # prefill/decode disaggregation's (kv_role)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.latency = LatencyMetrics()
-        self.kv_transfers = KVTransfers(self)  # prefill/decode disaggregation's (kv_role)
         self._times: dict[str, RequestTimes] = {}
         self.num_steps = 0
         self.forward_seconds = 0.0

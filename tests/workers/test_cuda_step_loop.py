@@ -81,9 +81,12 @@ def test_greedy_parity_at_qwen3_06b_shapes(qwen3_06b_fp32: str, enforce_eager: b
     prompts = [[rng.randrange(100, 150000) for _ in range(k)]
                for k in (5, 300, 1000, 3000, 12000)]
     new = 24
+    # 1100 blocks (3.8 GiB) hold every prompt with its output at once (1028 blocks): a
+    # cache sized by gpu_memory_utilization on a GPU five other test workers share is
+    # whatever they left ("only 0 KV blocks fit" when one of them started an engine meanwhile)
     with LLM(qwen3_06b_fp32, device="cuda", dtype="float32", max_model_len=12288,
              max_num_batched_tokens=4096, enforce_eager=enforce_eager,
-             gpu_memory_utilization=0.5) as llm:
+             num_gpu_blocks_override=1100, swap_space=0) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=new), use_tqdm=False)
         ours = [o.outputs[0].token_ids for o in outs]
@@ -106,7 +109,8 @@ def test_no_triton_compile_after_start_up(tiny_dir: str) -> None:
     rng = random.Random(3)
     compiled: list[str] = []
     with LLM(tiny_dir, device="cuda", dtype="bfloat16", max_num_seqs=64,
-             max_num_batched_tokens=4096, gpu_memory_utilization=0.3) as llm:
+             max_num_batched_tokens=4096, num_gpu_blocks_override=4096,  # 64 MiB
+             swap_space=0.0625) as llm:
         knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(kw.get("repr"))
         try:
             for n in (7, 23, 40):

@@ -287,9 +287,13 @@ class LocalExecutor:
     def __init__(self, num_gpu_blocks: int = 128, num_cpu_blocks: int = 32,
                  num_offload_blocks: int = 0, **config: Any) -> None:
         self.worker = Worker(WorkerConfig(**config))
-        self.worker.init_distributed()
-        self.worker.load_model()
-        self.worker.init_cache(num_gpu_blocks, num_cpu_blocks, num_offload_blocks)
+        try:
+            self.worker.init_distributed()
+            self.worker.load_model()
+            self.worker.init_cache(num_gpu_blocks, num_cpu_blocks, num_offload_blocks)
+        except BaseException:  # (as InProcessExecutor: a failed start frees the device)
+            self.worker.shutdown()
+            raise
 
     def kv(self, gpu_ids: list[int], tier_ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         """As ProcessGroupExecutor.kv, for the one rank."""

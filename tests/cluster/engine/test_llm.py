@@ -198,9 +198,12 @@ def test_seeded_request_draws_the_same_tokens_alone_in_a_crowd_async_and_preempt
 @pytest.mark.parametrize("async_scheduling", [None, False])
 def test_cuda_engine_greedy_matches_transformers(oracle: list[list[int]],
                                                  async_scheduling: bool | None) -> None:
-    """On CUDA async scheduling is the default (None: auto): pending tokens, CUDA graphs."""
+    """On CUDA async scheduling is the default (None: auto): pending tokens, CUDA graphs.
+    (A cache of its own size, 16 MiB: gpu_memory_utilization's default took 69 GiB of the
+    GPU the report's six test workers share.)"""
     with LLM("qwen3-tiny", device="cuda", dtype="float32", max_num_seqs=8,
-             max_num_batched_tokens=64, async_scheduling=async_scheduling) as llm:
+             max_num_batched_tokens=64, async_scheduling=async_scheduling,
+             num_gpu_blocks_override=512, swap_space=0.0625) as llm:
         assert llm.engine.async_scheduling is (async_scheduling is None)
         assert _token_ids(llm) == oracle
         _assert_all_blocks_free(llm)

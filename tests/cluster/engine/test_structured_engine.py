@@ -372,7 +372,8 @@ def test_constrained_outputs_are_valid_on_cuda_with_async_scheduling() -> None:
     """On CUDA the bitmask is filled while the GPU runs the forward pass of its step, and
     applied on the device (scheduling ahead is the default there)."""
     prompts, params, checks = _requests()
-    with LLM("qwen3-tiny", device="cuda", dtype="float32", max_num_seqs=64) as llm:
+    with LLM("qwen3-tiny", device="cuda", dtype="float32", max_num_seqs=64,
+             num_gpu_blocks_override=1024, swap_space=0.0625) as llm:  # (32 MiB: a shared GPU)
         assert llm.engine.async_scheduling
         outs = llm.generate(prompts, params, use_tqdm=False)
     for out, expected in zip(outs, checks):
