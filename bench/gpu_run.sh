@@ -6,12 +6,13 @@
 # 1. installs what the GPU box lacks from the wheels carried in .whl/ (made here, where pip
 #    reaches PyPI, by `bash bench/gpu_wheels.sh`; the box has torch, triton and transformers
 #    but no registry), into /tmp/site on PYTHONPATH;
-# 2. runs bench/gpu_report.py (the gpu-marked tests first, then every benchmark, each with a
-#    time budget of its own and none past the run's deadline, GPU_RUN_DEADLINE_S, 480 s);
+# 2. runs bench/gpu_report.py (the gpu-marked tests and every benchmark, most wanted first,
+#    each with a time budget of its own and none past the run's deadline, GPU_RUN_DEADLINE_S,
+#    480 s; its docstring has the arithmetic);
 # 3. leaves under $OUT: report.md, report.json and gpu-report.tgz (every step's log and JSON),
 #    three files, within what the device tool brings back.
-# GPU_REPORT_ONLY (step names, comma-separated) reruns some steps; GPU_REPORT_HF=0 leaves
-# transformers out of offline-gpu.
+# GPU_REPORT_ONLY (step names, comma-separated) reruns some steps (report.md names the ones the
+# deadline left out); GPU_REPORT_HF=0 leaves out the transformers comparison.
 # Without CUDA it says so and exits 0 at once: nothing here is measured on a CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."

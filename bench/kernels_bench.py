@@ -355,7 +355,7 @@ def main() -> int:
               f"{row['kernels_per_step']:>13.1f} {row['kernels_per_layer']:>10.2f}")
         for name, us, n in row["top"][:8]:
             print(f"        {us:>8.1f} us  x{n:<6} {name}")
-    save()
+        save()  # (each row as it comes: a time budget that ends the run keeps it)
     # Decode attention last: a fault at one shape (a CUDA error ends the process) keeps the
     # sections above, and the rows before it, in the JSON.
     batches = [1, 32] if args.quick else [1, 32, 256]

@@ -11,6 +11,8 @@ Throughput = output tokens / wall seconds for the whole batch, prefill included.
         [--passes 2]  # time the workload this many times in one engine: the first run after
                       # start-up and the warmed ones (the row's tok/s is the last one's)
         [--hf-subset 32] [--hf-continuous-only]  # fewer transformers runs (slow on a GPU)
+        [--skip-engine]  # the transformers rows alone (the GPU report runs them last)
+`--json` is rewritten after every system's run, so a run cut short keeps the rows it finished.
 """
 
 from __future__ import annotations
@@ -250,6 +252,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="median of this many runs")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true",
+                    help="no engine rows: the transformers peers alone")
     ap.add_argument("--compare-async", action="store_true",
                     help="engine rows with async_scheduling on and off (else the default, auto)")
     ap.add_argument("--seeds", choices=["on", "off", "both"], default="on",
@@ -281,11 +285,11 @@ def main() -> None:
         (f"engine tp={tp}" + ("" if on is None else f", async {'on' if on else 'off'}"),
          partial(run_engine, **engine_args), (path, reqs, w["temperature"], tp, on, seeds,
                                               args.passes))
-        for tp in args.tp for on in modes]
+        for tp in args.tp for on in modes if not args.skip_engine]
     if args.hf_continuous_only:
         systems.append(("hf continuous, exact lengths", run_hf_continuous_exact,
                         (path, hf_reqs, w["temperature"], device)))
-    elif not args.skip_hf:
+    elif not args.skip_hf and not args.skip_engine:
         # generate_batch gives every request the longest output: the engine on that workload too
         longest = [(p, max(o for _, o in reqs)) for p, _ in reqs]
         systems += [
@@ -309,13 +313,9 @@ def main() -> None:
                 if name.startswith("engine"):
                     raise
                 runs[name] = [{"error": f"{type(e).__name__}: {e}"[:200]}]
-    for name, rs in runs.items():
-        if "error" in rs[0]:
-            rows[name] = rs[0]
-            continue
-        best = sorted(rs, key=lambda r: r["tok_per_s"])[len(rs) // 2]
-        best["runs_tok_per_s"] = [round(r["tok_per_s"], 1) for r in rs]
-        rows[name] = best
+            rows = _rows(runs)
+            if args.json:  # (after every run: a time budget that ends the rest keeps these)
+                _write_json(args.json, args.workload, engine_args, rows)
     print(f"workload {args.workload}: {len(reqs)} requests, "
           f"{sum(o for _, o in reqs)} output tokens"
           + (f" (transformers: the first {len(hf_reqs)})" if args.hf_subset else "")
@@ -331,8 +331,28 @@ def main() -> None:
               f"{'' if ov is None else f'{ov:.2f}':>17} "
               f"{'' if frac is None else f'{100 * frac:.1f}':>11}")
     if args.json:
-        args.json.write_text(json.dumps({"workload": args.workload, "machine": machine(),
-                                         **engine_args, "rows": rows}, indent=2))
+        _write_json(args.json, args.workload, engine_args, rows)
+
+
+def _rows(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each system's row: its median run, with every run's tok/s (or its error)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        if "error" in rs[0]:
+            rows[name] = rs[0]
+            continue
+        best = dict(sorted(rs, key=lambda r: r["tok_per_s"])[len(rs) // 2])
+        best["runs_tok_per_s"] = [round(r["tok_per_s"], 1) for r in rs]
+        rows[name] = best
+    return rows
+
+
+def _write_json(path: Path, workload: str, engine_args: dict[str, Any],
+                rows: dict[str, dict[str, Any]]) -> None:
+    path.write_text(json.dumps({"workload": workload, "machine": machine(), **engine_args,
+                                "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

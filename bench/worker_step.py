@@ -304,18 +304,26 @@ def main() -> None:
         anatomy(args, batches)
         return
     blocks = max(batches) * -(-(args.context + args.steps + 1) // BLOCK)
+    # Each phase and row is printed (and the JSON rewritten) as it ends, so a run stopped by a
+    # time budget says how far it got: the GPU report's FP8 decode step once left an empty log.
+    start = time.perf_counter()
     worker = _worker(args, max_model_len=max(512, args.context + 64), max_num_seqs=max(batches),
                      num_gpu_blocks_override=blocks, enforce_eager=args.enforce_eager)
+    print(f"start-up (load{', quantize' if args.quantization else ''}, cache, graphs, warm-up): "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     rng = np.random.default_rng(0)
     run_case(worker, 1, 16, 2, rng, sync)  # warm-up
-    rows = [run_case(worker, b, args.context, args.steps, rng, sync) for b in batches]
     print(f"{'batch':>5} {'context':>7} {'prefill tok/s':>14} {'decode ms/step':>15} "
-          f"{'decode tok/s':>13}")
-    for r in rows:
+          f"{'decode tok/s':>13}", flush=True)
+    rows = []
+    for b in batches:
+        r = run_case(worker, b, args.context, args.steps, rng, sync)
+        rows.append(r)
         print(f"{r['batch']:>5} {r['context']:>7} {r['prefill_tok_per_s']:>14.0f} "
-              f"{r['decode_step_ms']:>15.2f} {r['decode_tok_per_s']:>13.0f}")
-    _write_json(args, rows, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+              f"{r['decode_step_ms']:>15.2f} {r['decode_tok_per_s']:>13.0f}", flush=True)
+        _write_json(args, rows, quantization=args.quantization,
+                    kv_cache_dtype=args.kv_cache_dtype)
     worker.shutdown()
 
 

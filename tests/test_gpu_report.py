@@ -8,6 +8,7 @@ files; the report's tables must render from the results the benchmarks write.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import runpy
 import subprocess
@@ -45,6 +46,28 @@ def test_gpu_tests_step_runs_every_gpu_marked_file(tmp_path: Path) -> None:
     assert marked <= files
     assert "tests/workers/test_cuda_step_loop.py" in files
     assert all((ROOT / f).is_file() for f in files)
+
+
+def test_engines_the_gpu_tests_build_on_cuda_size_their_cache() -> None:
+    """The gpu tests run on six xdist workers sharing one GPU (tests/conftest.py): an engine a
+    gpu test starts on CUDA names its cache's size, or a share of the device of at most 0.1,
+    never the default 0.9 (which took 69 GiB of an H100 for qwen3-tiny)."""
+    unsized = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        text = path.read_text()
+        if "mark.gpu" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("LLM", "EngineConfig")):
+                continue
+            kw = {k.arg: k.value for k in node.keywords if k.arg}
+            if getattr(kw.get("device"), "value", None) != "cuda":
+                continue
+            share = getattr(kw.get("gpu_memory_utilization"), "value", 1.0)
+            if "num_gpu_blocks_override" not in kw and not share <= 0.1:
+                unsized.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert unsized == []
 
 
 @pytest.mark.parametrize("name", [s.name for s in gpu_report.steps(Path("out"))
@@ -143,3 +166,87 @@ def test_report_compares_the_fp8_decode_step_with_bf16s() -> None:
     md = gpu_report._markdown(report)
     assert "| 256 | 20.00 | 12.00 | 0.60x |" in md
     assert "offline-gpu fp8: `" in md
+
+
+def test_offline_gpu_measures_the_engines_alone_and_transformers_runs_last(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engines' passes are the step's result whatever transformers does: it is a step of
+    its own at the end (today's run lost every engine figure to its comparison's timeout)."""
+    named = {s.name: s for s in gpu_report.steps(tmp_path)}
+    assert "--skip-hf" in named["offline-gpu"].argv
+    hf = named["offline-gpu transformers"]
+    assert {"--skip-engine", "--hf-continuous-only"} <= set(hf.argv)
+    assert list(named).index("offline-gpu transformers") > list(named).index("offline-gpu fp8")
+    monkeypatch.setenv("GPU_REPORT_HF", "0")
+    assert "offline-gpu transformers" not in {s.name for s in gpu_report.steps(tmp_path)}
+
+
+def test_a_step_past_its_budget_is_stopped_with_every_process_it_started(
+        tmp_path: Path) -> None:
+    """(pytest's xdist workers are the step's grandchildren: one left behind would hold the
+    GPU through the next steps)"""
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('started', flush=True); "
+              "time.sleep(60)")
+    step = gpu_report.Step("sleeper", [sys.executable, "-c", script], 60)
+    start = time.perf_counter()
+    result = gpu_report._run(step, 2, tmp_path)
+    assert result["status"] == "timed out after 2 s"
+    assert time.perf_counter() - start < 15
+    assert "started" in result["tail"]
+    child = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+
+
+def test_a_step_that_exits_leaves_no_process_behind(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(c.pid))")
+    result = gpu_report._run(gpu_report.Step("leaver", [sys.executable, "-c", script], 30),
+                             30, tmp_path)
+    assert result["status"] == "ok" and result["seconds"] < 15
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_gpu_tests_are_counted_from_the_log_when_pytest_was_stopped(tmp_path: Path) -> None:
+    log = tmp_path / "gpu_tests.log"
+    log.write_text(
+        "tests/kernels/test_a.py::test_x[1] \n"
+        "[gw0] [  1%] PASSED tests/kernels/test_a.py::test_x[1] \n"
+        "[gw1] [  2%] FAILED tests/workers/test_b.py::test_y[True] \n"
+        "[gw2] [  3%] SKIPPED tests/workers/test_b.py::test_z \n"
+        "[gw0] [  4%] PASSED tests/workers/test_b.py::test_w \n"
+        "[gw0] [  4%] ERROR tests/workers/test_b.py::test_w \n"
+        "FAILED tests/workers/test_b.py::test_y[True] - torch.OutOfMemoryError: x\n")
+    summary = gpu_report._tests_summary(tmp_path / "absent.xml", log)
+    assert summary == {"tests": 4, "failures": 1, "errors": 1, "skipped": 1, "partial": True,
+                       "failed": ["tests/workers/test_b.py::test_y[True]",
+                                  "tests/workers/test_b.py::test_w"]}
+    assert gpu_report._tests_summary(tmp_path / "absent.xml", tmp_path / "no.log") == {}
+
+
+def test_report_names_the_steps_the_deadline_left_out_and_merges_transformers_rows() -> None:
+    report = {"device": "H100", "date": "d", "commit": "c", "driver": "x", "torch": "t",
+              "triton": "t", "transformers": "t",
+              "steps": {"gpu tests": {"status": "timed out after 180 s", "seconds": 180},
+                        "embed": {"status": "skipped: the run's deadline passed", "seconds": 0},
+                        "prompt logprobs 8b": {"status": "skipped: the run's deadline passed",
+                                               "seconds": 0}},
+              "tests": {"tests": 3, "failures": 0, "errors": 0, "skipped": 0, "failed": [],
+                        "partial": True},
+              "results": {"offline-gpu": {"rows": {"engine tp=1, async on": {
+                  "tok_per_s": 19524.0, "passes_tok_per_s": {"seeded": [9073.0, 19524.0]}}}},
+                  "offline-gpu transformers": {"rows": {"hf continuous, exact lengths": {
+                      "tok_per_s": 210.4}}}}}
+    report["rerun"] = gpu_report._rerun_line(report["steps"])
+    md = gpu_report._markdown(report)
+    assert "`GPU_REPORT_ONLY='models,embed,prompt logprobs 8b' bash bench/gpu_run.sh`" in md
+    assert "(from the log: pytest was stopped before its summary)" in md
+    assert "| engine tp=1, async on | 19524 | seeded: 9073, 19524 |" in md
+    assert "| hf continuous, exact lengths | 210 |  |" in md
+    assert gpu_report._rerun_line({"embed": {"status": "ok", "seconds": 3}}) is None
