@@ -41,7 +41,8 @@ _BACKENDS = ("auto", "triton", "flash_attn", "torch")
 
 __all__ = ["FP8_KV_DTYPE", "Backend", "compute_cos_sin_cache", "fp8_block_linear", "fused_moe",
            "lora_expand",
-           "lora_shrink", "moe_route", "paged_attention", "qk_norm_rope_write_kv",
+           "lora_shrink", "moe_route", "paged_attention", "paged_attention_decode_shapes",
+           "qk_norm_rope_write_kv",
            "rms_norm", "rotary_embedding", "sample_tokens", "silu_and_mul", "write_kv"]
 
 
@@ -158,6 +159,19 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     from kernels.triton_attention import paged_attention as triton_paged_attention
     return triton_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                   scale, max_query_len, max_seq_len, key, value, k_scale, v_scale)
+
+
+def paged_attention_decode_shapes(max_num_seqs: int, num_kv_heads: int, max_model_len: int,
+                                  device: torch.device, backend: Backend = "auto"
+                                  ) -> list[tuple[int, int]]:
+    """Decode batches (batch size, max_seq_len), one per kernel that `paged_attention` compiles
+    for some decode step of at most `max_num_seqs` sequences within `max_model_len` on `device`
+    (the Triton kernel's split-K factors): what a start-up warm-up runs so that no decode step
+    compiles later. Empty where the backend compiles nothing."""
+    if not (backend == "triton" or (backend == "auto" and device.type == "cuda")):
+        return []
+    from kernels.triton_attention import decode_launch_shapes
+    return decode_launch_shapes(max_num_seqs, num_kv_heads, max_model_len, device)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,

@@ -63,6 +63,7 @@ _MEASURED_BEST_SEGMENTS = (
 
 # Prefill tiles: chunks of at least LONG_CHUNK tokens get unfolded 128-row query tiles.
 LONG_CHUNK = 128
+TILE_N = 64  # keys per tile, unless a caller forces another
 _INT32_MAX = 2**31 - 1
 
 
@@ -168,9 +169,15 @@ def _chunk_tile(acc, m_i, l_i, q, tile, q_idx, q_hi, q_start, context_len, kv_he
     return _attend_tile(acc, m_i, l_i, q, k, v, visible, scale_log2, MASKED, DOT_PRECISION)
 
 
-# Per-step integers are never specialised (== 1, divisible by 16): one compiled kernel per
-# launch type serves every batch, so no request pays for a compile the warm-up did not do.
-@triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi"])
+# One compiled kernel per launch type (decode, folded or unfolded prefill tiles, split-K
+# factor) serves every batch, so no request pays for a compile the warm-up did not do: the
+# per-step integers (num_seqs, the q_len bounds, the block table's row stride, its width
+# following max_seq_len) are never specialised (== 1, divisible by 16), nor are the step
+# metadata's pointers on their 16-byte alignment (query_start_loc is a view into the step's
+# staging buffer at 4 * num_seqs bytes; each is read one value at a time, never vectorised).
+@triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
+                                            "seq_lens_ptr"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr,
@@ -322,10 +329,36 @@ def choose_num_segments(num_seqs: int, num_kv_heads: int, max_query_len: int, ma
     if max_query_len != 1:
         return 1
     tiles = max(1, -(-max_seq_len // tile_n))
-    row = _nearest(_MEASURED_PROGRAMS_PER_SM, num_seqs * num_kv_heads / sm_count)
+    row = _programs_row(num_seqs, num_kv_heads, sm_count)
     col = _nearest(_MEASURED_TILES, tiles)
     segments = min(_MEASURED_BEST_SEGMENTS[row][col], tiles, MAX_SEGMENTS)
     return 1 << (segments.bit_length() - 1)  # round down to a power of two
+
+
+def _programs_row(num_seqs: int, num_kv_heads: int, sm_count: int) -> int:
+    """The row of the measured table a decode batch of `num_seqs` sequences looks up."""
+    return _nearest(_MEASURED_PROGRAMS_PER_SM, num_seqs * num_kv_heads / sm_count)
+
+
+def decode_launch_shapes(max_num_seqs: int, num_kv_heads: int, max_model_len: int,
+                         device: torch.device) -> list[tuple[int, int]]:
+    """One decode batch (batch size, max_seq_len) per split-K factor that `choose_num_segments`
+    picks for some decode batch of at most `max_num_seqs` sequences within `max_model_len`:
+    each factor is its own compiled kernel (and merge kernel), so a warm-up that runs these
+    batches leaves no decode step to compile. The choice depends on the batch size only through
+    its row of the measured table, so the smallest batch size of each row stands for the rest;
+    each factor comes with the smallest context that picks it."""
+    sm_count = _sm_count(device)
+    first_of_row: dict[int, int] = {}
+    for num_seqs in range(1, max_num_seqs + 1):
+        first_of_row.setdefault(_programs_row(num_seqs, num_kv_heads, sm_count), num_seqs)
+    shapes: dict[int, tuple[int, int]] = {}
+    for num_seqs in sorted(first_of_row.values()):
+        for tiles in range(1, -(-max_model_len // TILE_N) + 1):
+            seq_len = min(tiles * TILE_N, max_model_len)
+            segments = choose_num_segments(num_seqs, num_kv_heads, 1, seq_len, TILE_N, sm_count)
+            shapes.setdefault(segments, (num_seqs, seq_len))
+    return sorted(shapes.values())
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -371,7 +404,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     decode = max_query_len == 1
     num_seqs = seq_lens.shape[0]
     if tile_n is None:
-        tile_n = 64
+        tile_n = TILE_N
     if num_segments is None:
         num_segments = choose_num_segments(num_seqs, num_kv_heads, max_query_len, max_seq_len,
                                            tile_n, _sm_count(q.device))

@@ -66,7 +66,13 @@ def _row_temperature(temperature_ptr, row, HAS_TEMPERATURE: tl.constexpr):
         return tl.full((), 1.0, tl.float32)
 
 
-@triton.jit
+# The per-row inputs (temperature, stream key and counter) are views into the step's staging
+# buffer at offsets that follow its token and row counts: never specialised on their 16-byte
+# alignment (each row reads one value), so one compiled kernel serves every batch.
+_PER_ROW = ["temperature_ptr", "key_ptr", "counter_ptr"]
+
+
+@triton.jit(do_not_specialize_on_alignment=_PER_ROW[:1])
 def _chunk_stats_kernel(
     logits_ptr, temperature_ptr, cmax_ptr, csum_ptr, stride_row, vocab, num_chunks,
     HAS_TEMPERATURE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PER_PROG: tl.constexpr,
@@ -98,7 +104,7 @@ def _chunk_masses(cmax_ptr, csum_ptr, base, idx, num_chunks, row_max,
     return cmax, mass
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=_PER_ROW)
 def _pick_kernel(
     logits_ptr, temperature_ptr, key_ptr, counter_ptr, cmax_ptr, csum_ptr, out_ptr,
     stride_row, vocab, num_chunks,

@@ -8,14 +8,17 @@ that request milliseconds to seconds. `warmup_plans` walks the shape classes onc
 (after the KV cache and the decode graphs exist): single prefill chunks of every length class
 up to max_num_batched_tokens, with and without a cached prefix; batches of 1-5 sequences (the
 staged arrays' alignment depends on the counts); a mixed decode + prefill batch; decodes at
-short, medium and full contexts (eager, when there are no graphs); and every sampling option
+short, medium and full contexts (eager, when there are no graphs); a decode step of every
+shape the caller names (`decode_shapes`: the attention kernel's split-K factors, from its own
+choice function), run eagerly even where graphs exist (rows that do not sample never replay a
+graph), since graphs capture only the factor of the longest context; and every sampling option
 (plain temperature rows alone too).
 Each plan's sequences are dropped by the next plan: the worker ends the warm-up holding none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -51,32 +54,33 @@ class _Plans:
         self.seq = 0
         self.live: list[int] = []
 
-    def fits(self, lens: list[int]) -> bool:
-        return sum(self._blocks(n) for n in lens) <= self.num_blocks
+    def fits(self, lens: list[int], room: int = _ROOM) -> bool:
+        return sum(self._blocks(n, room) for n in lens) <= self.num_blocks
 
-    def _blocks(self, tokens: int) -> int:
-        return -(-(tokens + _ROOM) // self.block_size)
+    def _blocks(self, tokens: int, room: int = _ROOM) -> int:
+        return -(-(tokens + room) // self.block_size)
 
     def batch(self, starts: list[int], qlens: list[int],
-              params: tuple[SamplingParams, ...] = _SAMPLING[:1]) -> StepPlan:
-        """New sequences with `starts[i]` tokens cached and `qlens[i]` to compute."""
+              params: tuple[SamplingParams, ...] = _SAMPLING[:1], sample: bool = True,
+              room: int = _ROOM) -> StepPlan:
+        """New sequences with `starts[i]` tokens cached and `qlens[i]` to compute, and blocks
+        for `room` more; with `sample` False no row samples."""
         news, block = [], 0
         seq_ids = list(range(self.seq, self.seq + len(qlens)))
         self.seq += len(qlens)
         for i, (s, (start, q)) in enumerate(zip(seq_ids, zip(starts, qlens))):
-            n = self._blocks(start + q)
+            n = self._blocks(start + q, room)
             news.append(NewSeq(s, "warm-up", 0, start + q, [0] * start,
                                list(range(block, block + n)), params[i % len(params)]))
             block += n
-        plan = self._plan(seq_ids, qlens, starts, news)
-        return plan
+        return self._plan(seq_ids, qlens, starts, news, sample=sample)
 
     def more(self, seq_ids: list[int], starts: list[int], qlens: list[int]) -> StepPlan:
         """A further step of live sequences (at most _ROOM more tokens each in all)."""
         return self._plan(seq_ids, qlens, starts, [], drop=False)
 
     def _plan(self, seq_ids: list[int], qlens: list[int], starts: list[int],
-              news: list[NewSeq], drop: bool = True) -> StepPlan:
+              news: list[NewSeq], drop: bool = True, sample: bool = True) -> StepPlan:
         self.step += 1
         dropped = self.live if drop else []
         if drop:
@@ -84,16 +88,18 @@ class _Plans:
         total = int(sum(qlens))
         return StepPlan(self.step, np.array(seq_ids, np.int64), np.array(qlens, np.int32),
                         np.array(starts, np.int32), np.full(total, 100, np.int64),
-                        np.ones(len(seq_ids), bool), new_seqs=news, dropped_seq_ids=dropped)
+                        np.full(len(seq_ids), sample), new_seqs=news,
+                        dropped_seq_ids=dropped)
 
     def drop_all(self) -> StepPlan:
         return self._plan([], [], [], [])
 
 
 def warmup_plans(block_size: int, num_gpu_blocks: int, max_model_len: int,
-                 max_num_batched_tokens: int, max_num_seqs: int,
-                 eager_decode: bool) -> Iterator[StepPlan]:
-    """The warm-up's plans, in order (see the module docstring)."""
+                 max_num_batched_tokens: int, max_num_seqs: int, eager_decode: bool,
+                 decode_shapes: Sequence[tuple[int, int]] = ()) -> Iterator[StepPlan]:
+    """The warm-up's plans, in order (see the module docstring); `decode_shapes`: (batch size,
+    longest sequence) of decode steps to run eagerly."""
     p = _Plans(block_size, num_gpu_blocks)
     limit = min(max_num_batched_tokens, max_model_len - 1 - _ROOM)
     # The largest step (as the memory profile ran it): the allocator keeps that peak cached.
@@ -132,4 +138,9 @@ def warmup_plans(block_size: int, num_gpu_blocks: int, max_model_len: int,
                 plan = p.batch([0] * b, [q] * b)
                 yield plan
                 yield p.more(plan.seq_ids.tolist(), [q] * b, [1] * b)
+    for b, seq_len in decode_shapes:
+        # one sequence of seq_len tokens and b - 1 of one, each computing its last token
+        lens = [seq_len] + [1] * (b - 1)
+        if b <= min(max_num_seqs, limit) and seq_len <= max_model_len and p.fits(lens, 0):
+            yield p.batch([n - 1 for n in lens], [1] * b, sample=False, room=0)
     yield p.drop_all()

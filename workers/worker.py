@@ -215,11 +215,15 @@ class Worker(KVCacheSizing):
     def warm_up(self) -> None:
         """Run the start-up warm-up's plans (workers/warmup.py) on the real cache; the worker
         holds no sequence afterwards."""
-        cfg = self.config
+        cfg, mc = self.config, loaded(self.model_config)
         runner = loaded(self.model_runner)
+        decode_shapes = kernels.ops.paged_attention_decode_shapes(
+            cfg.max_num_seqs, mc.num_kv_heads_per_rank(self.tp.world_size), cfg.max_model_len,
+            self.device, cfg.attention_backend)
         for plan in warmup_plans(cfg.block_size, runner.num_gpu_blocks, cfg.max_model_len,
                                  cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                 eager_decode=runner.graph_runner is None):
+                                 eager_decode=runner.graph_runner is None,
+                                 decode_shapes=decode_shapes):
             self.execute(plan)
         runner.pending.reset()
         if self.device.type == "cuda":

@@ -26,7 +26,8 @@ def compile_kernel(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str
                    aligned: bool = True, **options: int):
     """Compile `fn` for TARGET. `aligned`: pointers and `stride*` arguments carry the
     divisible-by-16 specialisation a launch on aligned tensors gets (what enables 16-byte
-    vector loads and cp.async pipelining), as real launches of ops.py's tensors do."""
+    vector loads and cp.async pipelining), as real launches of ops.py's tensors do, but for
+    those the kernel never specialises (`do_not_specialize`, `do_not_specialize_on_alignment`)."""
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -35,8 +36,9 @@ def compile_kernel(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str
             signature[name] = "*" + ptrs[name]
         else:
             signature[name] = "fp32" if name in floats else "i32"
+    never = {*fn.do_not_specialize, *fn.do_not_specialize_on_alignment}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if aligned and (name in ptrs or name.startswith("stride"))}
+             if aligned and (name in ptrs or name.startswith("stride")) and name not in never}
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=TARGET, options=options)
