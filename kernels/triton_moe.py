@@ -30,7 +30,12 @@ Tile sizes: `_TILE_TABLE` is PROVISIONAL. It follows the shape of vLLM's H100 ta
 E=128, N=768 (small BLOCK_M for decode, 64-row tiles for prefill), not our own measurement:
 no GPU was lent when this was written. To measure it on a Hopper GPU, run
 `python bench/moe_bench.py --device cuda --sweep-tiles` and put the best tiles per token
-count into the table (see docs/benchmarks.md).
+count into the table (see docs/benchmarks.md). Its rows are sized for 2-byte activations
+(bf16, fp16); `tile_config` gives wider ones (fp32) a proportionally smaller BLOCK_K, so a
+pipeline stage's A and B tiles hold the bytes they hold in bf16: fp32 at the bf16 tiles needed
+up to 240 KiB of shared memory, over an H100's 227 (a launch fails: Triton's OutOfResources).
+tests/kernels/sm90_compile_moe.py compiles every row as `tile_config` gives it in every
+activation dtype and checks each against that limit.
 """
 
 from __future__ import annotations
@@ -44,20 +49,26 @@ from kernels.triton_fp8 import INTERPRET
 from kernels.triton_kv import to_cache
 
 # (max pairs T*k, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the first row
-# whose bound covers the batch. PROVISIONAL (see the module docstring).
+# whose bound covers the batch, for activations of _TABLE_ELEMENT_BYTES. PROVISIONAL (see the
+# module docstring).
 _TILE_TABLE = (
     (64, 16, 64, 128, 1, 4, 4),
     (512, 32, 64, 128, 8, 4, 4),
     (4096, 64, 128, 64, 8, 4, 4),
     (2**62, 64, 128, 64, 8, 8, 3),
 )
+_TABLE_ELEMENT_BYTES = 2
 
 
-def tile_config(num_pairs: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) for T*k pairs."""
-    for bound, *tiles in _TILE_TABLE:
+def tile_config(num_pairs: int, dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) for T*k pairs of `dtype`
+    activations: the table's row, its BLOCK_K divided by how much wider than the table's
+    elements `dtype`'s are (fp32: halved), so a stage's A and B tiles keep their bytes."""
+    widen = max(1, dtype.itemsize // _TABLE_ELEMENT_BYTES)
+    for bound, block_m, block_n, block_k, *rest in _TILE_TABLE:
         if num_pairs <= bound:
-            return tuple(tiles)  # type: ignore[return-value]
+            tiles = (block_m, block_n, max(16, block_k // widen), *rest)
+            return tiles  # type: ignore[return-value]
     raise AssertionError("the last row's bound covers every batch")
 
 
@@ -250,7 +261,7 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    tiles = tiles or tile_config(num_pairs)
+    tiles = tiles or tile_config(num_pairs, x.dtype)
     if block is not None:  # FP8: the K loop steps one scale block (one activation group)
         block_m, block_n, _, *rest = tiles
         tiles = (block_m, block_n, block[1], *rest)
