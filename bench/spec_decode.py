@@ -8,8 +8,9 @@ made wrong otherwise. Rows:
   acceptance 0.0, batch 1   every proposal wrong (the per-sequence off switch must limit it)
   acceptance 0.7, batch 32  a loaded batch
   ngram, batch 1            vLLM's n-gram lookup on prompts with repeated motifs
-  draft, batch 1            the draft model `qwen3-tiny-draft` (2 layers, other random
-                            weights: proposals rarely right; the off switch must limit it)
+  draft, batch 1            a draft model of the target's shapes with 2 layers and other
+                            random weights (`draft_model`: `qwen3-tiny-draft` for qwen3-tiny):
+                            proposals rarely right; the off switch must limit it
   selfdraft, batch 1        qwen3-tiny drafting for itself: every proposal right, but the
                             draft costs what the target does (on CPU the 152k-row LM head
                             dominates both), so this row measures the draft path's overhead
@@ -30,6 +31,8 @@ the `tok_s_on` of two runs, one with the flag and one without (same rows, same m
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -55,6 +58,41 @@ class ReplayProposer:
         full = self.recorded[tuple(token_ids[:16])]
         true = full[len(token_ids):len(token_ids) + k]
         return [t if self.rng.random() < self.p else (t + 1) % 150000 for t in true]
+
+
+def draft_model(target: str) -> str:
+    """The `draft` row's draft for `target` (a name or checkpoint directory): a draft's KV
+    shares the target's cache blocks, so its KV layout must be the target's
+    (workers/draft_runner.check_draft_fits). `qwen3-tiny-draft` where it fits, else a random
+    dense Qwen3 of the target's shapes with 2 layers (seed 1, as qwen3-tiny-draft is made from
+    qwen3-tiny), written into the model cache on first use under a name that hashes its
+    config, so a later run (or gpu_report's models step, which writes it ahead) reuses it."""
+    from workers.draft_runner import check_draft_fits
+    from workers.model_config import load_model_config
+    from workers.tiny_model import (
+        TINY_DRAFT_MODEL_NAME,
+        TINY_DRAFT_SEED,
+        cache_root,
+        resolve_model,
+        write_random_qwen3,
+    )
+
+    want = load_model_config(resolve_model(target))
+    tiny = resolve_model(TINY_DRAFT_MODEL_NAME)
+    with contextlib.suppress(ValueError):  # else a draft of the target's shapes, below
+        check_draft_fits(want, load_model_config(tiny), 1)
+        return tiny
+    config = {name: getattr(want, name) for name in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+        "rope_theta", "tie_word_embeddings", "dtype")}
+    config["num_hidden_layers"] = 2
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    path = cache_root() / f"qwen3-random-draft-{digest}"
+    if not (path / "model.safetensors").is_file():
+        write_random_qwen3(path, config, seed=TINY_DRAFT_SEED)
+    check_draft_fits(want, load_model_config(path), 1)
+    return str(path)
 
 
 def _prompts(batch: int, motif: bool, seed: int) -> list[list[int]]:
@@ -91,15 +129,18 @@ def main() -> None:
                     help="speculative_config.disable_by_batch_size (default: the engine's)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--model", default="qwen3-tiny", help="the target (checkpoint dir or name)")
-    ap.add_argument("--draft-model", default="qwen3-tiny-draft", help="the `draft` row's draft")
+    ap.add_argument("--draft-model", default=None,
+                    help="the `draft` row's draft (default: draft_model(--model))")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no CUDA graphs (decode nor verify): the A/B for the verify graphs")
     a = ap.parse_args()
 
     from cluster import LLM
 
-    draft_models = {"draft": a.draft_model, "selfdraft": a.model}
     kinds = {item.split(":")[0] for item in a.rows.split(",")}
+    draft_models = {"draft": a.draft_model, "selfdraft": a.model}
+    if "draft" in kinds and a.draft_model is None:
+        draft_models["draft"] = draft_model(a.model)
     engine = dict(model=a.model, device=a.device, executor="inprocess", max_num_seqs=64,
                   max_model_len=1024, enforce_eager=a.enforce_eager)
     if a.device == "cuda":  # every engine lives at once: each takes its share of the GPU
