@@ -49,6 +49,15 @@ def make_requests(w: dict[str, Any], seed: int = 0) -> list[tuple[list[int], int
     return reqs
 
 
+def fresh_prompts(reqs: list[tuple[list[int], int]], k: int) -> list[tuple[list[int], int]]:
+    """The workload with the same prompt and output lengths and other token ids (`k` > 0: each
+    id moved k * 49,999 places around make_requests' range): the prefix cache has none of
+    another k's blocks, so a second timed pass measures the warmed engine, not its cache hits
+    (on the 2026-11-27 H100 pass 2 re-sent pass 1's prompts, every block of them still cached)."""
+    lo, span = 100, 150000 - 100
+    return [([lo + (t - lo + k * 49999) % span for t in p], o) for p, o in reqs]
+
+
 def model_path(name: str) -> str:
     from workers.tiny_model import QWEN3_0_6B_CONFIG, cache_root, resolve_model, write_random_qwen3
 
@@ -72,19 +81,23 @@ def run_engine(path: str, reqs: list, temperature: float, tp: int,
     llm = LLM(path, tensor_parallel_size=tp, worker_num_cpus=max(0.5, 2 / tp) if tp > 1 else 1.0,
               seed=0, async_scheduling=async_scheduling, **engine_args)
     try:
-        warm = [{"prompt_token_ids": reqs[0][0]}]
+        # every timed pass (and this warm-up) sends prompts of its own: see fresh_prompts
+        warm = [{"prompt_token_ids": fresh_prompts(reqs[:1], len(seeds) * passes)[0][0]}]
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         per_pass: dict[str, list[float]] = {}
+        sent = 0  # timed passes so far
         for seeded in seeds:
             params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True,
                                      seed=i if seeded else None) for i, (_, o) in enumerate(reqs)]
             for _ in range(passes):
+                run = fresh_prompts(reqs, sent) if sent else reqs  # the first: the workload
+                sent += 1
                 eng = llm.engine
                 eng.num_steps = 0
                 eng.forward_seconds = eng.step_seconds = 0.0
                 compiles.events.clear()
                 start = time.perf_counter()
-                outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params,
+                outs = llm.generate([{"prompt_token_ids": p} for p, _ in run], params,
                                     use_tqdm=False)
                 wall = time.perf_counter() - start
                 compiled = compiles.summary()
