@@ -29,7 +29,8 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {str(path)!r}; "
-                     "the worker loads safetensors checkpoints only")
+                     "the worker loads safetensors checkpoints only (load_format 'dummy' runs "
+                     "config.json's shapes with random weights instead)")
 
 
 def tensor_dtypes(model_dir: str | Path) -> dict[str, str]:

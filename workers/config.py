@@ -14,6 +14,9 @@ _BACKENDS = ("auto", "triton", "flash_attn", "torch")
 # float8_e4m3fn divided by a per-tensor scale (1.0), half of bf16's bytes per block; the
 # Triton and torch kernels read it, flash-attn does not.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's load_format: "auto" reads the safetensors checkpoint; "dummy" fills the weights in
+# place with random values, so a model runs from its config.json alone (workers/loader.py).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, attention_backend: str) -> None:
@@ -101,6 +104,7 @@ class WorkerConfig:
     # vLLM's quantization: None (the checkpoint's weights as they are) or "fp8" (a float
     # checkpoint quantized at load; workers/quantization.py)
     quantization: str | None = None
+    load_format: str = "auto"  # LOAD_FORMATS (the target's; a draft loads its checkpoint)
     calculate_kv_scales: bool = False  # FP8 KV scales from the first step (workers/kv_scales.py)
     # LoRA: adapters held in device slots (0: no LoRA wrappers) and their largest rank
     max_loras: int = 0
@@ -166,6 +170,9 @@ class WorkerConfig:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
         check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}; "
+                             f"got {self.load_format!r}")
         if self.pipeline_parallel_size > 1:
             self._check_pipeline()
         if self.kv_offloading_size < 0:

@@ -164,9 +164,11 @@ class ModelConfig:
 
 def load_model_config(model: str | Path, tensor_parallel_size: int = 1,
                       hf_overrides: dict[str, Any] | None = None,
-                      quantization: str | None = None) -> ModelConfig:
+                      quantization: str | None = None,
+                      load_format: str = "auto") -> ModelConfig:
     """Read `model`/config.json as transformers does (workers/hf_config.py), with vLLM's
-    `hf_overrides` over it and the `quantization` engine argument (workers/quantization.py);
+    `hf_overrides` over it and the `quantization` engine argument (workers/quantization.py;
+    `load_format` "dummy": no weights on disk to check a declared quantization against);
     ValueError for a missing file, another architecture, a setting this worker does not
     implement, a bad tp size."""
     path = Path(model)
@@ -205,7 +207,7 @@ def load_model_config(model: str | Path, tensor_parallel_size: int = 1,
         bos_token_id=raw["bos_token_id"],
         eos_token_ids=_eos_token_ids(raw, path),
         yarn=_yarn(rope, path),
-        quantization=quantization_config(raw, path, quantization),
+        quantization=quantization_config(raw, path, quantization, load_format),
         **_moe_fields(raw, path),
     )
     cfg.verify_tensor_parallel_size(tensor_parallel_size)

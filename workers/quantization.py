@@ -57,12 +57,13 @@ def check_quantization_arg(quantization: str | None) -> None:
                      f"of: {_SUPPORTED_TEXT}; got {quantization!r}")
 
 
-def quantization_config(raw: dict[str, Any], path: Path,
-                        quantization: str | None = None) -> Fp8Config | None:
+def quantization_config(raw: dict[str, Any], path: Path, quantization: str | None = None,
+                        load_format: str = "auto") -> Fp8Config | None:
     """The checkpoint's (config.json `quantization_config`) or the engine argument's weight
     quantization (a checkpoint's own wins: `quantization: fp8` over an FP8 checkpoint reads it as
     it is); ValueError for one this worker cannot serve or a declaration over unquantized
-    weights. Reads only safetensors headers."""
+    weights. Reads only safetensors headers; none with `load_format` "dummy" (random weights
+    in the declared format: there is no checkpoint to check the declaration against)."""
     check_quantization_arg(quantization)
     qc = raw.get("quantization_config")
     if qc is None:
@@ -70,10 +71,9 @@ def quantization_config(raw: dict[str, Any], path: Path,
     if not isinstance(qc, dict):
         raise ValueError(f"{path}/config.json: quantization_config must be an object; got {qc!r}")
     method = qc.get("quant_method")
-    dtypes = tensor_dtypes(path)
-    quantized = sorted(name for name, dtype in dtypes.items()
-                       if dtype not in _FLOAT_DTYPES or name.endswith(_QUANT_SUFFIXES))
-    if not quantized:
+    if load_format != "dummy" and not any(
+            dtype not in _FLOAT_DTYPES or name.endswith(_QUANT_SUFFIXES)
+            for name, dtype in tensor_dtypes(path).items()):
         raise ValueError(
             f"{path}/config.json declares quantization_config (quant_method {method!r}) but "
             f"its weights are not quantized (every tensor is one of {list(_FLOAT_DTYPES)} and "

@@ -16,6 +16,8 @@ target), and proposals that rarely agree with qwen3-tiny's tokens.
 generation_config.json, model.safetensors, the real Qwen3 tokenizer files) into a cache
 directory on first use and returns its path; any other name is taken as a checkpoint path.
 The same seed and config give byte-identical files every time, on every machine.
+`write_qwen3_config` writes such a directory without model.safetensors, for
+`load_format: dummy` (random weights filled on the device).
 """
 
 from __future__ import annotations
@@ -207,9 +209,24 @@ def write_random_qwen3(target: Path | str, config: dict[str, Any], seed: int = 0
     Written into a temporary sibling and renamed, so concurrent callers (several worker
     processes starting at once) never see a half-written directory.
     """
+    return _write_model_dir(target, config, lambda cfg: _random_weights(cfg, seed), layout)
+
+
+def write_qwen3_config(target: Path | str, config: dict[str, Any]) -> Path:
+    """Write a Qwen3 model directory without weights into `target` (config.json,
+    generation_config.json, the tokenizer files): what `load_format: dummy` runs, random
+    weights filled on the device (workers/loader.py). Renamed into place as
+    `write_random_qwen3`'s."""
+    return _write_model_dir(target, config, None)
+
+
+def _write_model_dir(target: Path | str, config: dict[str, Any],
+                     weights: Callable[[dict[str, Any]], dict[str, torch.Tensor]] | None,
+                     layout: Callable[[Path, dict[str, Any]], None] | None = None) -> Path:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     cfg = qwen3_config_dict(config)
+    last = "model.safetensors" if weights is not None else "config.json"  # (of a whole dir)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -217,8 +234,8 @@ def write_random_qwen3(target: Path | str, config: dict[str, Any], seed: int = 0
                "eos_token_id": [_QWEN3_IDS["eos_token_id"], _QWEN3_IDS["bos_token_id"]],
                "pad_token_id": _QWEN3_IDS["pad_token_id"], "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-        tensors = _random_weights(cfg, seed)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if weights is not None:
+            save_file(weights(cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for f in sorted(tokenizer_files_dir().iterdir()):
             shutil.copyfile(f, tmp / f.name)
         if layout is not None:
@@ -226,7 +243,7 @@ def write_random_qwen3(target: Path | str, config: dict[str, Any], seed: int = 0
         try:
             tmp.rename(target)
         except OSError:
-            if not (target / "model.safetensors").is_file():  # lost a race to an incomplete dir
+            if not (target / last).is_file():  # lost a race to an incomplete dir
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

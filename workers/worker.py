@@ -114,11 +114,13 @@ class Worker(KVCacheSizing):
         self.sampled_from = self.tp if pp == 1 else OutputBroadcast(cfg.rank, cfg.output_rank)
 
     def load_model(self) -> None:
-        """Read config.json, build this rank's Qwen3 shard and fill it from the safetensors."""
+        """Read config.json, build this rank's Qwen3 shard and fill it from the safetensors
+        (`load_format` "dummy": with random values, workers/loader.py)."""
         cfg = self.config
         if cfg.device == "cuda" and self.device.type != "cuda":
             raise RuntimeError("call init_distributed() before load_model()")
-        mc = load_model_config(cfg.model, cfg.tensor_parallel_size, cfg.hf_overrides, cfg.quantization)
+        mc = load_model_config(cfg.model, cfg.tensor_parallel_size, cfg.hf_overrides,
+                               cfg.quantization, cfg.load_format)
         mc.check_max_model_len(cfg.max_model_len)
         if cfg.device == "cpu":  # the cores the engine's Python does not need (cpu_threads.py)
             set_model_threads(cfg.tensor_parallel_size,
@@ -147,7 +149,7 @@ class Worker(KVCacheSizing):
             model = Qwen3ForCausalLM(mc, self.tp, self.dtype, cfg.attention_backend,
                                      max_position=cfg.max_model_len,
                                      expert_parallel=cfg.enable_expert_parallel, stage=stage)
-        load_model(model, cfg.model)
+        load_model(model, cfg.model, cfg.load_format)
         model.eval()
         self.model_config = mc
         self.model = model

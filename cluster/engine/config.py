@@ -9,7 +9,7 @@ from typing import Any
 from cluster.engine.reasoning import REASONING_PARSERS
 from cluster.engine.tool_parsers import TOOL_CALL_PARSERS
 from scheduler.speculative import SpeculativeConfig
-from workers.config import check_kv_cache_dtype
+from workers.config import LOAD_FORMATS, check_kv_cache_dtype
 from workers.cpu_threads import check_cpu_nice
 from workers.quantization import check_quantization_arg
 
@@ -124,6 +124,11 @@ class EngineConfig:
     # checkpoint's own quantization_config is read at load); "fp8": a float checkpoint
     # quantized at load in 128x128 blocks (workers/quantization.py); others are refused.
     quantization: str | None = None
+    # vLLM's load_format (workers/config.py LOAD_FORMATS): "auto" reads the model's
+    # safetensors; "dummy" fills the weights in place with random values (workers/loader.py),
+    # so a benchmark runs a model's shapes from its config.json and tokenizer alone. A
+    # speculative draft and LoRA adapters still load their own files.
+    load_format: str = "auto"
     # vLLM's hf_overrides: config.json keys set over the checkpoint's, in any spelling
     # transformers reads (workers/hf_config.py); e.g. Qwen3's YaRN to 131,072 tokens:
     # {rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}.
@@ -170,6 +175,7 @@ class EngineConfig:
         _choice(self, "generation_config", ("auto", "vllm"))
         _choice(self, "runner", ("auto", "generate", "pooling"))
         check_quantization_arg(self.quantization)
+        _choice(self, "load_format", LOAD_FORMATS)
         check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend)
         if not isinstance(self.calculate_kv_scales, bool):
             raise ValueError("calculate_kv_scales must be true or false; "

@@ -23,9 +23,10 @@ from cluster.engine.rdt_transport import RDT_BACKENDS, resolve_kv_transport
 from cluster.engine.stage_placement import StagesUnplacedError
 from scheduler import SamplingParams
 from scheduler.speculative import SpeculativeConfig
+from workers.checkpoint import checkpoint_files
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
-from workers.model_config import load_generation_defaults
+from workers.model_config import ModelConfig, load_generation_defaults
 from workers.pipeline import layer_partition
 
 logger = logging.getLogger(__name__)
@@ -131,10 +132,20 @@ def build_worker_config(config: EngineConfig, model_path: str, device: str, max_
         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         speculative_max_num_seqs=0 if spec is None else spec.disable_by_batch_size,
         hf_overrides=config.hf_overrides, kv_cache_dtype=config.kv_cache_dtype,
-        quantization=config.quantization, calculate_kv_scales=config.calculate_kv_scales,
+        quantization=config.quantization, load_format=config.load_format,
+        calculate_kv_scales=config.calculate_kv_scales,
         max_loras=config.max_loras if config.enable_lora else 0,
         max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
         pooler=None if pooling is None else pooling.pooler)
+
+
+def weights_bytes(config: EngineConfig, model_path: str, model_config: ModelConfig) -> int:
+    """The weights' bytes that EngineConfig.check_host_memory counts: the checkpoint's files
+    (ValueError naming load_format 'dummy' when there are none); with load_format "dummy",
+    what a checkpoint of config.json's shapes and dtype would hold."""
+    if config.load_format == "dummy":
+        return model_config.weight_bytes_per_rank(1, 4 if model_config.dtype == "float32" else 2)
+    return sum(f.stat().st_size for f in checkpoint_files(model_path))
 
 
 def check_layer_partition(config: EngineConfig, num_layers: int) -> None:

@@ -36,6 +36,7 @@ from cluster.engine.engine_setup import (
     freeze_startup_heap,
     plans_in_flight,
     rebuild_or_raise,
+    weights_bytes,
 )
 from cluster.engine.executor import Executor, WorkerDiedError
 from cluster.engine.fast_detokenizer import detokenizer_factory
@@ -58,7 +59,6 @@ from scheduler import (
 from scheduler.lora import LoRARequest
 from scheduler.request import check_prompt_fits
 from scheduler.speculative import SpeculativeConfig
-from workers.checkpoint import checkpoint_files
 from workers.draft_runner import check_draft_fits
 from workers.model_config import load_model_config
 from workers.tiny_model import resolve_model
@@ -75,8 +75,9 @@ class LLMEngine:
         self.model_name = config.model
         self.model_path = resolve_model(config.model)
         self.model_config = load_model_config(self.model_path, config.tensor_parallel_size,
-                                              config.hf_overrides, config.quantization)
-        config.check_host_memory(sum(f.stat().st_size for f in checkpoint_files(self.model_path)),
+                                              config.hf_overrides, config.quantization,
+                                              config.load_format)
+        config.check_host_memory(weights_bytes(config, self.model_path, self.model_config),
                                  os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         self.max_model_len = config.max_model_len or self.model_config.max_context_len
         self.model_config.check_max_model_len(self.max_model_len)
