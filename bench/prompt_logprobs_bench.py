@@ -16,11 +16,14 @@ CPU time is the steadier figure, since other processes slow the wall clock).
         [--model qwen3-tiny | --qwen3 0.6b|4b|8b] [--device cpu|cuda] [--batch-tokens 2048]
         [--layers 2,4] [--json out.json]
 
-`--qwen3 0.6b` (or `--qwen3-06b`) writes Qwen3-0.6B's config with random weights (fp32 on
-CPU, bf16 on CUDA) to a temporary directory: the model whose LM head is a realistic share of
-the forward pass (qwen3-tiny's 152k x 128 head is ~20x its body, so there the ratio is the
-head's cost alone); `4b` and `8b` are the shapes where the head is a smaller share (~10% and
-~8% of the weights), bf16 (CUDA: the GPU run's step; on CPU they need 8-16 GB).
+`--qwen3 0.6b` (or `--qwen3-06b`) writes Qwen3-0.6B's config.json and the tokenizer to a
+temporary directory and runs it with `load_format: dummy` (random weights filled in place on
+the device, workers/loader.py; fp32 on CPU, bf16 on CUDA; no checkpoint is written or read):
+the model whose LM head is a realistic share of the forward pass (qwen3-tiny's 152k x 128 head
+is ~20x its body, so there the ratio is the head's cost alone); `4b` and `8b` are the shapes
+where the head is a smaller share (~10% and ~8% of the weights), bf16 (CUDA: the GPU run's
+step; on CPU they need 8-16 GB). Both requests read the same weights, and what they cost does
+not depend on the values, so random weights of the real shapes measure the ratio.
 
 `--layers 2,4` (with `--qwen3 4b|8b`): full-depth 4B/8B do not fit a small shared CPU host, so
 the model is built with the real hidden size, vocabulary, heads and intermediate size but each
@@ -182,7 +185,7 @@ def main() -> None:
         QWEN3_0_6B_CONFIG,
         QWEN3_4B_CONFIG,
         QWEN3_8B_CONFIG,
-        write_random_qwen3,
+        write_qwen3_config,
     )
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -201,19 +204,21 @@ def main() -> None:
         models = {}
         for depth in layers or [0]:
             cfg = dict(config, num_hidden_layers=depth or config["num_hidden_layers"])
-            models[depth] = str(write_random_qwen3(Path(tmp.name) / f"qwen3-{shape}-{depth}",
-                                                   cfg, args.seed))
-        label = f"Qwen3-{shape.upper()} config, random weights, {dtype}"
+            models[depth] = str(write_qwen3_config(Path(tmp.name) / f"qwen3-{shape}-{depth}",
+                                                   cfg))
+        label = f"Qwen3-{shape.upper()} config, random weights (load_format dummy), {dtype}"
     else:
         label = args.model
     rng = random.Random(args.seed)
     depths: dict[int, list[dict[str, float]]] = {}
     heads: dict[int, dict[str, float]] = {}
     for depth, model in models.items():
-        # (a random checkpoint runs in the dtype it was written in: on a CPU "auto" is float32)
+        # (a --qwen3 config runs in its own dtype, random weights of its shapes: on a CPU
+        # "auto" would be float32)
         with LLM(model, device=args.device, max_num_seqs=1, enable_prefix_caching=False,
                  dtype=dtype if shape else "auto", max_model_len=max(lengths) + 16,
-                 max_num_batched_tokens=args.batch_tokens) as llm:
+                 max_num_batched_tokens=args.batch_tokens,
+                 load_format="dummy" if shape else "auto") as llm:
             depths[depth] = measure(llm, lengths, args.repeats, rng, args.device)
             if layers and not heads:  # at the engine's thread count
                 heads = {n: head_components(config, dtype, n, args.repeats, args.device)
