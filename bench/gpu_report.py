@@ -335,6 +335,9 @@ def _markdown(report: dict) -> str:
         lines += _table(["decode attn batch", "ctx", "us", "frac copy bw"], [
             [r["batch"], r["ctx"], f"{1e3 * r['ms']:.1f}", f"{r['frac_copy_bw']:.2f}"]
             for r in k.get("decode", [])])
+        lines += _table(["split-K at batch 32, ctx 1024", "us", "frac copy bw"], [
+            [r["num_segments"], f"{1e3 * r['ms']:.1f}", f"{r['frac_copy_bw']:.2f}"]
+            for r in k.get("decode_split_sweep", [])])
         lines += _table(["prefill prefix", "chunk", "triton ms", "sdpa ms", "x sdpa"], [
             [r["prefix"], r["chunk"], f"{r['ms_triton']:.3f}", f"{r['ms_sdpa']:.3f}",
              f"{r['speed_vs_sdpa']:.2f}"] for r in k.get("prefill", [])])

@@ -6,7 +6,8 @@ intermediate 3072), bf16, cache block size 16, shuffled block tables; seeds are 
 
 * decode: paged attention at batch 1/32/256 x context 512/4096/32768, timed as a CUDA-graph
   replay (`do_bench_cudagraph`: GPU time, not host launch time). Achieved bandwidth = bytes of
-  K/V read (+ q and out) / time, as a fraction of the device's measured copy bandwidth.
+  K/V read (+ q and out) / time, as a fraction of the device's measured copy bandwidth. Then
+  every split-K factor forced at batch 32, ctx 1024 (the decode step's shape).
 * prefill: one sequence whose last `chunk` tokens are the query and whose first `prefix` tokens
   are already in the paged cache, against torch SDPA on contiguous K/V of the same length
   (causal; with a prefix, a bottom-right-aligned boolean mask). The kernel gets the chunk's own
@@ -81,7 +82,7 @@ def paged_cache(num_seqs: int, seq_len: int, gen: torch.Generator) -> tuple[torc
     return k_cache, v_cache, block_tables
 
 
-def bench_decode(batch: int, ctx: int, copy_bw: float) -> dict:
+def bench_decode(batch: int, ctx: int, copy_bw: float, num_segments: int | None = None) -> dict:
     from triton.testing import do_bench_cudagraph
 
     from kernels.triton_attention import _sm_count, choose_num_segments, paged_attention
@@ -93,13 +94,15 @@ def bench_decode(batch: int, ctx: int, copy_bw: float) -> dict:
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     scale = HEAD_DIM ** -0.5
     ms = do_bench_cudagraph(lambda: paged_attention(q, k_cache, v_cache, block_tables,
-                                                    query_start_loc, seq_lens, scale, 1, ctx))
+                                                    query_start_loc, seq_lens, scale, 1, ctx,
+                                                    num_segments=num_segments))
     kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
     io_bytes = 2 * q.numel() * q.element_size()
     bw = (kv_bytes + io_bytes) / (ms * 1e-3)
-    segments = choose_num_segments(batch, NUM_KV_HEADS, 1, ctx, 64, _sm_count(q.device))
+    segments = num_segments or choose_num_segments(batch, NUM_KV_HEADS, 1, ctx, 64,
+                                                   _sm_count(q.device))
     return {"batch": batch, "ctx": ctx, "ms": ms, "GBps": bw / 1e9, "frac_copy_bw": bw / copy_bw,
-            "num_segments": segments}
+            "num_segments": segments, "forced": num_segments is not None}
 
 
 def prefill_inputs(prefix: int, chunk: int) -> dict:
@@ -371,6 +374,17 @@ def main() -> int:
                   f"{row['GBps']:>8.0f} {row['frac_copy_bw']:>13.2f}")
             torch.cuda.empty_cache()
             save()
+    # Split-K at the decode step's own shape (batch 32, ctx 1024: 0.71 of the copy bandwidth on
+    # the 2026-11-27 H100, the step's largest gap): every factor forced, against the table's
+    # pick above, for the next revision of triton_attention's _MEASURED_BEST_SEGMENTS.
+    print(f"\ndecode attention split-K sweep, batch 32, ctx 1024\n{'seg':>4} {'us':>9} "
+          f"{'frac copy bw':>13}")
+    result["decode_split_sweep"] = []
+    for segments in (1, 2, 4, 8, 16):
+        row = bench_decode(32, 1024, copy_bw, num_segments=segments)
+        result["decode_split_sweep"].append(row)
+        print(f"{segments:>4} {1e3 * row['ms']:>9.1f} {row['frac_copy_bw']:>13.2f}")
+        save()
 
     return 0
 

@@ -124,6 +124,8 @@ def test_report_tables_render_from_benchmark_results() -> None:
                                          "gpu_busy": 0.69, "kernels_per_step": 400}]},
             "kernels": {"copy_bandwidth_GBps": 3000.0,
                         "decode": [{"batch": 32, "ctx": 4096, "ms": 0.5, "frac_copy_bw": 0.9}],
+                        "decode_split_sweep": [{"batch": 32, "ctx": 1024, "ms": 0.0629,
+                                                "frac_copy_bw": 0.71, "num_segments": 2}],
                         "prefill": [{"prefix": 0, "chunk": 1024, "ms_triton": 0.2,
                                      "ms_sdpa": 0.1, "speed_vs_sdpa": 0.5}],
                         "decode_step": [{"batch": 1, "graph_ms": 1.5, "kernel_ms": 1.2,
@@ -150,6 +152,7 @@ def test_report_tables_render_from_benchmark_results() -> None:
     assert "| hf continuous, exact lengths | OutOfMemoryError: x |  |" in md
     assert "| 32 | 4.37 | 3.03 | 69% | 400 |" in md
     assert "| 32 | 4096 | 500.0 | 0.90 |" in md
+    assert "| 2 | 62.9 | 0.71 |" in md  # the split-K sweep at the decode step's shape
     assert "| 0 | 1024 | 0.200 | 0.100 | 0.50 |" in md
     assert "| eager | 1.0 | 1 | 100 | 300 | 3.0 | 5.0 |" in md
     assert "| 32 | 0.1 | 1.0 | 0.05 | 2000.0 | - | - | - |" in md
