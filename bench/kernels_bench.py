@@ -85,7 +85,8 @@ def paged_cache(num_seqs: int, seq_len: int, gen: torch.Generator) -> tuple[torc
 def bench_decode(batch: int, ctx: int, copy_bw: float, num_segments: int | None = None) -> dict:
     from triton.testing import do_bench_cudagraph
 
-    from kernels.triton_attention import _sm_count, choose_num_segments, paged_attention
+    from kernels.attention_split import choose_num_segments, device_sm_count
+    from kernels.triton_attention import paged_attention
 
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     k_cache, v_cache, block_tables = paged_cache(batch, ctx, gen)
@@ -100,7 +101,7 @@ def bench_decode(batch: int, ctx: int, copy_bw: float, num_segments: int | None 
     io_bytes = 2 * q.numel() * q.element_size()
     bw = (kv_bytes + io_bytes) / (ms * 1e-3)
     segments = num_segments or choose_num_segments(batch, NUM_KV_HEADS, 1, ctx, 64,
-                                                   _sm_count(q.device))
+                                                   device_sm_count(q.device))
     return {"batch": batch, "ctx": ctx, "ms": ms, "GBps": bw / 1e9, "frac_copy_bw": bw / copy_bw,
             "num_segments": segments, "forced": num_segments is not None}
 

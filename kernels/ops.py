@@ -170,7 +170,7 @@ def paged_attention_decode_shapes(max_num_seqs: int, num_kv_heads: int, max_mode
     compiles later. Empty where the backend compiles nothing."""
     if not (backend == "triton" or (backend == "auto" and device.type == "cuda")):
         return []
-    from kernels.triton_attention import decode_launch_shapes
+    from kernels.attention_split import decode_launch_shapes
     return decode_launch_shapes(max_num_seqs, num_kv_heads, max_model_len, device)
 
 

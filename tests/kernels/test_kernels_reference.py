@@ -159,7 +159,7 @@ def test_write_kv_reference_skips_padding_slots() -> None:
 
 
 def test_split_k_choice_follows_the_h100_measurements() -> None:
-    from kernels.triton_attention import choose_num_segments
+    from kernels.attention_split import choose_num_segments
 
     # Qwen3-0.6B decode (8 KV heads) on a 132-SM H100: the fastest factor measured in a CUDA
     # graph (shared/gpu/h100-2026-11-22/attn_sweep.json, kernels.json).

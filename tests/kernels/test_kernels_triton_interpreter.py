@@ -32,11 +32,11 @@ def test_attention_head_dims_including_padded(head_dim: int) -> None:
 
 
 def test_long_decode_takes_split_k_automatically_and_matches() -> None:
-    from kernels.triton_attention import _NOMINAL_SM_COUNT, choose_num_segments
+    from kernels.attention_split import NOMINAL_SM_COUNT, choose_num_segments
 
     batch = make_paged_batch([(1, 700)], num_q_heads=2, num_kv_heads=1, head_dim=16,
                              block_size=16, dtype=torch.float32, device="cpu", seed=7)
-    assert choose_num_segments(1, 1, 1, 700, 64, _NOMINAL_SM_COUNT) == 8
+    assert choose_num_segments(1, 1, 1, 700, 64, NOMINAL_SM_COUNT) == 8
     check_paged_attention(batch)
 
 

@@ -220,15 +220,15 @@ def test_decode_launch_shapes_cover_every_split_k_factor(max_num_seqs: int, num_
                                                          max_model_len: int) -> None:
     """What the warm-up runs for decode: one batch per split-K factor that some decode batch
     within the limits gets, each picking that factor itself (a kernel compiled per factor)."""
-    from kernels.triton_attention import (
+    from kernels.attention_split import (
         TILE_N,
-        _sm_count,
         choose_num_segments,
         decode_launch_shapes,
+        device_sm_count,
     )
 
     cpu = torch.device("cpu")
-    sms = _sm_count(cpu)  # (the nominal count off-GPU, as the launcher uses)
+    sms = device_sm_count(cpu)  # (the nominal count off-GPU, as the launcher uses)
     shapes = decode_launch_shapes(max_num_seqs, num_kv_heads, max_model_len, cpu)
     chosen = [choose_num_segments(b, num_kv_heads, 1, n, TILE_N, sms) for b, n in shapes]
     # (every 7th length: the choice follows the count of 64-key tiles)
