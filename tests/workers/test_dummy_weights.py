@@ -152,12 +152,17 @@ def test_fp8_quantization_runs_on_the_random_float_weights(config_dirs) -> None:
         assert down.weight.dtype == FP8_DTYPE and down.weight_scale_inv.shape == (2, 2)
         assert torch.equal(down.weight.view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(down.weight_scale_inv, scale)
-        builder = PlanBuilder(num_gpu_blocks=32)
-        sid = builder.add(list(range(3, 40)), SamplingParams(temperature=0), max_tokens=4)
-        assert len(builder.run(ex)[sid]) == 4
-        assert np.isfinite(np.stack(builder.seqs[sid].logits)).all()
+        _generates_four_finite(ex)
     finally:
         ex.close()
+
+
+def _generates_four_finite(ex: LocalExecutor) -> None:
+    """A greedy prompt through the executor gives 4 tokens, every logit finite."""
+    builder = PlanBuilder(num_gpu_blocks=32)
+    sid = builder.add(list(range(3, 40)), SamplingParams(temperature=0), max_tokens=4)
+    assert len(builder.run(ex)[sid]) == 4
+    assert np.isfinite(np.stack(builder.seqs[sid].logits)).all()
 
 
 def test_fp8_checkpoint_config_runs_with_dummy_weights(config_dirs) -> None:
@@ -169,10 +174,7 @@ def test_fp8_checkpoint_config_runs_with_dummy_weights(config_dirs) -> None:
         qkv = ex.worker.model.model.layers[0].self_attn.qkv_proj
         assert qkv.weight.dtype == FP8_DTYPE and qkv.weight_scale_inv.dtype == torch.float32
         assert qkv.weight_scale_inv.abs().max() <= DUMMY_HIGH and qkv.weight_scale_inv.std() > 0
-        builder = PlanBuilder(num_gpu_blocks=32)
-        sid = builder.add(list(range(3, 40)), SamplingParams(temperature=0), max_tokens=4)
-        assert len(builder.run(ex)[sid]) == 4
-        assert np.isfinite(np.stack(builder.seqs[sid].logits)).all()
+        _generates_four_finite(ex)
     finally:
         ex.close()
     with pytest.raises(ValueError, match="no model.safetensors"):
