@@ -126,15 +126,22 @@ def test_pipeline_stages_draw_the_whole_models_values(config_dirs) -> None:
     assert seen == whole.keys() | {"lm_head.weight"}
 
 
+def _generates_four_finite(ex: LocalExecutor, prompt: range = range(3, 40)) -> list[int]:
+    """A greedy prompt through the executor gives 4 tokens, every logit finite: the tokens."""
+    builder = PlanBuilder(num_gpu_blocks=32)
+    sid = builder.add(list(prompt), SamplingParams(temperature=0), max_tokens=4)
+    out = builder.run(ex)[sid]
+    assert len(out) == 4
+    assert np.isfinite(np.stack(builder.seqs[sid].logits)).all()
+    return out
+
+
 def test_dummy_model_generates_on_a_worker(config_dirs) -> None:
     ex = LocalExecutor(model=config_dirs["moe"], load_format="dummy", max_model_len=256,
                        num_gpu_blocks=32)
     try:
-        builder = PlanBuilder(num_gpu_blocks=32)
-        sid = builder.add(list(range(100, 130)), SamplingParams(temperature=0), max_tokens=4)
-        out = builder.run(ex)[sid]
-        assert len(out) == 4 and all(0 <= t < 151936 for t in out)
-        assert np.isfinite(np.stack(builder.seqs[sid].logits)).all()
+        out = _generates_four_finite(ex, range(100, 130))
+        assert all(0 <= t < 151936 for t in out)
     finally:
         ex.close()
 
@@ -155,14 +162,6 @@ def test_fp8_quantization_runs_on_the_random_float_weights(config_dirs) -> None:
         _generates_four_finite(ex)
     finally:
         ex.close()
-
-
-def _generates_four_finite(ex: LocalExecutor) -> None:
-    """A greedy prompt through the executor gives 4 tokens, every logit finite."""
-    builder = PlanBuilder(num_gpu_blocks=32)
-    sid = builder.add(list(range(3, 40)), SamplingParams(temperature=0), max_tokens=4)
-    assert len(builder.run(ex)[sid]) == 4
-    assert np.isfinite(np.stack(builder.seqs[sid].logits)).all()
 
 
 def test_fp8_checkpoint_config_runs_with_dummy_weights(config_dirs) -> None:
