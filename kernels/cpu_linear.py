@@ -15,12 +15,23 @@ packed GEMM pays only on the LM head's weight (streamed once per step, where the
 matters most); the projections stay on MKL's sgemm, where oneDNN's per-call set-up outweighs
 the product at one row and on small (qwen3-tiny) layers.
 
+An fp32 weight that is packed and at most `FP32_T_MAX_BYTES` (a narrow model's LM head:
+qwen3-tiny's, or a tp-2 rank's half of it) also keeps a transposed copy, `[in, out]`
+contiguous (`transpose_linear_weight`), for the product of one row: MKL's GEMV over it
+streams the weight once, axpy-fashion, at the memory's speed, where oneDNN's packed GEMM
+reached half of it. A served decode step at concurrency 1 is that product: qwen3-tiny's head
+at one row, one thread, weights streamed from memory, 3.9 ms against 6.7 packed (a tp-2 half:
+1.9 against 3.7 packed and 5.6 for the `W x^T` it had); from two rows on the packed GEMM is
+the faster (docs/benchmarks.md, "The LM head at one row", issue #43). A wide head's copy
+would cost its hundreds of MB again for a smaller gain (at hidden 1024, 2 threads: slower).
+
 Invariants:
 - A packed weight is an opaque oneDNN tensor beside the layer's plain `weight`, which stays
   what the checkpoint loaded (what tests, LoRA's shapes and tied embeddings read); the packed
-  copy is made after loading and never written again.
-- `linear(x, w, packed)` equals `F.linear(x, w)` up to the dtype's summation-order rounding
-  (the same products, summed in oneDNN's order); no packing on CUDA or without oneDNN.
+  and transposed copies are made after loading and never written again.
+- `linear(x, w, packed, transposed)` equals `F.linear(x, w)` up to the dtype's
+  summation-order rounding (the same products, summed in oneDNN's or MKL's order); no packed
+  or transposed copy on CUDA or without oneDNN.
 """
 
 from __future__ import annotations
@@ -29,28 +40,51 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# fp32 weights this large (2^24 elements: qwen3-tiny's 151936 x 128 LM head and up) are packed.
-# A tp-2 rank's half of that head (9.7M) stays on MKL: cache-resident, its one-row GEMV beat the
-# packed GEMM (docs/benchmarks.md, issue #43, "Concurrency 1").
-FP32_PACK_MIN_NUMEL = 1 << 24
+# fp32 weights this large (2^23 elements: a tp-2 rank's half of qwen3-tiny's 151936 x 128 LM
+# head, 9.7M, and up) are packed: at 1 to 64 rows, weights streamed from memory (this CPU's L3
+# is 32 MiB), the packed half head ran 1.6-1.9x `F.linear` (docs/benchmarks.md, issue #43, "The
+# LM head at one row"; an earlier host with a 300 MiB L3 kept it cache-resident, where MKL won).
+FP32_PACK_MIN_NUMEL = 1 << 23
+
+# The largest packed fp32 weight that also keeps a transposed copy for one-row products.
+FP32_T_MAX_BYTES = 1 << 27
+
+
+def _packs(weight: Tensor) -> bool:
+    """On CPU with oneDNN built in: a 2-D bf16 weight, or an fp32 one of >= FP32_PACK_MIN_NUMEL
+    elements."""
+    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and weight.dim() == 2
+            and (weight.dtype == torch.bfloat16
+                 or (weight.dtype == torch.float32 and weight.numel() >= FP32_PACK_MIN_NUMEL)))
 
 
 def pack_linear_weight(weight: Tensor) -> Tensor | None:
     """A oneDNN-packed copy of `weight [out, in]` when packing pays (on CPU with oneDNN built
     in: a bf16 weight, or an fp32 one of >= FP32_PACK_MIN_NUMEL elements), else None: the
     weight is then multiplied as it is."""
-    if (weight.device.type != "cpu" or not torch.backends.mkldnn.is_available()
-            or weight.dim() != 2):
-        return None
-    if not (weight.dtype == torch.bfloat16
-            or (weight.dtype == torch.float32 and weight.numel() >= FP32_PACK_MIN_NUMEL)):
+    if not _packs(weight):
         return None
     # No batch-size hint: the packed layout then serves every row count a step brings.
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 
-def linear(x: Tensor, weight: Tensor, packed: Tensor | None = None) -> Tensor:
-    """`x @ weight.T` (x `[..., in]`), through `packed` (from `pack_linear_weight`) when given."""
+def transpose_linear_weight(weight: Tensor) -> Tensor | None:
+    """A contiguous `[in, out]` copy of `weight [out, in]` for one-row products, when it pays
+    (an fp32 weight that `pack_linear_weight` packs, of at most FP32_T_MAX_BYTES), else None."""
+    if (weight.dtype != torch.float32 or not _packs(weight)
+            or weight.numel() * weight.element_size() > FP32_T_MAX_BYTES):
+        return None
+    return weight.t().contiguous()
+
+
+def linear(x: Tensor, weight: Tensor, packed: Tensor | None = None,
+           transposed: Tensor | None = None) -> Tensor:
+    """`x @ weight.T` (x `[..., in]`): one row (x `[1, in]`) through `transposed` (from
+    `transpose_linear_weight`) when given, else through `packed` (from `pack_linear_weight`)
+    when given."""
+    if transposed is not None and x.dim() == 2 and x.shape[0] == 1:
+        return torch.mm(x, transposed)
     if packed is None:
         return F.linear(x, weight)
     if x.dtype != packed.dtype:

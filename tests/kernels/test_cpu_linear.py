@@ -81,3 +81,44 @@ def test_activation_dtype_other_than_the_packed_weight_is_refused() -> None:
     w = torch.randn(24, 16).to(BF16)
     with pytest.raises(ValueError, match="cast the input"):
         kernels.linear(torch.randn(3, 16), w, kernels.pack_linear_weight(w))
+
+
+def _fp32_bound(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact product and the worst case of any fp32 summation order over `in` terms."""
+    return (F.linear(x.double(), w.double()),
+            w.shape[1] * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T))
+
+
+@pytest.mark.parametrize("vocab", [151936, 75968])  # qwen3-tiny's head; a tp-2 rank's half
+def test_narrow_fp32_head_keeps_a_transposed_copy_for_one_row(vocab: int) -> None:
+    """One row goes through MKL's GEMV over the `[in, out]` copy (the copy's own product, bit
+    for bit), more rows through the packed GEMM; both within summation-order error."""
+    g = torch.Generator().manual_seed(vocab)
+    w = torch.randn(vocab, 128, generator=g) * 0.1
+    packed, t = kernels.pack_linear_weight(w), kernels.transpose_linear_weight(w)
+    assert packed is not None and t is not None
+    assert t.shape == (128, vocab) and t.is_contiguous() and torch.equal(t, w.T)
+    assert t.data_ptr() != w.data_ptr()
+    one, rows = torch.randn(1, 128, generator=g), torch.randn(3, 128, generator=g)
+    got = kernels.linear(one, w, packed, t)
+    assert torch.equal(got, torch.mm(one, t))
+    exact, bound = _fp32_bound(one, w)
+    assert got.shape == (1, vocab) and bool(((got.double() - exact).abs() <= bound).all())
+    many = kernels.linear(rows, w, packed, t)
+    assert torch.equal(many, kernels.linear(rows, w, packed))  # (the packed GEMM's)
+    exact, bound = _fp32_bound(rows, w)
+    assert bool(((many.double() - exact).abs() <= bound).all())
+    assert kernels.linear(one.reshape(1, 1, 128), w, packed, t).shape == (1, 1, vocab)
+
+
+def test_only_narrow_packed_fp32_weights_are_transposed() -> None:
+    """bf16 (its packed GEMM is the faster at one row), an fp32 weight too small to pack, and
+    one over FP32_T_MAX_BYTES (a wide model's head: its copy would cost hundreds of MB) keep no
+    transposed copy."""
+    limit = kernels.cpu_linear.FP32_T_MAX_BYTES
+    assert kernels.transpose_linear_weight(torch.randn(151936, 128).to(BF16)) is None
+    assert kernels.transpose_linear_weight(torch.randn(96, 64)) is None
+    wide = torch.empty(limit // (4 * 128) + 1, 128)
+    assert kernels.pack_linear_weight(wide) is not None
+    assert kernels.transpose_linear_weight(wide) is None
+    assert kernels.transpose_linear_weight(wide[:limit // (4 * 128)]) is not None

@@ -4,9 +4,10 @@ The last rank's rows past the real vocabulary are zero padding. The embedding su
 ranks' partial lookups with an all-reduce; the LM head gathers the logit shards to rank 0,
 which alone samples (a step whose rows are all plain greedy gathers only each shard's top
 value and id instead: `greedy_tokens`, workers/sampler.py `greedy_over_shards`). On CPU a
-bf16 LM head, or an fp32 one of qwen3-tiny's size and up, multiplies a copy of its rows packed
-once after loading for oneDNN (kernels/cpu_linear.py says which); its `weight` (maybe the
-embedding's) stays as loaded.
+bf16 LM head, or an fp32 one of a tp-2 half of qwen3-tiny's size and up, multiplies a copy of
+its rows packed once after loading for oneDNN, and a narrow fp32 one a transposed copy too for
+one row (kernels/cpu_linear.py says which); its `weight` (maybe the embedding's) stays as
+loaded.
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits `[N, vocab_size]` on rank 0 (None elsewhere); may share its weight with the embedding."""
 
     weight_packed: Tensor | None = None
+    weight_t: Tensor | None = None  # `[hidden, vocab shard]`, for one-row products on CPU
 
     def process_weights_after_loading(self) -> None:
         self.weight_packed = kernels.pack_linear_weight(self.weight.data)
+        self.weight_t = kernels.transpose_linear_weight(self.weight.data)
 
     def forward(self, x: Tensor) -> Tensor | None:  # type: ignore[override]
         logits = self._product(x)
@@ -85,8 +88,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def _product(self, x: Tensor) -> Tensor:
         """`x W^T` over this rank's rows of the table, `[N, num_embeddings_per_partition]`."""
         if self.weight_packed is not None:
-            # oneDNN on the packed rows beat both forms below at every row count in bf16.
-            return kernels.linear(x, self.weight, self.weight_packed)
+            # oneDNN on the packed rows beat both forms below at every row count in bf16, and
+            # from two rows on in fp32; one fp32 row: MKL's GEMV over the transposed copy.
+            return kernels.linear(x, self.weight, self.weight_packed, self.weight_t)
         if x.device.type == "cpu" and x.shape[0] <= CPU_WXT_MAX_ROWS:
             # For a few rows (a verify row's k + 1) MKL's sgemm streams the [vocab, hidden]
             # weight 2-3x faster as W x^T than as x W^T (issue #26); their transpose is small.
