@@ -28,7 +28,9 @@ a `ThreadScope` with `when_idle`, entered as `scope(rows)`): entering reads the 
 runnable tasks (/proc/loadavg's fourth field, which counts the caller) and takes one more thread
 per core that nothing else is ready to run on, never a busy one. On two replicas of qwen3-tiny
 on 2 cores (`manifests/qwen3-tiny-2x.yaml`) at concurrency 1 the other replica's core is idle,
-and the head at one row, 6.2 ms of a ~10 ms decode step, takes 3.1 on two threads. A replica
+and the head at one row, 6.2 ms of a ~10 ms decode step, took 3.1 on two threads (oneDNN's
+packed GEMM; the one-row GEMV over a transposed copy that replaced it, kernels/cpu_linear.py,
+takes ~3.9 on one and gains nothing from a second; two rows still do). A replica
 with more rows is under load, where a core found idle is soon the other replica's again and
 the head's second thread then waits for it (without the row cap, -2 to -3 % request throughput
 at concurrency 8 and 32); it keeps the model's one thread (docs/benchmarks.md, "The LM head on
