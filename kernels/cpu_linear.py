@@ -21,8 +21,9 @@ contiguous (`transpose_linear_weight`), for the product of one row: MKL's GEMV o
 streams the weight once, axpy-fashion, at the memory's speed, where oneDNN's packed GEMM
 reached half of it. A served decode step at concurrency 1 is that product: qwen3-tiny's head
 at one row, one thread, weights streamed from memory, 4.1 ms against 7.3 packed (a tp-2 half:
-2.1 against 4.1 packed and 5.9 for the `W x^T` it had); from two rows on the packed GEMM is
-the faster (docs/benchmarks.md, "The LM head at one row", issue #43). A wide head's copy
+2.1 against 4.1 packed and 5.9 for the `W x^T` it had); from two rows on the packed GEMM
+serves (at exactly two `W x^T` was ~20 % ahead on one thread, behind on two; from eight the
+packed GEMM leads by 1.4x and more: docs/benchmarks.md, "The LM head at one row", issue #43). A wide head's copy
 would cost its hundreds of MB again for a smaller gain (at hidden 1024, 2 threads: slower).
 
 Invariants:

@@ -88,8 +88,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def _product(self, x: Tensor) -> Tensor:
         """`x W^T` over this rank's rows of the table, `[N, num_embeddings_per_partition]`."""
         if self.weight_packed is not None:
-            # oneDNN on the packed rows beat both forms below at every row count in bf16, and
-            # from two rows on in fp32; one fp32 row: MKL's GEMV over the transposed copy.
+            # oneDNN on the packed rows beat both forms below at every row count in bf16; in
+            # fp32 one row takes MKL's GEMV over the transposed copy, more the packed rows (at
+            # exactly two, W x^T was ~20 % ahead on one thread, behind on two: not split out).
             return kernels.linear(x, self.weight, self.weight_packed, self.weight_t)
         if x.device.type == "cpu" and x.shape[0] <= CPU_WXT_MAX_ROWS:
             # For a few rows (a verify row's k + 1) MKL's sgemm streams the [vocab, hidden]
