@@ -89,7 +89,7 @@ def host_identity() -> tuple[str, str, int]:
     return socket.gethostname(), boot, pid_ns
 
 
-def _process_gone(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
     """The process no longer runs (exited, or a zombie not reaped yet)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -98,7 +98,7 @@ def _process_gone(pid: int) -> bool:
         return True
 
 
-def _map_segment(path: str, size: int, create: bool) -> mmap.mmap:
+def map_segment(path: str, size: int, create: bool) -> mmap.mmap:
     """Map the POSIX shared-memory file at `path` (made and reserved first when `create`)."""
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
@@ -156,13 +156,13 @@ class ShmCollectives:
         if rank == 0:
             path[0] = f"{SHM_DIR}/qwen3-serve-tp-{uuid.uuid4().hex}"
             try:
-                shm = _map_segment(path[0], size, create=True)
+                shm = map_segment(path[0], size, create=True)
             except OSError:
                 path[0] = ""
         dist.broadcast_object_list(path, group=group, group_src=0)
         if rank != 0 and path[0]:
             try:
-                shm = _map_segment(path[0], size, create=False)
+                shm = map_segment(path[0], size, create=False)
             except OSError:
                 shm = None
         ok = torch.tensor([int(shm is not None)], dtype=torch.int64)
@@ -239,7 +239,7 @@ class ShmCollectives:
             if counters[peer] >= seq:
                 return
             now = time.monotonic()
-            gone = _process_gone(self._pids[peer])
+            gone = process_gone(self._pids[peer])
             if gone or now - start > self.timeout_s:
                 why = ("its process is gone" if gone
                        else f"it did not arrive within {self.timeout_s:g} s")

@@ -80,7 +80,9 @@ class EngineConfig:
     # synchronous steps): a wide enough model then takes every core on CPU, none left
     # to the engine's Python (workers/cpu_threads.py). False: one core is left.
     cpu_exclusive: bool = False
-    compiled_graph: bool = True  # Ray executor: broadcast plans through a Ray Compiled Graph
+    # Ray executor: plans through one persistent channel (host_channel.py for ranks on the
+    # engine's host, else a Ray Compiled Graph); False: one actor call per rank
+    compiled_graph: bool = True
     # Schedule step N+1 while step N runs (its decodes take N's tokens on the workers), as
     # vLLM's async scheduling does; False: schedule only after each step's result is applied.
     # None: on with CUDA, where the forward pass leaves the host CPU free; off on CPU, where

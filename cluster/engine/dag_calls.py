@@ -75,9 +75,14 @@ def wait_alive(future: concurrent.futures.Future, dead: Callable[[], str | None]
         if why is not None:
             raise RankLostError(why)
         if time.monotonic() >= deadline:
-            raise StepBoundError(
-                f"a step did not finish within STEP_BOUND_S = {STEP_BOUND_S:g} s "
-                "(cluster/engine/dag_calls.py) although every rank is alive")
+            raise step_bound_error()
+
+
+def step_bound_error() -> StepBoundError:
+    """What a call that waited STEP_BOUND_S with every rank alive raises (a host channel's
+    read too: host_channel.py)."""
+    return StepBoundError(f"a step did not finish within STEP_BOUND_S = {STEP_BOUND_S:g} s "
+                          "(cluster/engine/dag_calls.py) although every rank is alive")
 
 
 class DagCaller:

@@ -17,6 +17,7 @@ from collections import deque
 from typing import Any
 
 from cluster.engine.dag_calls import DagCaller
+from cluster.engine.host_channel import HostChannel
 from cluster.engine.wakeup import CallCounter, WakeSockets
 
 
@@ -29,6 +30,7 @@ class RankGroup:
     thread: concurrent.futures.ThreadPoolExecutor
     caller: DagCaller | None = None
     dag: Any = None
+    channel: HostChannel | None = None  # ranks on the engine's host: instead of `dag`
     sockets: WakeSockets | None = None
     finished: CallCounter | None = None  # the output rank's finished calls (wakeup.py)
     reads: int = 0  # outputs read from the graph so far

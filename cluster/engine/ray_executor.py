@@ -1,13 +1,16 @@
 """`RayExecutor`: one Ray actor per rank (pipeline_parallel_size x tensor_parallel_size), in
 one placement group per pipeline stage, one bundle per rank (stage_placement.py).
 
-Per step the plan goes to every rank through a Ray Compiled Graph (shared-memory channels,
-one write read by every rank; its cost against one actor call per rank is in
-docs/benchmarks.md); `compiled_graph=False` falls back to one actor call per rank. With
-`lagged` (async scheduling) each graph call launches its plan and returns the result of the
-plan before. Idle ranks park on a socket (wakeup.py) instead of spinning on the channel, and
-the engine sleeps on the output rank's count of finished calls before it reads an output.
-The graph's blocking calls wait out a long step but not a dead rank (dag_calls.py).
+Per step the plan goes to every rank in one write that every rank reads: through the host
+channel (host_channel.py: one shared-memory segment, futex wake-ups, written on the caller's
+thread) when every rank runs on the engine's host, as a Serve replica's STRICT_PACK group
+does; else through a Ray Compiled Graph (its cost against one actor call per rank is in
+docs/benchmarks.md). `compiled_graph=False` falls back to one actor call per rank. With
+`lagged` (async scheduling) each call launches its plan and returns the result of the plan
+before. A channel's idle ranks sleep on it; a graph's park on a socket (wakeup.py) instead of
+spinning on its channel, and the engine sleeps on the output rank's count of finished calls
+before it reads an output. Either way a long step is waited out, up to STEP_BOUND_S, but not a
+dead rank (dag_calls.py; the channel checks the ranks' processes between its sleeps).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from cluster.engine import dag_calls, host_channel
 from cluster.engine.dag_calls import DagCaller, dead_rank, ray_timeout_s
 from cluster.engine.executor import Executor, WorkerDiedError
+from cluster.engine.host_channel import HostChannel
 from cluster.engine.kv_transport import KVTransferError
 from cluster.engine.rank_group import RankGroup
 from cluster.engine.rdt_transport import RDTHandle, RDTPeers, new_key
@@ -140,6 +145,9 @@ class RayExecutor(Executor):
             # ranks elsewhere) now and then hangs, the driver and every rank blocked in a
             # channel read (seen in tests/cluster/multinode/test_pipeline.py). Such a driver
             # makes one call at a time; a Serve replica's stage 0 runs beside it.
+            if set(nodes) == {here} and host_channel.enabled():
+                g.channel = self._open_channel(g)
+                return
             g.serial = here not in nodes
             g.sockets = self._open_wake_sockets(g) if set(nodes) == {here} else None
             g.caller = DagCaller(functools.partial(dead_rank, list(workers)))
@@ -156,6 +164,20 @@ class RayExecutor(Executor):
             self._config = dataclasses.replace(
                 self._config, dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")
         self._start((self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks))
+
+    def _open_channel(self, g: RankGroup) -> HostChannel:
+        """The shared-memory channel to `g`'s ranks, all on this host (host_channel.py): each
+        rank maps it and serves it on a thread of its own."""
+        channel = HostChannel(len(g.workers))
+        try:
+            pids = self._wait_all(g, [
+                w.serve_channel.remote(channel.path, r, len(g.workers), r == self._output_rank,
+                                       self._lagged) for r, w in enumerate(g.workers)])
+        except BaseException:
+            channel.close()
+            raise
+        channel.attached(pids)
+        return channel
 
     def _open_wake_sockets(self, g: RankGroup) -> WakeSockets:
         """Sockets to park `g`'s ranks on and the output rank's counter of finished calls, all
@@ -250,23 +272,39 @@ class RayExecutor(Executor):
         self._check(g)
         self._unpark(g)
         if self._lagged:
-            g.outputs.append((g.last_launched, self._on_thread(g, self._dag_submit, g, plan)))
+            g.outputs.append((g.last_launched, self._submit_call(g, plan)))
             g.last_launched = plan.step_id
-        elif g.dag is None:  # one actor call per rank, each plan after the last returned
+        elif g.dag is None and g.channel is None:  # one actor call per rank, in turn
             g.calls[plan.step_id] = self._on_thread(g, self._call_all, g, plan)
         else:
-            g.calls[plan.step_id] = self._on_thread(g, self._dag_submit, g, plan)
+            g.calls[plan.step_id] = self._submit_call(g, plan)
         return plan.step_id
+
+    def _submit_call(self, g: RankGroup, plan: StepPlan | None) -> concurrent.futures.Future:
+        """A call of `plan` (its message number, or its graph ref, once written). A host
+        channel's write never blocks (host_channel.py), so it is made here, on the caller's
+        thread, without waiting for the graph thread to wake; a failure is raised from the
+        graph thread, where every other failure of the group's calls is."""
+        if g.channel is None:
+            return self._on_thread(g, self._dag_submit, g, plan)
+        written: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            written.set_result(g.channel.write(plan, functools.partial(self._given_up, g)))
+        except Exception as e:  # noqa: BLE001 — any worker failure ends the group
+            return self._on_thread(g, self._fail, g, e)
+        return written
 
     def result(self, handle: int) -> concurrent.futures.Future:
         g = self._g
         self._check(g)
         if not self._lagged:
             call = g.calls.pop(handle)
-            return call if g.dag is None else self._on_thread(g, self._dag_get, g, call)
+            if g.dag is None and g.channel is None:
+                return call
+            return self._on_thread(g, self._dag_get, g, call)
         if not any(step == handle for step, _ in g.outputs):
             # Nothing launched after it: a call with no plan brings its result back.
-            g.outputs.append((g.last_launched, self._on_thread(g, self._dag_submit, g, None)))
+            g.outputs.append((g.last_launched, self._submit_call(g, None)))
             g.last_launched = None
         return self._on_thread(g, self._read_lagged, g, handle)
 
@@ -316,6 +354,19 @@ class RayExecutor(Executor):
         each once: `g.reads` counts them for the counter the read sleeps on)."""
         self._check(g)
         g.reads += 1
+        if g.channel is not None:
+            deadline = time.monotonic() + dag_calls.STEP_BOUND_S
+
+            def stop() -> bool:
+                if self._given_up(g):
+                    return True
+                if time.monotonic() >= deadline:  # (every rank alive: the channel checked)
+                    raise dag_calls.step_bound_error()
+                return False
+            try:
+                return g.channel.read(ref, stop)
+            except Exception as e:  # noqa: BLE001 — any worker failure ends the group
+                self._fail(g, e)
         try:
             # A dead rank raises here within a slice (dag_calls.py); a long step is waited for.
             return g.caller.call(self._read_output, g, ref, g.reads)
@@ -338,6 +389,10 @@ class RayExecutor(Executor):
             return None
         self.rebuilds_without_step = 0
         return result.owned()  # (copied out of the channel's buffer: see StepResult.owned)
+
+    @staticmethod
+    def _given_up(g: RankGroup) -> bool:
+        return g.stopped or g.dead is not None
 
     @staticmethod
     def _read_output(g: RankGroup, ref: Any, n: int) -> Any:
@@ -422,6 +477,8 @@ class RayExecutor(Executor):
             # can crash that node's raylet (Ray 2.60, experimental_mutable_object_provider.cc
             # "Channel closed"; seen when a stage's node was lost), taking a second node with
             # the first.
+            if g.channel is not None:  # (the ranks' loops end; a dead one's already did)
+                g.channel.close()
             kill_first = g.dead is not None
             if not kill_first and g.dag is not None:
                 with contextlib.suppress(Exception):  # a dead worker: its loop is gone already

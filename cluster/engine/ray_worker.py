@@ -1,6 +1,8 @@
 """The Ray actor that hosts one tensor-parallel rank's Worker.
 
-The compiled graph's loop calls `execute` (or `execute_lagged`) on one thread; `ping`,
+Its plans arrive on one thread, which calls `execute` (or `execute_lagged`) for each: the
+host channel's (`serve_channel`: ranks on the engine's host, cluster/engine/host_channel.py)
+or the compiled graph's loop (ranks elsewhere). `ping`,
 `provide_bitmask` and the KV transfer's `export_kv` / `import_kv` arrive on the actor's
 second thread. A grammar bitmask is only posted there: the step loop's thread takes it and
 hands it to the worker (the Worker's steps run on one thread only). A KV transfer copies
@@ -21,6 +23,7 @@ import numpy as np
 import ray
 import torch
 
+from cluster.engine.host_channel import RankEnd
 from cluster.engine.kv_transport import KVTransferError, fetch, publish
 from cluster.engine.rdt_transport import PayloadStash
 from cluster.engine.wakeup import CallCounter, Park, WakeReader
@@ -69,6 +72,17 @@ class RayWorker:
         self._wake = WakeReader(path)
         if calls_path is not None:
             self._calls = CallCounter.attach(calls_path)
+
+    def serve_channel(self, path: str, rank: int, num_ranks: int, output: bool,
+                      lagged: bool) -> int:
+        """Map the engine's host channel and run every plan it sends, in order, on a thread of
+        its own until the engine closes it (only the `output` rank's results go back); the
+        process id, by which the engine tells a dead rank."""
+        end = RankEnd(path, rank, num_ranks)
+        call = self.execute_lagged if lagged else self.execute
+        threading.Thread(target=end.serve, args=(call, output), name="host-channel",
+                         daemon=True).start()
+        return os.getpid()
 
     def execute(self, plan: StepPlan | Park) -> StepResult | None:
         try:

@@ -1,5 +1,7 @@
 """Waiting without spinning on a compiled graph: idle ranks park on a named socket per rank,
-and the engine sleeps on a counter of finished calls before it reads a call's output.
+and the engine sleeps on a counter of finished calls before it reads a call's output. (Ranks
+on the engine's host get the host channel instead, host_channel.py, which sleeps by itself;
+this is for a graph whose ranks share the host only in part, or with that channel off.)
 
 A Ray Compiled Graph's actors wait for the next plan by spinning on their input channel
 (`sched_yield` in a loop: most of a core per rank, forever, while the engine has no work).

@@ -488,13 +488,16 @@ engine.shutdown()
 
 
 @pytest.mark.slow
-def test_a_driver_that_streamed_through_the_compiled_graph_exits_cleanly() -> None:
+@pytest.mark.parametrize("host_channel", ["0", "1"])
+def test_a_driver_that_streamed_through_its_plan_transport_exits_cleanly(host_channel) -> None:
     """The engine task, cancelled when its event loop closes, keeps its last StepResult in a
     traceback until the interpreter exits. Read zero-copy from the compiled graph's channel,
     that result's release after the graph's teardown segfaulted the process (exit 139), so
-    the executor copies results out of the channel (StepResult.owned)."""
+    the executor copies results out of the channel (StepResult.owned). The same exit through
+    the host channel (cluster/engine/host_channel.py), whose ranks' loops are daemon threads."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    env = {**os.environ, "PYTHONPATH": root, "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": root, "RAY_AUTH_MODE": "disabled",
+           "QWEN3_SERVE_HOST_CHANNEL": host_channel}
     out = subprocess.run([sys.executable, "-c", _STREAM_THEN_EXIT], capture_output=True,
                          text=True, timeout=300, env=env, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,8 +1,9 @@
 """A long step is not a dead rank (cluster/engine/dag_calls.py), on a Ray TP group of qwen3-tiny
-driven through its compiled graph: a step that runs past the graph's read timeout finishes
-with no rebuild and HF's tokens; a rank killed mid-step is noticed within seconds (a rebuild,
-then the same tokens), not after STEP_BOUND_S; a step past the bound fails its group like a
-dead rank, with a message that names the bound.
+driven through each of its plan transports (the host channel its ranks on this host get,
+cluster/engine/host_channel.py, and the compiled graph that ranks on other hosts get): a step
+that runs past the graph's read timeout finishes with no rebuild and HF's tokens; a rank killed
+mid-step is noticed within seconds (a rebuild, then the same tokens), not after STEP_BOUND_S; a
+step past the bound fails its group like a dead rank, with a message that names the bound.
 
 A step is made long without a test hook: rank 0 samples a constrained row only once the
 engine has posted that row's grammar bitmask (cluster/engine/ray_worker.py), and the tests
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from cluster import LLM, SamplingParams, StructuredOutputsParams
-from cluster.engine import dag_calls, llm_engine
+from cluster.engine import dag_calls, host_channel, llm_engine
 
 PROMPTS = [{"prompt_token_ids": list(range(100, 140))},
            {"prompt_token_ids": list(range(500, 530))}]
@@ -48,17 +49,21 @@ def tokens(outputs: list) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.fixture(scope="module")
-def llm(ray_cluster: None) -> Iterator[LLM]:
+@pytest.fixture(scope="module", params=["host channel", "compiled graph"])
+def llm(request: pytest.FixtureRequest, ray_cluster: None) -> Iterator[LLM]:
     from ray.dag import DAGContext
 
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(host_channel.ENV_KNOB, "1" if request.param == "host channel" else "0")
         ctx = DAGContext.get_current()
         mp.setattr(ctx, "get_timeout", RAY_READ_TIMEOUT_S)  # read when a graph is compiled
         mp.setattr(ctx, "submit_timeout", RAY_READ_TIMEOUT_S)
         mp.setattr(dag_calls, "SLICE_S", 0.2)
         with LLM("qwen3-tiny", tensor_parallel_size=2, worker_num_cpus=0.5, max_num_seqs=4,
                  async_scheduling=False) as engine:
+            group = engine.engine.executor._g
+            assert (group.channel is not None) == (request.param == "host channel")
+            assert (group.dag is not None) == (request.param == "compiled graph")
             yield engine
 
 

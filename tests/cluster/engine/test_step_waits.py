@@ -1,5 +1,6 @@
 """The engine waits for a tp-2 step asleep, not spinning (cluster/engine/wakeup.py's
-CallCounter): the counter across processes, and the engine's read thread on Ray."""
+CallCounter, cluster/engine/host_channel.py's `done` words): the counter across processes,
+and the engine's read thread on Ray with each plan transport."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import os
 import threading
 import time
 
+import pytest
+
 from cluster import LLM, SamplingParams
+from cluster.engine import host_channel
 from cluster.engine.wakeup import CallCounter
 
 
@@ -61,17 +65,26 @@ def _thread_cpu_s(native_id: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_tp2_engine_reads_step_outputs_asleep(ray_cluster: None) -> None:
-    """While the ranks compute, the thread that reads the graph's outputs sleeps on the
-    output rank's counter: its CPU time over a 48-step generate is a small share of the
-    wall time (Ray's own read yields in a loop for the whole step: close to all of it)."""
+@pytest.mark.parametrize("transport", ["host channel", "compiled graph"])
+def test_tp2_engine_reads_step_outputs_asleep(transport: str, ray_cluster: None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the ranks compute, the thread that reads their outputs sleeps: on the output
+    rank's counter with the compiled graph (Ray's own read yields in a loop for the whole
+    step: close to all of it), on the host channel's `done` words with that
+    (cluster/engine/host_channel.py). Its CPU time over a 48-step generate is a small share
+    of the wall time."""
+    monkeypatch.setenv(host_channel.ENV_KNOB, "1" if transport == "host channel" else "0")
     llm = LLM("qwen3-tiny", tensor_parallel_size=2, executor="ray", worker_num_cpus=0.5,
               device="cpu")
     try:
         params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
         prompt = [{"prompt_token_ids": [5, 6, 7, 8]}]
         first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-        reader = next(t for t in threading.enumerate() if t.name == "dag-calls")
+        # the compiled graph's reads run on its DagCaller's thread, the channel's on the
+        # group's own graph thread (a ThreadPoolExecutor's, "dag_0")
+        name = "dag-calls" if transport == "compiled graph" else "dag_0"
+        assert (llm.engine.executor._g.channel is not None) == (transport == "host channel")
+        reader = next(t for t in threading.enumerate() if t.name == name)
         cpu, wall = _thread_cpu_s(reader.native_id), time.monotonic()
         again = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
         cpu, wall = _thread_cpu_s(reader.native_id) - cpu, time.monotonic() - wall
