@@ -15,8 +15,10 @@ rank, unlinked as soon as all have mapped it):
 - a header page of int64 words, each on its own cache line: `written` (messages the engine has
   written; every rank sleeps on it), `closed`, and per rank `taken` (messages it has read) and
   `done` (messages whose output it has written; the engine sleeps on it);
-- SLOTS input slots of `slot_bytes`: message m (numbered from 1) in slot m % SLOTS;
-- per rank SLOTS output slots of `slot_bytes`: its output of message m in slot m % SLOTS.
+- `slots` input slots of `slot_bytes`: message m (numbered from 1) in slot m % slots;
+- per rank `slots` output slots of `slot_bytes`: its output of message m in slot m % slots.
+`slots` is at least MIN_SLOTS and two more than the calls its engine keeps in flight (one per
+pipeline stage, two with async scheduling: `RayExecutor._open_channel`).
 A slot holds an int64 length, then the pickled payload. A payload larger than the slot goes to
 a file of its own in /dev/shm (length -n: the slot holds its n-byte name), removed by its last
 reader (the engine, for an input: once every rank has taken it).
@@ -26,9 +28,9 @@ Invariants:
   `taken`, `done` and output slots. A payload is written before the counter that publishes it
   and read after the counter was seen (x86's total store order, as workers/shm_collectives.py;
   callers check `supported()`, which is x86-64 Linux only).
-- The engine writes message m only after every rank has taken m - SLOTS and it has read every
-  output up to m - SLOTS, so no slot is overwritten while it may still be read; more than SLOTS
-  calls in flight is a caller's bug (RuntimeError), never a wait.
+- The engine writes message m only after every rank has taken m - slots and it has read every
+  output up to m - slots, so no slot is overwritten while it may still be read; more than
+  `slots` calls in flight is a caller's bug (RuntimeError), never a wait.
 - Outputs are read in message order, each once. A rank's error is its output (`RankFailure`:
   the exception's type, text and traceback), raised by the engine's read as RankFailedError.
 - Every wait is bounded sleeps: the engine checks between them that every rank's process lives
@@ -56,8 +58,10 @@ from workers.shm_collectives import map_segment, process_gone
 logger = logging.getLogger(__name__)
 
 ENV_KNOB = "QWEN3_SERVE_HOST_CHANNEL"
-SLOTS = 4
-SLOT_BYTES = 1 << 20  # a 256-sequence decode plan pickles to ~7 KB, its result to ~4 KB
+MIN_SLOTS = 4
+# A 256-sequence decode plan pickles to ~7 KB, its result to ~4 KB; a prefill plan of 8,192
+# tokens to ~70 KB. A tp-2 group's segment: 4 x 256 KiB x 3 = 3 MiB of /dev/shm.
+SLOT_BYTES = 256 << 10
 _PAGE = 4096
 _LINE = 64
 _LEN = 8  # the int64 length before a payload
@@ -93,18 +97,22 @@ def enabled(environ: dict[str, str] | os._Environ = os.environ) -> bool:
     return not off and futex_supported() and os.path.isdir("/dev/shm")
 
 
-def segment_bytes(num_ranks: int, slot_bytes: int = SLOT_BYTES) -> int:
-    return _PAGE + SLOTS * slot_bytes * (1 + num_ranks)
+def segment_bytes(num_ranks: int, slots: int = MIN_SLOTS, slot_bytes: int = SLOT_BYTES) -> int:
+    return _PAGE + slots * slot_bytes * (1 + num_ranks)
 
 
 class _Segment:
     """The mapping and its words; shared by both ends."""
 
-    def __init__(self, path: str, num_ranks: int, slot_bytes: int, create: bool) -> None:
+    def __init__(self, path: str, num_ranks: int, slots: int, slot_bytes: int,
+                 create: bool) -> None:
         if not 1 <= num_ranks <= _MAX_RANKS:
             raise ValueError(f"a host channel takes 1..{_MAX_RANKS} ranks, not {num_ranks}")
-        self.map = map_segment(path, segment_bytes(num_ranks, slot_bytes), create)
-        self.path, self.num_ranks, self.slot_bytes = path, num_ranks, slot_bytes
+        if slots < MIN_SLOTS:
+            raise ValueError(f"a host channel takes at least {MIN_SLOTS} slots, not {slots}")
+        self.map = map_segment(path, segment_bytes(num_ranks, slots, slot_bytes), create)
+        self.path, self.num_ranks = path, num_ranks
+        self.slots, self.slot_bytes = slots, slot_bytes
         self.words = np.ndarray((_PAGE // _LINE,), dtype=np.int64, buffer=self.map,
                                 strides=(_LINE,))
         base = self.words.ctypes.data
@@ -118,10 +126,10 @@ class _Segment:
         return 2 + self.num_ranks + rank
 
     def input_slot(self, m: int) -> int:
-        return _PAGE + (m % SLOTS) * self.slot_bytes
+        return _PAGE + (m % self.slots) * self.slot_bytes
 
     def output_slot(self, rank: int, m: int) -> int:
-        return _PAGE + (SLOTS * (1 + rank) + m % SLOTS) * self.slot_bytes
+        return _PAGE + (self.slots * (1 + rank) + m % self.slots) * self.slot_bytes
 
     def put(self, offset: int, payload: bytes) -> str | None:
         """`payload` into the slot at `offset`; one larger than the slot into a file of its own,
@@ -164,9 +172,11 @@ class _Segment:
 class HostChannel:
     """The engine's end: `write` a message to every rank, `read` their outputs in order."""
 
-    def __init__(self, num_ranks: int, slot_bytes: int = SLOT_BYTES) -> None:
-        self._seg = _Segment(f"/dev/shm/qwen3-plans-{uuid.uuid4().hex}", num_ranks, slot_bytes,
-                             create=True)
+    def __init__(self, num_ranks: int, slots: int = MIN_SLOTS,
+                 slot_bytes: int = SLOT_BYTES) -> None:
+        self._seg = _Segment(f"/dev/shm/qwen3-plans-{uuid.uuid4().hex}", num_ranks, slots,
+                             slot_bytes, create=True)
+        self.slots = slots
         self.path = self._seg.path
         self.num_ranks = num_ranks
         self._written = 0
@@ -188,11 +198,11 @@ class HostChannel:
 
     def _write(self, obj: Any, stop: Callable[[], bool]) -> int:
         seg, m = self._seg, self._written + 1
-        if m - self._read > SLOTS:
+        if m - self._read > seg.slots:
             raise RuntimeError(f"host channel: message {m} written with {m - 1 - self._read} "
-                               f"outputs unread (at most {SLOTS} calls in flight)")
-        for r in range(self.num_ranks):  # slot m % SLOTS last held message m - SLOTS
-            self._wait(seg.taken(r), m - SLOTS, stop)
+                               f"outputs unread (at most {seg.slots} calls in flight)")
+        for r in range(self.num_ranks):  # slot m % slots last held message m - slots
+            self._wait(seg.taken(r), m - seg.slots, stop)
         self._drop_inputs_aside()
         side = seg.put(seg.input_slot(m), pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         if side is not None:
@@ -257,8 +267,8 @@ class RankEnd:
     """Rank `rank`'s end: `serve(handle)` runs every message through `handle` until closed."""
 
     def __init__(self, path: str, rank: int, num_ranks: int,
-                 slot_bytes: int = SLOT_BYTES) -> None:
-        self._seg = _Segment(path, num_ranks, slot_bytes, create=False)
+                 slots: int = MIN_SLOTS, slot_bytes: int = SLOT_BYTES) -> None:
+        self._seg = _Segment(path, num_ranks, slots, slot_bytes, create=False)
         self.rank = rank
         self._next = 1
 

@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import time
 from typing import Any, NoReturn
@@ -37,6 +38,8 @@ from cluster.engine.wakeup import CallCounter, Park, WakeSockets
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
+
+logger = logging.getLogger(__name__)
 
 # Environment the worker processes need to behave like this one (offline hub, shared cache).
 _FORWARDED_ENV = ("HF_HUB_OFFLINE", "QWEN3_SERVE_CACHE", "TOKENIZERS_PARALLELISM",
@@ -147,7 +150,8 @@ class RayExecutor(Executor):
             # makes one call at a time; a Serve replica's stage 0 runs beside it.
             if set(nodes) == {here} and host_channel.enabled():
                 g.channel = self._open_channel(g)
-                return
+                if g.channel is not None:
+                    return
             g.serial = here not in nodes
             g.sockets = self._open_wake_sockets(g) if set(nodes) == {here} else None
             g.caller = DagCaller(functools.partial(dead_rank, list(workers)))
@@ -165,14 +169,23 @@ class RayExecutor(Executor):
                 self._config, dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")
         self._start((self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks))
 
-    def _open_channel(self, g: RankGroup) -> HostChannel:
+    def _open_channel(self, g: RankGroup) -> HostChannel | None:
         """The shared-memory channel to `g`'s ranks, all on this host (host_channel.py): each
-        rank maps it and serves it on a thread of its own."""
-        channel = HostChannel(len(g.workers))
+        rank maps it and serves it on a thread of its own. None where /dev/shm has no room
+        for it (the compiled graph then, as for ranks on other hosts)."""
+        pp = self._config.pipeline_parallel_size
+        in_flight = pp if pp > 1 else (2 if self._lagged else 1)  # (engine_setup.plans_in_flight)
+        slots = max(host_channel.MIN_SLOTS, in_flight + 2)  # (+ a lagged result's own call)
+        try:
+            channel = HostChannel(len(g.workers), slots)
+        except OSError as e:
+            logger.warning("no host channel for the ranks (%s): using a compiled graph", e)
+            return None
         try:
             pids = self._wait_all(g, [
-                w.serve_channel.remote(channel.path, r, len(g.workers), r == self._output_rank,
-                                       self._lagged) for r, w in enumerate(g.workers)])
+                w.serve_channel.remote(channel.path, r, len(g.workers), slots,
+                                       r == self._output_rank, self._lagged)
+                for r, w in enumerate(g.workers)])
         except BaseException:
             channel.close()
             raise

@@ -73,12 +73,12 @@ class RayWorker:
         if calls_path is not None:
             self._calls = CallCounter.attach(calls_path)
 
-    def serve_channel(self, path: str, rank: int, num_ranks: int, output: bool,
+    def serve_channel(self, path: str, rank: int, num_ranks: int, slots: int, output: bool,
                       lagged: bool) -> int:
         """Map the engine's host channel and run every plan it sends, in order, on a thread of
         its own until the engine closes it (only the `output` rank's results go back); the
         process id, by which the engine tells a dead rank."""
-        end = RankEnd(path, rank, num_ranks)
+        end = RankEnd(path, rank, num_ranks, slots)
         call = self.execute_lagged if lagged else self.execute
         threading.Thread(target=end.serve, args=(call, output), name="host-channel",
                          daemon=True).start()

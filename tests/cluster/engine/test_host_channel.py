@@ -16,7 +16,7 @@ import pytest
 
 from cluster.engine import host_channel
 from cluster.engine.host_channel import (
-    SLOTS,
+    MIN_SLOTS,
     ChannelStopped,
     HostChannel,
     RankEnd,
@@ -43,15 +43,17 @@ def _handle(rank: int, msg):  # noqa: ANN001, ANN202 — the ranks' stand-in for
     return (kind, rank, value * 2 if isinstance(value, np.ndarray) else value)
 
 
-def _serve(path: str, rank: int, num_ranks: int, slot_bytes: int, keep: bool) -> None:
-    end = RankEnd(path, rank, num_ranks, slot_bytes)
+def _serve(path: str, rank: int, num_ranks: int, slots: int, slot_bytes: int,
+           keep: bool) -> None:
+    end = RankEnd(path, rank, num_ranks, slots, slot_bytes)
     end.serve(lambda msg: _handle(rank, msg), keep)
 
 
-def _ranks(num_ranks: int = 2, slot_bytes: int = SMALL_SLOT):
-    channel = HostChannel(num_ranks, slot_bytes)
+def _ranks(num_ranks: int = 2, slots: int = MIN_SLOTS, slot_bytes: int = SMALL_SLOT):
+    channel = HostChannel(num_ranks, slots, slot_bytes)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_serve, args=(channel.path, r, num_ranks, slot_bytes, r == 0),
+    procs = [ctx.Process(target=_serve,
+                         args=(channel.path, r, num_ranks, slots, slot_bytes, r == 0),
                          daemon=True) for r in range(num_ranks)]
     for p in procs:
         p.start()
@@ -155,16 +157,19 @@ def test_a_caller_that_gives_up_stops_the_wait() -> None:
         _close(channel, procs)
 
 
-def test_more_calls_in_flight_than_slots_is_refused_and_reading_out_of_order_too() -> None:
-    channel, procs = _ranks()
+@pytest.mark.parametrize("slots", [MIN_SLOTS, 10])
+def test_more_calls_in_flight_than_slots_is_refused_and_reading_out_of_order_too(
+        slots: int) -> None:
+    """(10 slots: a pipeline of 8 stages' calls in flight, plus two.)"""
+    channel, procs = _ranks(slots=slots)
     try:
         _attach(channel, procs)
-        sent = [channel.write(("echo", i), never) for i in range(SLOTS)]
-        with pytest.raises(RuntimeError, match="at most 4 calls in flight"):
+        sent = [channel.write(("echo", i), never) for i in range(slots)]
+        with pytest.raises(RuntimeError, match=f"at most {slots} calls in flight"):
             channel.write(("echo", -1), never)
         with pytest.raises(RuntimeError, match="read after"):
             channel.read(sent[1], never)
-        assert [channel.read(m, never)[0][2] for m in sent] == list(range(SLOTS))
+        assert [channel.read(m, never)[0][2] for m in sent] == list(range(slots))
         m = channel.write(("echo", 99), never)  # a slot is free again
         assert channel.read(m, never)[0][2] == 99
     finally:
@@ -204,8 +209,10 @@ def test_a_rank_that_exits_mid_call_fails_the_read_not_hangs_it() -> None:
         _close(channel, procs)
 
 
-def test_bad_rank_counts_are_refused() -> None:
+def test_bad_rank_and_slot_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="takes 1..31 ranks"):
         HostChannel(0)
     with pytest.raises(ValueError, match="takes 1..31 ranks"):
         HostChannel(32)
+    with pytest.raises(ValueError, match="at least 4 slots, not 3"):
+        HostChannel(2, slots=3)

@@ -92,3 +92,29 @@ def test_tp2_engine_reads_step_outputs_asleep(transport: str, ray_cluster: None,
         assert cpu < 0.25 * wall, (cpu, wall)
     finally:
         llm.shutdown()
+
+
+def test_a_host_without_room_for_the_channel_runs_the_compiled_graph(
+        ray_cluster: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm full (a container's 64 MB default, say): the executor logs it and its ranks
+    take the compiled graph, with the same greedy tokens."""
+    from cluster.engine import ray_executor
+
+    def no_room(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 — HostChannel's signature
+        raise OSError(28, "No space left on device")
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8]}]
+    tokens = []
+    for full in (False, True):
+        if full:
+            monkeypatch.setattr(ray_executor, "HostChannel", no_room)
+        llm = LLM("qwen3-tiny", tensor_parallel_size=2, executor="ray", worker_num_cpus=0.5,
+                  device="cpu")
+        try:
+            group = llm.engine.executor._g
+            assert (group.channel is None, group.dag is not None) == (full, full)
+            tokens.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
+        finally:
+            llm.shutdown()
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8
