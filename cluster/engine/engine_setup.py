@@ -155,18 +155,6 @@ def check_layer_partition(config: EngineConfig, num_layers: int) -> None:
         layer_partition(num_layers, config.pipeline_parallel_size, config.pp_layer_partition)
 
 
-def plans_in_flight(pipeline_parallel_size: int, async_scheduling: bool) -> int:
-    """How many plans the engine keeps submitted ahead of the oldest one's result: one (two
-    with async scheduling) on a single stage; at pp > 1 one per stage, of disjoint sequences
-    (scheduler/ahead.py's micro-batches), with async scheduling or not. Async scheduling's
-    plan ahead names tokens the plan before samples (PENDING_TOKEN), which the first stage
-    could embed only once the last stage had sampled them: it would wait on every plan, so
-    at pp > 1 the micro-batches are how scheduling runs ahead of results."""
-    if pipeline_parallel_size > 1:
-        return pipeline_parallel_size
-    return 2 if async_scheduling else 1
-
-
 def build_executor(config: EngineConfig, worker_config: WorkerConfig, device: str,
                    placement_group: Any, lagged: bool) -> Executor:
     """The executor of `worker_config`'s ranks: a Ray group (`config.uses_ray`, in

@@ -18,6 +18,18 @@ from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
 
 
+def plans_in_flight(pipeline_parallel_size: int, async_scheduling: bool) -> int:
+    """How many plans the engine keeps submitted ahead of the oldest one's result: one (two
+    with async scheduling) on a single stage; at pp > 1 one per stage, of disjoint sequences
+    (scheduler/ahead.py's micro-batches), with async scheduling or not. Async scheduling's
+    plan ahead names tokens the plan before samples (PENDING_TOKEN), which the first stage
+    could embed only once the last stage had sampled them: it would wait on every plan, so
+    at pp > 1 the micro-batches are how scheduling runs ahead of results."""
+    if pipeline_parallel_size > 1:
+        return pipeline_parallel_size
+    return 2 if async_scheduling else 1
+
+
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker is gone; the engine cannot continue."""
 

@@ -7,7 +7,7 @@ applied in the order it was submitted, and results are asked for in that order; 
 scheduling at most two plans are in flight (the one running and the one scheduled after it);
 at pipeline_parallel_size pp > 1, pp plans of disjoint sequences (micro-batches, vLLM's batch
 queue: scheduler/ahead.py) are in flight, so that every stage has one to run; this replaces
-async scheduling's plan ahead there (engine_setup.plans_in_flight says why).
+async scheduling's plan ahead there (executor.plans_in_flight says why).
 
 Structured outputs (structured_output.py) hook in at three points: a plan's constrained rows
 are marked when it is scheduled; a step's tokens advance the matchers when its result is
@@ -34,11 +34,10 @@ from cluster.engine.engine_setup import (
     check_layer_partition,
     default_sampling,
     freeze_startup_heap,
-    plans_in_flight,
     rebuild_or_raise,
     weights_bytes,
 )
-from cluster.engine.executor import Executor, WorkerDiedError
+from cluster.engine.executor import Executor, WorkerDiedError, plans_in_flight
 from cluster.engine.fast_detokenizer import detokenizer_factory
 from cluster.engine.kv_transfers import KVTransfers
 from cluster.engine.kv_transport import KVTransferParams

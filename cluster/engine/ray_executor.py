@@ -28,7 +28,7 @@ import numpy as np
 
 from cluster.engine import dag_calls, host_channel
 from cluster.engine.dag_calls import DagCaller, dead_rank, ray_timeout_s
-from cluster.engine.executor import Executor, WorkerDiedError
+from cluster.engine.executor import Executor, WorkerDiedError, plans_in_flight
 from cluster.engine.host_channel import HostChannel
 from cluster.engine.kv_transport import KVTransferError
 from cluster.engine.rank_group import RankGroup
@@ -173,9 +173,9 @@ class RayExecutor(Executor):
         """The shared-memory channel to `g`'s ranks, all on this host (host_channel.py): each
         rank maps it and serves it on a thread of its own. None where /dev/shm has no room
         for it (the compiled graph then, as for ranks on other hosts)."""
-        pp = self._config.pipeline_parallel_size
-        in_flight = pp if pp > 1 else (2 if self._lagged else 1)  # (engine_setup.plans_in_flight)
-        slots = max(host_channel.MIN_SLOTS, in_flight + 2)  # (+ a lagged result's own call)
+        # (lagged: async scheduling on one stage; + 2: a lagged result's own call, a spare)
+        in_flight = plans_in_flight(self._config.pipeline_parallel_size, self._lagged)
+        slots = max(host_channel.MIN_SLOTS, in_flight + 2)
         try:
             channel = HostChannel(len(g.workers), slots)
         except OSError as e:
