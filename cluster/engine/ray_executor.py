@@ -1,5 +1,7 @@
 """`RayExecutor`: one Ray actor per rank (pipeline_parallel_size x tensor_parallel_size), in
-one placement group per pipeline stage, one bundle per rank (stage_placement.py).
+one placement group per pipeline stage, one bundle per rank (stage_placement.py). This module
+owns a group's life (start, rebuild, failure, stop) and the KV transfers; how each call reaches
+the ranks and comes back is its base class's, `PlanCalls` (plan_calls.py).
 
 Per step the plan goes to every rank in one write that every rank reads: through the host
 channel (host_channel.py: one shared-memory segment, futex wake-ups, written on the caller's
@@ -19,27 +21,23 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import logging
 import os
 import time
 from typing import Any, NoReturn
 
 import numpy as np
 
-from cluster.engine import dag_calls, host_channel
-from cluster.engine.dag_calls import DagCaller, dead_rank, ray_timeout_s
-from cluster.engine.executor import Executor, WorkerDiedError, plans_in_flight
-from cluster.engine.host_channel import HostChannel
+from cluster.engine import host_channel
+from cluster.engine.dag_calls import DagCaller, dead_rank
+from cluster.engine.executor import Executor, WorkerDiedError
 from cluster.engine.kv_transport import KVTransferError
+from cluster.engine.plan_calls import PlanCalls
 from cluster.engine.rank_group import RankGroup
 from cluster.engine.rdt_transport import RDTHandle, RDTPeers, new_key
 from cluster.engine.stage_placement import place_stages
-from cluster.engine.wakeup import CallCounter, Park, WakeSockets
 from scheduler.plan import StepPlan, StepResult
 from workers.config import WorkerConfig
 from workers.distributed import get_free_port
-
-logger = logging.getLogger(__name__)
 
 # Environment the worker processes need to behave like this one (offline hub, shared cache).
 _FORWARDED_ENV = ("HF_HUB_OFFLINE", "QWEN3_SERVE_CACHE", "TOKENIZERS_PARALLELISM",
@@ -66,7 +64,7 @@ def worker_env(device: str) -> dict[str, str]:
 JOIN_TIMEOUT_S = 120.0
 
 
-class RayExecutor(Executor):
+class RayExecutor(PlanCalls, Executor):
     """pp x tp worker actors; rank i in its stage's placement group (stage 0: from
     `bundle_offset` of the replica's, when it has one).
 
@@ -169,67 +167,6 @@ class RayExecutor(Executor):
                 self._config, dist_init_method=f"tcp://127.0.0.1:{get_free_port()}")
         self._start((self.num_gpu_blocks, self.num_cpu_blocks, self.num_offload_blocks))
 
-    def _open_channel(self, g: RankGroup) -> HostChannel | None:
-        """The shared-memory channel to `g`'s ranks, all on this host (host_channel.py): each
-        rank maps it and serves it on a thread of its own. None where /dev/shm has no room
-        for it (the compiled graph then, as for ranks on other hosts)."""
-        # (lagged: async scheduling on one stage; + 2: a lagged result's own call, a spare)
-        in_flight = plans_in_flight(self._config.pipeline_parallel_size, self._lagged)
-        slots = max(host_channel.MIN_SLOTS, in_flight + 2)
-        try:
-            channel = HostChannel(len(g.workers), slots)
-        except OSError as e:
-            logger.warning("no host channel for the ranks (%s): using a compiled graph", e)
-            return None
-        try:
-            pids = self._wait_all(g, [
-                w.serve_channel.remote(channel.path, r, len(g.workers), slots,
-                                       r == self._output_rank, self._lagged)
-                for r, w in enumerate(g.workers)])
-        except BaseException:
-            channel.close()
-            raise
-        channel.attached(pids)
-        return channel
-
-    def _open_wake_sockets(self, g: RankGroup) -> WakeSockets:
-        """Sockets to park `g`'s ranks on and the output rank's counter of finished calls, all
-        on this host (ranks on another host spin when idle: no socket reaches them)."""
-        sockets = WakeSockets(len(g.workers))
-        g.finished = CallCounter.create()
-        counted = None if g.finished is None else g.finished.path
-        self._wait_all(g, [w.open_wake_socket.remote(p, counted if r == self._output_rank else None)
-                           for r, (w, p) in enumerate(zip(g.workers, sockets.paths))])
-        if g.finished is not None:
-            g.finished.unlink()  # (mapped by both ends now)
-        return sockets
-
-    def park(self) -> None:
-        g = self._g
-        if g.sockets is None or g.parked is not None or g.dead is not None or g.stopped:
-            return
-        g.parked = self._on_thread(g, self._dag_submit, g, Park())
-
-    def _unpark(self, g: RankGroup) -> None:
-        """Wake the parked ranks; the Park call's output is read in order, later."""
-        parked, g.parked = g.parked, None
-        if parked is None:
-            return
-        g.sockets.wake()
-        if self._lagged:
-            g.outputs.append((None, parked))
-        else:
-            g.unread_parks.append(parked)
-
-    def _compile(self, g: RankGroup) -> Any:
-        from ray.dag import InputNode, MultiOutputNode
-
-        with InputNode() as plan:
-            dag = MultiOutputNode([(w.execute_lagged if self._lagged else w.execute).bind(plan)
-                                   for w in g.workers])
-        # (reads get the same timeout in _dag_get: dag_calls.py bounds a step, not Ray)
-        return dag.experimental_compile(_submit_timeout=ray_timeout_s())
-
     def _wait_all(self, g: RankGroup, refs: list, timeout_s: float | None = None,
                   what: str = "answer") -> list:
         """ray.get of every ref, failing as soon as ANY fails (a dead rank leaves the others
@@ -259,23 +196,6 @@ class RayExecutor(Executor):
         self._stop(g)
         raise WorkerDiedError(g.dead) from error
 
-    @staticmethod
-    def _check(g: RankGroup) -> None:
-        """WorkerDiedError unless `g` is alive and running."""
-        if g.dead is not None:
-            raise WorkerDiedError(g.dead)
-        if g.stopped:
-            raise WorkerDiedError("the executor's workers were stopped")
-
-    @staticmethod
-    def _on_thread(g: RankGroup, fn: Any, *args: Any) -> concurrent.futures.Future:
-        """`fn(*args)` queued on `g`'s graph thread (WorkerDiedError if `g` was stopped)."""
-        try:
-            return g.thread.submit(fn, *args)
-        except RuntimeError:  # the thread was shut down: the group stopped
-            RayExecutor._check(g)
-            raise
-
     def submit(self, plan: StepPlan) -> int:
         """Every call on the compiled graph happens on the group's thread (the graph is not
         thread-safe), in order: a plan submitted while the previous one runs is written to
@@ -293,20 +213,6 @@ class RayExecutor(Executor):
             g.calls[plan.step_id] = self._submit_call(g, plan)
         return plan.step_id
 
-    def _submit_call(self, g: RankGroup, plan: StepPlan | None) -> concurrent.futures.Future:
-        """A call of `plan` (its message number, or its graph ref, once written). A host
-        channel's write never blocks (host_channel.py), so it is made here, on the caller's
-        thread, without waiting for the graph thread to wake; a failure is raised from the
-        graph thread, where every other failure of the group's calls is."""
-        if g.channel is None:
-            return self._on_thread(g, self._dag_submit, g, plan)
-        written: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            written.set_result(g.channel.write(plan, functools.partial(self._given_up, g)))
-        except Exception as e:  # noqa: BLE001 — any worker failure ends the group
-            return self._on_thread(g, self._fail, g, e)
-        return written
-
     def result(self, handle: int) -> concurrent.futures.Future:
         g = self._g
         self._check(g)
@@ -320,14 +226,6 @@ class RayExecutor(Executor):
             g.outputs.append((g.last_launched, self._submit_call(g, None)))
             g.last_launched = None
         return self._on_thread(g, self._read_lagged, g, handle)
-
-    def _read_lagged(self, g: RankGroup, step_id: int) -> StepResult:
-        """Read the DAG's outputs in order up to the one carrying `step_id`'s result."""
-        while True:
-            step, submitted = g.outputs.popleft()
-            result = self._dag_get(g, submitted)
-            if step == step_id:
-                return result
 
     def provide_bitmask(self, handle: int, bitmask: np.ndarray) -> None:
         """The output rank (rank 0 unless pipeline-parallel) takes it on its second thread;
@@ -348,74 +246,6 @@ class RayExecutor(Executor):
         result = self._wait_all(g, [w.execute.remote(plan) for w in g.workers])
         self.rebuilds_without_step = 0
         return result[self._output_rank]
-
-    def _dag_submit(self, g: RankGroup, plan: StepPlan | Park | None) -> Any:
-        self._check(g)
-        if g.serial and g.unread is not None:  # one call at a time: read the last one first
-            last, g.unread = g.unread, None
-            g.read_ahead[id(last)] = (last, self._read(g, last))
-        try:
-            ref = g.caller.call(g.dag.execute, plan)
-        except Exception as e:  # noqa: BLE001 — any worker failure ends the group
-            self._fail(g, e)
-        if g.serial:
-            g.unread = ref
-        return ref
-
-    def _read(self, g: RankGroup, ref: Any) -> list:
-        """Every rank's output of the graph call `ref` (the outputs are read in call order,
-        each once: `g.reads` counts them for the counter the read sleeps on)."""
-        self._check(g)
-        g.reads += 1
-        if g.channel is not None:
-            deadline = time.monotonic() + dag_calls.STEP_BOUND_S
-
-            def stop() -> bool:
-                if self._given_up(g):
-                    return True
-                if time.monotonic() >= deadline:  # (every rank alive: the channel checked)
-                    raise dag_calls.step_bound_error()
-                return False
-            try:
-                return g.channel.read(ref, stop)
-            except Exception as e:  # noqa: BLE001 — any worker failure ends the group
-                self._fail(g, e)
-        try:
-            # A dead rank raises here within a slice (dag_calls.py); a long step is waited for.
-            return g.caller.call(self._read_output, g, ref, g.reads)
-        except Exception as e:  # noqa: BLE001 — any worker failure ends the group
-            self._fail(g, e)
-
-    def _dag_get(self, g: RankGroup, submitted: concurrent.futures.Future) -> StepResult:
-        while g.unread_parks and g.unread_parks[0] is not submitted:
-            self._dag_get(g, g.unread_parks.popleft())  # (None: a parked call's output)
-        ref = submitted.result()  # done: submitted earlier on this same thread
-        ahead = g.read_ahead.pop(id(ref), None)
-        if ahead is not None and ahead[0] is ref:
-            outputs = ahead[1]
-        else:
-            if g.unread is ref:
-                g.unread = None
-            outputs = self._read(g, ref)
-        result = outputs[self._output_rank]
-        if result is None:  # (a Park's output, or a lagged call's that followed none)
-            return None
-        self.rebuilds_without_step = 0
-        return result.owned()  # (copied out of the channel's buffer: see StepResult.owned)
-
-    @staticmethod
-    def _given_up(g: RankGroup) -> bool:
-        return g.stopped or g.dead is not None
-
-    @staticmethod
-    def _read_output(g: RankGroup, ref: Any, n: int) -> Any:
-        """The `n`-th output of the graph: asleep until the output rank has finished that call
-        (Ray's read spins, wakeup.py), then read."""
-        import ray
-
-        if g.finished is not None:
-            g.finished.wait_for(n, lambda: g.stopped or g.dead is not None)
-        return ray.get(ref, timeout=ray_timeout_s())
 
     def export_kv(self, block_ids: list[int]) -> tuple[list, int]:
         g = self._g

@@ -98,7 +98,7 @@ def test_a_host_without_room_for_the_channel_runs_the_compiled_graph(
         ray_cluster: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """/dev/shm full (a container's 64 MB default, say): the executor logs it and its ranks
     take the compiled graph, with the same greedy tokens."""
-    from cluster.engine import ray_executor
+    from cluster.engine import plan_calls
 
     def no_room(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 — HostChannel's signature
         raise OSError(28, "No space left on device")
@@ -108,7 +108,7 @@ def test_a_host_without_room_for_the_channel_runs_the_compiled_graph(
     tokens = []
     for full in (False, True):
         if full:
-            monkeypatch.setattr(ray_executor, "HostChannel", no_room)
+            monkeypatch.setattr(plan_calls, "HostChannel", no_room)
         llm = LLM("qwen3-tiny", tensor_parallel_size=2, executor="ray", worker_num_cpus=0.5,
                   device="cpu")
         try:
