@@ -16,6 +16,9 @@ over is three copies.
 Prompt logprobs are computed from the same forward's hidden states, a bounded slice of rows
 at a time (workers/prompt_logprobs.py); a step with any never replays a graph.
 
+A step sampling fewer rows than it computes runs the last layer for those rows only
+(`OutputRows`, workers/qwen3.py), unless prompt logprobs, pooling or LoRA need every row.
+
 LoRA (workers/lora/): each token's adapter slot is its sequence's (`SeqTable.lora_slot`), staged
 with the step's other inputs and copied into the wrappers' persistent slot buffer before the
 forward pass, graph or eager; an eager step none of whose sequences has an adapter skips the
@@ -33,7 +36,7 @@ from workers.cpu_threads import ThreadScope
 from workers.cuda_graph import CUDAGraphRunner
 from workers.distributed import TensorParallelGroup
 from workers.draft_runner import DraftBatch, DraftRunner
-from workers.layers.attention import AttentionMetadata
+from workers.layers.attention import AttentionMetadata, OutputRows
 from workers.lora import LoRAModel
 from workers.pending import PendingTokens
 from workers.pipeline import OutputBroadcast, PipelineStage
@@ -49,6 +52,7 @@ from workers.step_batch import (
     draft_entries_for,
     lora_slots,
     max_top_k,
+    output_row_arrays,
     padded,
     penalty_arrays,
     verify_rows,
@@ -81,6 +85,13 @@ class ModelRunner:
         self._one_token_cu: dict[int, Tensor] = {}
         self._arange = torch.arange(max(max_num_seqs, 1) * 4 + 1, dtype=torch.int32,
                                     device=device)
+        self._no_slots = torch.zeros(0, dtype=torch.int64, device=device)
+        # whether a step whose sampled rows are fewer than its tokens runs the last layer for
+        # those rows only (OutputRows): a generating model's last stage, for at most
+        # max_num_seqs rows (a decode batch's attention shapes, which the warm-up compiles)
+        self._prunes = pooler is None and self.stage.is_last and isinstance(model,
+                                                                             Qwen3ForCausalLM)
+        self._max_out_rows = max_num_seqs
         self.sampler = Sampler()
         self._inference = torch.inference_mode()  # forward's; entered by one step at a time
         # the LM head's and the sampler's torch threads (workers/cpu_threads.py)
@@ -203,6 +214,12 @@ class ModelRunner:
                 drafts.astype(np.int64), sample_rows, logits_idx, s_counter, constrained,
                 input_ids)
             num_sampled = int(sample_rows.shape[0])
+        lora_on = self.lora is not None and bool((table.lora_slot[rows] >= 0).any())
+        keep = None  # (LoRA's slots are per token row: a step with adapters keeps every row)
+        if self._prunes and logits_idx is not None and not graph and prompt is None \
+                and 0 < num_sampled < num_tokens and num_sampled <= self._max_out_rows \
+                and not lora_on:
+            keep = output_row_arrays(logits_idx, cu, positions, rows)
         s_temp = table.temperature[sample_rows]
         pen = NO_PENALTIES
         if table.penalties.num_used:  # (sequences with penalties are rare: skip it all)
@@ -216,20 +233,21 @@ class ModelRunner:
                *((None, None) if prompt is None else (prompt.hidden_rows, prompt.targets)),
                *((None,) * 6 if entries is None else entries.i64),
                None if self.lora is None else lora_slots(table, token_rows, tpad,
-                                                         self.lora.max_tokens)]
+                                                         self.lora.max_tokens),
+               None if keep is None else keep[0]]
         i32 = [padded(seq_lens, pad, q), cu, table.top_k[sample_rows] if features & TOP_K
                else None, diff_ids if diff_ids.size else None,
-               None if entries is None else entries.seq_lens]
+               None if entries is None else entries.seq_lens, None if keep is None else keep[1]]
         f32 = [padded(s_temp, tpad, 0.0), table.top_p[sample_rows] if features & TOP_P else None,
                table.min_p[sample_rows] if features & MIN_P else None, *pen[4:]]
         (v64, v32, vf), regions = self.stager.stage(i64, i32, f32)
         (d_ids, d_pos, d_slots, d_key, d_counter, d_rows, d_logits_idx, d_pending,
          d_pending_src, d_diff_rows, d_diff_cols, d_pen_rows, d_pen_slots, d_pen_tokens,
          d_tok_slot, d_gather, d_proposal, d_prompt_rows, d_prompt_targets, *v_draft,
-         d_lora) = v64
+         d_lora, d_keep_rows) = v64
         if prompt is not None:
             prompt.d_hidden_rows, prompt.d_targets = d_prompt_rows, d_prompt_targets
-        d_seq_lens, d_cu, d_top_k, d_diff_ids, d_draft_lens = v32
+        d_seq_lens, d_cu, d_top_k, d_diff_ids, d_draft_lens, d_keep_lens = v32
         d_temp, d_top_p, d_min_p, d_is_prompt, d_rep, d_freq, d_pres = vf
         if d_diff_ids is not None:
             table.device_block_table.index_put_((d_diff_rows, d_diff_cols), d_diff_ids)
@@ -240,16 +258,15 @@ class ModelRunner:
                 block_tables = torch.from_numpy(table.block_table[:, :width].take(rows, 0))
             else:
                 block_tables = table.device_block_table[:, :width].index_select(0, d_rows)
-        if d_cu is None and num_seqs not in self._one_token_cu:
-            if num_seqs + 1 > self._arange.shape[0]:
-                self._arange = torch.arange(2 * num_seqs + 1, dtype=torch.int32,
-                                            device=self.device)
-            self._one_token_cu[num_seqs] = self._arange[:num_seqs + 1]
         md = AttentionMetadata(
             slot_mapping=d_slots, block_tables=block_tables,
-            query_start_loc=self._one_token_cu[num_seqs] if d_cu is None else d_cu,
+            query_start_loc=self._one_token_cu_of(num_seqs) if d_cu is None else d_cu,
             seq_lens=d_seq_lens, max_query_len=1 if decode else int(qlens.max()),
             max_seq_len=max_seq_len)
+        out_rows = None
+        if keep is not None:
+            out_rows = OutputRows(d_logits_idx, self._one_token_metadata(keep, d_keep_rows,
+                                                                         d_keep_lens))
         sampling = None
         if num_sampled:
             # (without a graph's padding rows they hold num_sampled each: no torch slice)
@@ -280,7 +297,32 @@ class ModelRunner:
                                                d_proposal.view(spec[1].shape)),
             draft=None if entries is None else DraftBatch(entries, *v_draft, d_draft_lens),
             draft_in_graph=draft_in_graph, prompt=prompt, lora_slots=d_lora,
-            lora_active=d_lora is not None and bool((table.lora_slot[rows] >= 0).any()))
+            lora_active=lora_on, out_rows=out_rows)
+
+    def _one_token_cu_of(self, n: int) -> Tensor:
+        """query_start_loc of `n` one-token queries (views of one arange, kept by size)."""
+        cu = self._one_token_cu.get(n)
+        if cu is None:
+            if n + 1 > self._arange.shape[0]:
+                self._arange = torch.arange(2 * n + 1, dtype=torch.int32, device=self.device)
+            cu = self._one_token_cu[n] = self._arange[:n + 1]
+        return cu
+
+    def _one_token_metadata(self, keep: tuple[np.ndarray, np.ndarray], d_rows: Tensor,
+                            d_seq_lens: Tensor) -> AttentionMetadata:
+        """`OutputRows`' metadata: `keep`'s (table rows, seq lens) as one-token queries,
+        writing nothing (their K/V are stored by the step's own metadata)."""
+        rows, seq_lens = keep
+        top = int(seq_lens.max())
+        width = -(-top // self.block_size)
+        table = self.table
+        if table.device_is_host:
+            tables = torch.from_numpy(table.block_table[:, :width].take(rows, 0))
+        else:
+            tables = table.device_block_table[:, :width].index_select(0, d_rows)
+        return AttentionMetadata(slot_mapping=self._no_slots, block_tables=tables,
+                                 query_start_loc=self._one_token_cu_of(rows.shape[0]),
+                                 seq_lens=d_seq_lens, max_query_len=1, max_seq_len=top)
 
     def _graphs_for(self, plan: StepPlan, decode: bool, qlens: np.ndarray,
                     num_sampled: int) -> CUDAGraphRunner | None:
@@ -330,7 +372,7 @@ class ModelRunner:
                 return None, None
             return logits[:n], tokens[:n] if batch.simple else None
         hidden = self.stage.forward(self.model, batch.input_ids, batch.positions,
-                                    batch.attn_metadata)
+                                    batch.attn_metadata, batch.out_rows)
         if hidden is None:  # a pipeline stage before the last: its output went on
             return None, None
         if self.pooler is not None:
@@ -342,8 +384,8 @@ class ModelRunner:
             batch.prompt_out = compute_prompt_logprobs(self.model, hidden, batch.prompt)
         if batch.sampling is None:
             return None, None
-        if batch.logits_indices is not None:  # (None: every row samples, one token each)
-            hidden = hidden[batch.logits_indices]
+        if batch.logits_indices is not None and batch.out_rows is None:
+            hidden = hidden[batch.logits_indices]  # (None: every row samples, one token each)
         with self._head(hidden.shape[0]):
             if batch.simple and batch.sampling.all_greedy and not keep_logits:
                 return None, self.model.lm_head.greedy_tokens(hidden)  # (no logits sent)

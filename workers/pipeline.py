@@ -121,21 +121,25 @@ class PipelineStage:
         return name
 
     def forward(self, model: nn.Module, input_ids: Tensor, positions: Tensor,
-                attn_metadata: object) -> Tensor | None:
+                attn_metadata: object, out: object | None = None) -> Tensor | None:
         """Run this stage's part of `model`: receive the previous stage's hidden states, run
-        the layers, send them on. The final hidden states on the last stage; None before."""
+        the layers, send them on. The final hidden states on the last stage (of `out`'s rows
+        only when given: workers/qwen3.py); None before."""
         if self.size == 1:
+            if out is not None:
+                return model(input_ids, positions, attn_metadata, out=out)
             return model(input_ids, positions, attn_metadata)
         intermediate = None
         if not self.is_first:
             intermediate = self.recv(input_ids.shape[0], model.config.hidden_size, model.dtype,
                                      input_ids.device)
         start = time.perf_counter()
-        out = model(input_ids, positions, attn_metadata, intermediate)
+        result = model(input_ids, positions, attn_metadata, intermediate,
+                       out if self.is_last else None)
         self.busy_s += time.perf_counter() - start
         if self.is_last:
-            return out
-        self.send(*out)
+            return result
+        self.send(*result)
         return None
 
     def send(self, hidden: Tensor, residual: Tensor) -> None:

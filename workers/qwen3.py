@@ -24,6 +24,7 @@ from workers.layers import (
     AttentionMetadata,
     FusedMoE,
     MergedColumnParallelLinear,
+    OutputRows,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
@@ -64,7 +65,8 @@ class Qwen3Attention(nn.Module):
                               cfg.head_dim ** -0.5, backend)
 
     def forward(self, positions: Tensor, hidden_states: Tensor,
-                attn_metadata: AttentionMetadata) -> Tensor:
+                attn_metadata: AttentionMetadata, out: OutputRows | None = None) -> Tensor:
+        """`[T, hidden]`; with `out`, `[S, hidden]` for its rows only (every K/V still stored)."""
         qkv = self.qkv_proj(hidden_states)
         k_cache, v_cache = self.attn.kv_cache()
         # One launch: q/k norm and rotary in place inside qkv, K/V stored for this and later steps.
@@ -75,7 +77,7 @@ class Qwen3Attention(nn.Module):
             v_scale=self.attn.v_scale, step_cache=attn_metadata.step_cache)
         if self.attn.kv_scales_pending:  # calculate_kv_scales: the first step after start-up
             calculate_kv_scales(self.attn, k, v, attn_metadata.slot_mapping, self.ops)
-        o = self.attn(q, k, v, attn_metadata)
+        o = self.attn(q, k, v, attn_metadata, out)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -111,13 +113,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
     def forward(self, positions: Tensor, hidden_states: Tensor, residual: Tensor | None,
-                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
+                attn_metadata: AttentionMetadata, out: OutputRows | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """With `out`: the rows of `out` only, past the K/V store (see `Qwen3Model.forward`)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata, out)
+        if out is not None:
+            residual = residual[out.rows]
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -144,18 +150,28 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops) if stage.is_last else None
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn_metadata: AttentionMetadata,
-                intermediate: tuple[Tensor, Tensor] | None = None
-                ) -> Tensor | tuple[Tensor, Tensor]:
+                intermediate: tuple[Tensor, Tensor] | None = None,
+                out: OutputRows | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Final hidden states on the last stage; (hidden states, residual) before it.
-        `intermediate`: the previous stage's, on every stage but the first."""
+        `intermediate`: the previous stage's, on every stage but the first.
+
+        `out` (the last stage only): the final hidden states of its rows alone, `[S, hidden]`
+        in its order. The last layer stores every token's K/V, then runs attention's queries,
+        o_proj, the residual and the MLP for those rows only: a prompt chunk's other rows feed
+        no later layer and no logits. On qwen3-tiny (4 layers) that is a quarter of a 256-token
+        prefill's layer work (docs/benchmarks.md, issue #43); llama.cpp's `inp_out_ids` does
+        the same."""
+        if out is not None and self.norm is None:
+            raise ValueError("OutputRows apply on the last pipeline stage only")
         if intermediate is None:
             hidden_states, residual = self.embed_tokens(input_ids), None
         else:
             hidden_states, residual = intermediate
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
             if not isinstance(layer, PPMissingLayer):
                 hidden_states, residual = layer(positions, hidden_states, residual,
-                                                attn_metadata)
+                                                attn_metadata, out if i == last else None)
         if self.norm is None:
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -189,10 +205,10 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn_metadata: AttentionMetadata,
-                intermediate: tuple[Tensor, Tensor] | None = None
-                ) -> Tensor | tuple[Tensor, Tensor]:
+                intermediate: tuple[Tensor, Tensor] | None = None,
+                out: OutputRows | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Qwen3Model.forward (a Tensor unless pipeline-parallel, before the last stage)."""
-        return self.model(input_ids, positions, attn_metadata, intermediate)
+        return self.model(input_ids, positions, attn_metadata, intermediate, out)
 
     def stage_name(self, name: str) -> str | None:
         """The parameter checkpoint tensor `name` fills on this stage (None: another stage's).

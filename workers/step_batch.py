@@ -15,7 +15,7 @@ from torch import Tensor
 
 from workers.cuda_graph import CUDAGraphRunner
 from workers.draft_runner import DraftBatch, draft_entries
-from workers.layers.attention import AttentionMetadata
+from workers.layers.attention import AttentionMetadata, OutputRows
 from workers.prompt_logprobs import PromptRows
 from workers.sampler import SamplingMetadata, TokenLogprobs
 from workers.seq_table import SeqTable
@@ -64,6 +64,9 @@ class StepBatch:
     lora_slots: Tensor | None = None
     lora_active: bool = False  # some sequence of the step has an adapter
     pooled: Tensor | None = None  # the pooling runner's output (workers/pooler.py), rank 0
+    # the sampled rows, when fewer than the step's tokens: the last layer computes only these
+    # (workers/qwen3.py) and the final hidden states come back in sampling order
+    out_rows: OutputRows | None = None
 
     @property
     def num_sampled(self) -> int:
@@ -127,6 +130,15 @@ def verify_rows(drafts: np.ndarray, sample_rows: np.ndarray, logits_idx: np.ndar
     proposal[row_of[is_draft], j[is_draft]] = input_ids[idx[is_draft] + 1]
     return (np.repeat(sample_rows, reps), idx, np.repeat(s_counter - drafts, reps) + j,
             starts[constrained], (gather, proposal))
+
+
+def output_row_arrays(logits_idx: np.ndarray, cu: np.ndarray | None, positions: np.ndarray,
+                      rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(table rows, seq lens) of the token rows `logits_idx` as one-token queries at their own
+    positions (`OutputRows`' metadata): a row of sequence b (rows cu[b]:cu[b+1]; cu None: one
+    row each) at position p attends to b's first p + 1 tokens."""
+    seq_of = logits_idx if cu is None else np.searchsorted(cu, logits_idx, side="right") - 1
+    return rows[seq_of], positions[logits_idx] + 1
 
 
 def lora_slots(table: SeqTable, token_rows: np.ndarray, pad: int, max_tokens: int) -> np.ndarray:

@@ -37,6 +37,18 @@ class AttentionMetadata:
     step_cache: dict = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class OutputRows:
+    """The rows whose final hidden states a step uses (the sampled rows, in sampling order),
+    when fewer than its tokens: the model's last layer computes only these after storing every
+    token's K/V (workers/qwen3.py). `metadata` attends each kept row as a one-token query at its
+    own position (`seq_lens` = position + 1, its sequence's block table): a decode batch,
+    reading the cache the layer has just written."""
+
+    rows: Tensor  # int64 [S] token rows of the step
+    metadata: AttentionMetadata
+
+
 class Attention(nn.Module):
     """Attends this step's queries over the paged cache of one layer.
 
@@ -73,9 +85,14 @@ class Attention(nn.Module):
             raise RuntimeError("the KV cache is not allocated; call Worker.init_cache first")
         return self.k_cache, self.v_cache
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_metadata: AttentionMetadata) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_metadata: AttentionMetadata,
+                out: OutputRows | None = None) -> Tensor:
+        """`q`/`k`/`v`: the step's rows (`k`/`v` as stored); with `out`, only its rows attend
+        (`[S, Hq, D]`), each a one-token query whose own key is its row of `k`."""
         k_cache, v_cache = self.kv_cache()
         md = attn_metadata
+        if out is not None:
+            q, k, v, md = q[out.rows], k[out.rows], v[out.rows], out.metadata
         return kernels.paged_attention(q, k_cache, v_cache, md.block_tables,
                                        md.query_start_loc, md.seq_lens, self.scale,
                                        md.max_query_len, md.max_seq_len, backend=self.backend,
