@@ -74,8 +74,12 @@ def fake_quantize_act_groups(x: Tensor, group: int) -> Tensor:
 
 
 def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
-                     block: tuple[int, int]) -> Tensor:
+                     block: tuple[int, int], dequantized: Tensor | None = None) -> Tensor:
     """`x [M, K] @ W.T` with `W` block-quantized and `x` quantized per token and `bk` group:
-    `[M, N]` in x's dtype, accumulated in float32."""
+    `[M, N]` in x's dtype, accumulated in float32. `dequantized`: the weight's
+    `dequantize_weight_blocks` made once beforehand (a CPU layer keeps it from load), else made
+    here on every call; the same tensor either way, so the same result."""
+    if dequantized is None:
+        dequantized = dequantize_weight_blocks(weight, weight_scale_inv, block)
     x_dq = fake_quantize_act_groups(x, block[1])
-    return (x_dq @ dequantize_weight_blocks(weight, weight_scale_inv, block).T).to(x.dtype)
+    return (x_dq @ dequantized.T).to(x.dtype)

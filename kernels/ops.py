@@ -415,10 +415,14 @@ def lora_expand(y: Tensor, lora_b: Tensor, token_slots: Tensor, out: Tensor,
 
 
 def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
-                     block: tuple[int, int], backend: Backend = "auto") -> Tensor:
+                     block: tuple[int, int], backend: Backend = "auto",
+                     dequantized: Tensor | None = None) -> Tensor:
     """`x [M, K] @ W.T` for a block-scaled FP8 weight (e4m3 `[N, K]`, float32 scales per
     `block = (bn, bk)`: `[ceil(N/bn), ceil(K/bk)]`), activations quantized per token and `bk`
-    group on the fly (W8A8); `[M, N]` in x's dtype. kernels/fp8_reference.py states the format."""
+    group on the fly (W8A8); `[M, N]` in x's dtype. kernels/fp8_reference.py states the format.
+    `dequantized` (float32 `[N, K]`, `fp8_reference.dequantize_weight_blocks` of the weight):
+    the torch path's weight made once instead of per call; the Triton kernel reads the FP8
+    weight itself and ignores it."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"fp8_block_linear: x must be [M, K] and weight [N, K]; got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
@@ -430,7 +434,10 @@ def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
                          f"float32 {grid} for block {block}; got {weight.dtype} and "
                          f"{weight_scale_inv.dtype} {tuple(weight_scale_inv.shape)}")
     if _resolve(backend, x) == "torch":
-        return fp8_reference.fp8_block_linear(x, weight, weight_scale_inv, block)
+        if dequantized is not None and dequantized.shape != weight.shape:
+            raise ValueError(f"fp8_block_linear: dequantized must be the weight's shape "
+                             f"{tuple(weight.shape)}; got {tuple(dequantized.shape)}")
+        return fp8_reference.fp8_block_linear(x, weight, weight_scale_inv, block, dequantized)
     if bk < 16 or bk & (bk - 1) or bn < 16 or bn & (bn - 1):
         raise ValueError(f"the Triton FP8 GEMM needs power-of-two weight blocks >= 16; got "
                          f"{block}: use backend 'torch'")

@@ -33,6 +33,8 @@ from fp8_testlib import (
 )
 from workers_testlib import LocalExecutor, PlanBuilder, hf_greedy, parity_prompts
 
+import kernels
+from kernels import fp8_reference
 from kernels.fp8_reference import quantize_weight_blocks
 from scheduler.sampling_params import SamplingParams
 from workers.distributed import TensorParallelGroup
@@ -211,6 +213,29 @@ def test_tp_size_that_splits_a_scale_block_is_refused() -> None:
                                          r"parts other than the last must be whole blocks"):
         MergedColumnParallelLinear(64, [64, 128], TensorParallelGroup(0, 1), torch.float32,
                                    quant)
+
+
+def test_cpu_layer_dequantizes_its_weight_once_with_the_same_products() -> None:
+    """On CPU an FP8 layer keeps its weight dequantized from load (the twin made it on every
+    call): the products are the twin's bit for bit; the parameters stay e4m3 and scales."""
+    g = torch.Generator().manual_seed(11)
+    layer = MergedColumnParallelLinear(256, [256, 128], TensorParallelGroup(0, 1),
+                                       torch.float32, Fp8Config(from_checkpoint=False))
+    w = torch.randn(384, 256, generator=g)
+    layer.weight.data.copy_(w)
+    assert layer.weight_dequant is None  # (nothing to keep before the weights are in)
+    layer.process_weights_after_loading()
+    assert layer.weight.dtype == F8 and layer.weight_scale_inv.dtype == torch.float32
+    q, scale = quantize_weight_blocks(w, (128, 128))
+    want_w = fp8_reference.dequantize_weight_blocks(q, scale, (128, 128))
+    assert layer.weight_dequant.dtype == torch.float32
+    assert torch.equal(layer.weight_dequant, want_w)
+    assert "weight_dequant" not in dict(layer.named_parameters())  # (not a checkpoint tensor)
+    x = torch.randn(5, 256, generator=g)
+    want = fp8_reference.fp8_block_linear(x, q, scale, (128, 128))  # dequantized per call
+    assert torch.equal(layer.matmul(x), want)
+    with pytest.raises(ValueError, match=r"dequantized must be the weight's shape \(384, 256\)"):
+        kernels.fp8_block_linear(x, q, scale, (128, 128), dequantized=want_w[:128])
 
 
 def test_lora_adds_its_product_over_an_fp8_base_layer() -> None:
