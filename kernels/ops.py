@@ -307,7 +307,8 @@ def moe_route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Ten
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
               backend: Backend = "auto", w13_scale: Tensor | None = None,
-              w2_scale: Tensor | None = None, block: tuple[int, int] | None = None) -> Tensor:
+              w2_scale: Tensor | None = None, block: tuple[int, int] | None = None,
+              dequantized: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The experts of a sparse MLP block: `[T, H]` in x's dtype.
 
     Token t's output is `sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)` with
@@ -320,6 +321,8 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     `block = (bn, bk)` (kernels/fp8_reference.py's format): W8A8, each GEMM's input quantized
     per row and `bk` group on the fly and the e4m3 products scaled in registers (Triton), or
     the experts dequantized and the inputs quantized and dequantized before the matmuls (torch).
+    `dequantized`: that torch path's (w13, w2) in x's dtype, made once beforehand (a CPU layer
+    keeps them from load) instead of per call; the Triton kernels ignore it.
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
@@ -336,7 +339,14 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     if fp8 or w13_scale is not None:
         _check_expert_scales(w13, w2, w13_scale, w2_scale, block)
     if _resolve(backend, x) == "torch":
-        if fp8:
+        if fp8 and dequantized is not None:
+            if (dequantized[0].shape, dequantized[1].shape) != (w13.shape, w2.shape) \
+                    or dequantized[0].dtype != x.dtype or dequantized[1].dtype != x.dtype:
+                raise ValueError(f"fused_moe: dequantized must be w13's and w2's shapes in x's "
+                                 f"dtype {x.dtype}; got {tuple(dequantized[0].shape)}, "
+                                 f"{tuple(dequantized[1].shape)} {dequantized[0].dtype}")
+            w13, w2 = dequantized
+        elif fp8:
             w13 = fp8_reference.dequantize_weight_blocks(w13, w13_scale, block, x.dtype)
             w2 = fp8_reference.dequantize_weight_blocks(w2, w2_scale, block, x.dtype)
         return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids,

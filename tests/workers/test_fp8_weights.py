@@ -238,6 +238,33 @@ def test_cpu_layer_dequantizes_its_weight_once_with_the_same_products() -> None:
         kernels.fp8_block_linear(x, q, scale, (128, 128), dequantized=want_w[:128])
 
 
+def test_cpu_experts_dequantize_once_with_the_same_output() -> None:
+    """The FP8 experts on CPU keep both stacks dequantized from load: the block's output is the
+    torch path's that dequantizes on every call, bit for bit."""
+    g = torch.Generator().manual_seed(12)
+    moe = FusedMoE(4, 2, 256, 256, True, TensorParallelGroup(0, 1), torch.float32, "torch",
+                   quant=Fp8Config(from_checkpoint=False))
+    for p in (moe.w13_weight, moe.w2_weight, moe.gate.weight):
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    assert moe.dequantized is None
+    moe.process_weights_after_loading()
+    assert moe.w13_weight.dtype == F8 and moe.w2_weight.dtype == F8
+    w13, w2 = moe.dequantized
+    assert w13.dtype == w2.dtype == torch.float32
+    assert torch.equal(w13, fp8_reference.dequantize_weight_blocks(
+        moe.w13_weight, moe.w13_weight_scale_inv, (128, 128), torch.float32))
+    x = torch.randn(6, 256, generator=g)
+    weights, ids = kernels.moe_route(moe.gate(x), 2, True)
+    per_call = kernels.fused_moe(x, moe.w13_weight, moe.w2_weight, weights, ids,
+                                 backend="torch", w13_scale=moe.w13_weight_scale_inv,
+                                 w2_scale=moe.w2_weight_scale_inv, block=(128, 128))
+    assert torch.equal(moe(x), per_call)
+    with pytest.raises(ValueError, match="dequantized must be w13's and w2's shapes"):
+        kernels.fused_moe(x, moe.w13_weight, moe.w2_weight, weights, ids, backend="torch",
+                          w13_scale=moe.w13_weight_scale_inv, w2_scale=moe.w2_weight_scale_inv,
+                          block=(128, 128), dequantized=(w13.to(torch.bfloat16), w2))
+
+
 def test_lora_adds_its_product_over_an_fp8_base_layer() -> None:
     """A LoRA wrapper keeps the FP8 layer's own GEMM and adds x A^T B^T in the activations'
     dtype (its slots are float32 here, not e4m3); tp 2's rank 1 takes its columns of A."""

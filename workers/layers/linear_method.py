@@ -126,12 +126,14 @@ def process_weights_after_loading(model: nn.Module) -> None:
     for module in model.modules():
         if module is not model and hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
-    dequant = sum(m.weight_dequant.nbytes for m in model.modules()
-                  if getattr(m, "weight_dequant", None) is not None)
+    dequant = sum(t.nbytes for m in model.modules()
+                  for t in ((getattr(m, "weight_dequant", None),)
+                            + (getattr(m, "dequantized", None) or ()))
+                  if isinstance(t, torch.Tensor))
     if dequant:
         logging.getLogger(__name__).info(
-            "FP8 weights on CPU: the linear layers also keep their weights dequantized to "
-            "float32 (%.2f GiB; the CPU has no FP8 GEMM), so FP8 saves no memory here",
+            "FP8 weights on CPU: the linear layers and experts also keep their weights "
+            "dequantized (%.2f GiB; the CPU has no FP8 GEMM), so FP8 saves no memory here",
             dequant / 2**30)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -28,6 +28,8 @@ FP8 (workers/quantization.py's `Fp8Config`): the stacked weights are e4m3 with
 from the hub's per-expert `weight_scale_inv` through the same geometry counted in blocks (or
 quantized at load, `quantization: fp8`); gate and up (merged) are whole blocks and every rank
 holds whole blocks of what it splits, as in vLLM (refused at construction naming the sizes).
+On CPU (no FP8 GEMM) the block also keeps both stacks dequantized to the model's dtype from
+load (`dequantized`: what the torch path made on every call), as the FP8 linear layers do.
 The fused kernels read the e4m3 experts and their scales, W8A8 (kernels.fused_moe quantizes
 each GEMM's input per token and bk group on the fly on Triton; the torch twin dequantizes a
 layer's experts and quantizes and dequantizes the inputs before its matmuls).
@@ -44,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import kernels
-from kernels.fp8_reference import FP8_DTYPE, quantize_weight_blocks
+from kernels.fp8_reference import FP8_DTYPE, dequantize_weight_blocks, quantize_weight_blocks
 from workers.distributed import TensorParallelGroup
 from workers.layers.weights import WeightSource, copy_checked
 from workers.quantization import Fp8Config, check_fp8_blocks
@@ -65,6 +67,8 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.ops = ops
+        self.dtype = dtype
+        self.dequantized: tuple[Tensor, Tensor] | None = None  # (CPU FP8: set once loaded)
         self.num_experts = num_experts
         self.expert_parallel = expert_parallel and ws > 1
         if self.expert_parallel:
@@ -156,16 +160,24 @@ class FusedMoE(nn.Module):
                          loaded.narrow(0, start // bn, i // bn), loaded.name)
 
     def process_weights_after_loading(self) -> None:
-        """`quantization: fp8`: quantize the loaded float experts, one expert at a time."""
-        if self.quant is None or self.quant.from_checkpoint:
+        """`quantization: fp8`: quantize the loaded float experts, one expert at a time; on
+        CPU, keep them dequantized too (the module docstring)."""
+        if self.quant is None:
             return
         block = self.quant.weight_block_size
-        for name in ("w13_weight", "w2_weight"):
-            pairs = [quantize_weight_blocks(w, block) for w in getattr(self, name).data]
-            setattr(self, name, nn.Parameter(torch.stack([q for q, _ in pairs]),
-                                             requires_grad=False))
-            setattr(self, f"{name}_scale_inv",
-                    nn.Parameter(torch.stack([s for _, s in pairs]), requires_grad=False))
+        if not self.quant.from_checkpoint:
+            for name in ("w13_weight", "w2_weight"):
+                pairs = [quantize_weight_blocks(w, block) for w in getattr(self, name).data]
+                setattr(self, name, nn.Parameter(torch.stack([q for q, _ in pairs]),
+                                                 requires_grad=False))
+                setattr(self, f"{name}_scale_inv",
+                        nn.Parameter(torch.stack([s for _, s in pairs]), requires_grad=False))
+        if self.w13_weight.device.type == "cpu":
+            self.dequantized = tuple(
+                dequantize_weight_blocks(getattr(self, name).data,
+                                         getattr(self, f"{name}_scale_inv").data, block,
+                                         self.dtype)
+                for name in ("w13_weight", "w2_weight"))
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = kernels.moe_route(self.gate(x), self.top_k, self.renormalize)
@@ -174,7 +186,8 @@ class FusedMoE(nn.Module):
             ids = ids.masked_fill((ids < 0) | (ids >= self.num_local_experts), -1)
         scales = {} if self.quant is None else {
             "w13_scale": self.w13_weight_scale_inv, "w2_scale": self.w2_weight_scale_inv,
-            "block": self.quant.weight_block_size}
+            "block": self.quant.weight_block_size,
+            "dequantized": self.dequantized if x.dtype == self.dtype else None}
         out = kernels.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids,
                                 backend=self.ops, **scales)
         return self.tp.all_reduce(out)
