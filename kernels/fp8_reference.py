@@ -54,6 +54,18 @@ def dequantize_weight_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int
     return (weight.float() * _expand(scale_inv.float(), block, shape)).to(dtype)
 
 
+def dequantized_weight(weight: Tensor, scale_inv: Tensor, block: tuple[int, int],
+                       dtype: torch.dtype, made: Tensor | None) -> Tensor:
+    """`dequantize_weight_blocks(weight, scale_inv, block, dtype)`, or `made` when given (that
+    tensor made once beforehand: a CPU layer keeps it from load), checked to fit."""
+    if made is None:
+        return dequantize_weight_blocks(weight, scale_inv, block, dtype)
+    if made.shape != weight.shape or made.dtype != dtype:
+        raise ValueError(f"dequantized must be the weight's shape {tuple(weight.shape)} in "
+                         f"{dtype}; got {tuple(made.shape)} in {made.dtype}")
+    return made
+
+
 def quantize_act_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """(`xq` e4m3 `[M, K]`, scales float32 `[M, ceil(K / group)]`): each row's groups of
     `group` columns over their own absolute maximum / 448."""
@@ -79,7 +91,5 @@ def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
     `[M, N]` in x's dtype, accumulated in float32. `dequantized`: the weight's
     `dequantize_weight_blocks` made once beforehand (a CPU layer keeps it from load), else made
     here on every call; the same tensor either way, so the same result."""
-    if dequantized is None:
-        dequantized = dequantize_weight_blocks(weight, weight_scale_inv, block)
-    x_dq = fake_quantize_act_groups(x, block[1])
-    return (x_dq @ dequantized.T).to(x.dtype)
+    w = dequantized_weight(weight, weight_scale_inv, block, torch.float32, dequantized)
+    return (fake_quantize_act_groups(x, block[1]) @ w.T).to(x.dtype)

@@ -339,16 +339,10 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     if fp8 or w13_scale is not None:
         _check_expert_scales(w13, w2, w13_scale, w2_scale, block)
     if _resolve(backend, x) == "torch":
-        if fp8 and dequantized is not None:
-            if (dequantized[0].shape, dequantized[1].shape) != (w13.shape, w2.shape) \
-                    or dequantized[0].dtype != x.dtype or dequantized[1].dtype != x.dtype:
-                raise ValueError(f"fused_moe: dequantized must be w13's and w2's shapes in x's "
-                                 f"dtype {x.dtype}; got {tuple(dequantized[0].shape)}, "
-                                 f"{tuple(dequantized[1].shape)} {dequantized[0].dtype}")
-            w13, w2 = dequantized
-        elif fp8:
-            w13 = fp8_reference.dequantize_weight_blocks(w13, w13_scale, block, x.dtype)
-            w2 = fp8_reference.dequantize_weight_blocks(w2, w2_scale, block, x.dtype)
+        if fp8:
+            made = dequantized or (None, None)
+            w13 = fp8_reference.dequantized_weight(w13, w13_scale, block, x.dtype, made[0])
+            w2 = fp8_reference.dequantized_weight(w2, w2_scale, block, x.dtype, made[1])
         return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids,
                                        act_group=block[1] if fp8 else None)
     from kernels.triton_moe import fused_moe as triton_fused_moe
@@ -444,9 +438,6 @@ def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
                          f"float32 {grid} for block {block}; got {weight.dtype} and "
                          f"{weight_scale_inv.dtype} {tuple(weight_scale_inv.shape)}")
     if _resolve(backend, x) == "torch":
-        if dequantized is not None and dequantized.shape != weight.shape:
-            raise ValueError(f"fp8_block_linear: dequantized must be the weight's shape "
-                             f"{tuple(weight.shape)}; got {tuple(dequantized.shape)}")
         return fp8_reference.fp8_block_linear(x, weight, weight_scale_inv, block, dequantized)
     if bk < 16 or bk & (bk - 1) or bn < 16 or bn & (bn - 1):
         raise ValueError(f"the Triton FP8 GEMM needs power-of-two weight blocks >= 16; got "

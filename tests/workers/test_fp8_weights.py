@@ -234,7 +234,8 @@ def test_cpu_layer_dequantizes_its_weight_once_with_the_same_products() -> None:
     x = torch.randn(5, 256, generator=g)
     want = fp8_reference.fp8_block_linear(x, q, scale, (128, 128))  # dequantized per call
     assert torch.equal(layer.matmul(x), want)
-    with pytest.raises(ValueError, match=r"dequantized must be the weight's shape \(384, 256\)"):
+    with pytest.raises(ValueError, match=r"dequantized must be the weight's shape \(384, 256\) "
+                                         r"in torch.float32; got \(128, 256\)"):
         kernels.fp8_block_linear(x, q, scale, (128, 128), dequantized=want_w[:128])
 
 
@@ -259,7 +260,8 @@ def test_cpu_experts_dequantize_once_with_the_same_output() -> None:
                                  backend="torch", w13_scale=moe.w13_weight_scale_inv,
                                  w2_scale=moe.w2_weight_scale_inv, block=(128, 128))
     assert torch.equal(moe(x), per_call)
-    with pytest.raises(ValueError, match="dequantized must be w13's and w2's shapes"):
+    with pytest.raises(ValueError, match=r"dequantized must be the weight's shape \(4, 512, "
+                                         r"256\) in torch.float32; got .* in torch.bfloat16"):
         kernels.fused_moe(x, moe.w13_weight, moe.w2_weight, weights, ids, backend="torch",
                           w13_scale=moe.w13_weight_scale_inv, w2_scale=moe.w2_weight_scale_inv,
                           block=(128, 128), dequantized=(w13.to(torch.bfloat16), w2))
