@@ -15,7 +15,7 @@ parameters and the GEMM, so the layer never branches on dtype.
   is in. Every rank must hold whole blocks of a split dim, and a merged weight's parts but the
   last whole blocks: refused at construction naming the sizes (`check_fp8_blocks`). On CPU,
   which has no FP8 GEMM, the layer also keeps its weight dequantized to float32 from load
-  (`weight_dequant`: what the torch twin made on every call, ~25x a bf16 step's time on
+  (`weight_dequant`: what the torch twin made on every call, ~19x a bf16 step's time on
   Qwen3-0.6B shapes): the same products, and no memory saved (said once at load).
 
 `make_linear_method(None | Fp8Config)` is the one place a layer's method is chosen.
