@@ -29,8 +29,8 @@ runnable tasks (/proc/loadavg's fourth field, which counts the caller) and takes
 per core that nothing else is ready to run on, never a busy one. On two replicas of qwen3-tiny
 on 2 cores (`manifests/qwen3-tiny-2x.yaml`) at concurrency 1 the other replica's core is idle,
 and the head at one row, 6.2 ms of a ~10 ms decode step, took 3.1 on two threads (oneDNN's
-packed GEMM; the one-row GEMV over a transposed copy that replaced it, kernels/cpu_linear.py,
-takes ~3.9 on one and gains nothing from a second; two rows still do). A replica
+packed GEMM; the one-row product over a transposed copy in column blocks that replaced it,
+kernels/cpu_linear.py, takes ~3.5 on one thread and ~2.6 on two). A replica
 with more rows is under load, where a core found idle is soon the other replica's again and
 the head's second thread then waits for it (without the row cap, -2 to -3 % request throughput
 at concurrency 8 and 32); it keeps the model's one thread (docs/benchmarks.md, "The LM head on

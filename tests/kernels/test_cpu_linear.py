@@ -91,17 +91,28 @@ def _fp32_bound(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 @pytest.mark.parametrize("vocab", [151936, 75968])  # qwen3-tiny's head; a tp-2 rank's half
 def test_narrow_fp32_head_keeps_a_transposed_copy_for_one_row(vocab: int) -> None:
-    """One row goes through MKL's GEMV over the `[in, out]` copy (the copy's own product, bit
-    for bit), more rows through the packed GEMM; both within summation-order error."""
+    """One row goes through the `[blocks, in, cols]` copy (each block's own product, bit for
+    bit, on 1 or 2 threads), more rows through the packed GEMM; both within summation-order
+    error."""
     g = torch.Generator().manual_seed(vocab)
     w = torch.randn(vocab, 128, generator=g) * 0.1
     packed, t = kernels.pack_linear_weight(w), kernels.transpose_linear_weight(w)
     assert packed is not None and t is not None
-    assert t.shape == (128, vocab) and t.is_contiguous() and torch.equal(t, w.T)
+    blocks = kernels.cpu_linear.T_BLOCKS
+    cols = vocab // blocks
+    assert t.shape == (blocks, 128, cols) and t.is_contiguous()
+    assert torch.equal(t.permute(1, 0, 2).reshape(128, vocab), w.T)
     assert t.data_ptr() != w.data_ptr()
     one, rows = torch.randn(1, 128, generator=g), torch.randn(3, 128, generator=g)
     got = kernels.linear(one, w, packed, t)
-    assert torch.equal(got, torch.mm(one, t))
+    for b in range(blocks):
+        assert torch.equal(got[:, b * cols:(b + 1) * cols], torch.mm(one, t[b]))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(kernels.linear(one, w, packed, t), got)
+    finally:
+        torch.set_num_threads(saved)
     exact, bound = _fp32_bound(one, w)
     assert got.shape == (1, vocab) and bool(((got.double() - exact).abs() <= bound).all())
     many = kernels.linear(rows, w, packed, t)
@@ -109,6 +120,26 @@ def test_narrow_fp32_head_keeps_a_transposed_copy_for_one_row(vocab: int) -> Non
     exact, bound = _fp32_bound(rows, w)
     assert bool(((many.double() - exact).abs() <= bound).all())
     assert kernels.linear(one.reshape(1, 1, 128), w, packed, t).shape == (1, 1, vocab)
+
+
+def test_one_row_head_with_padded_blocks() -> None:
+    """A vocabulary that T_BLOCKS does not divide: the last block's padding columns are zeros
+    and the product has exactly `out` columns, each within summation-order error."""
+    blocks = kernels.cpu_linear.T_BLOCKS
+    vocab = (1 << 23) // 128 + blocks + 1  # packed (>= FP32_PACK_MIN_NUMEL), not divisible
+    assert vocab % blocks
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(vocab, 128, generator=g)
+    t = kernels.transpose_linear_weight(w)
+    cols = -(-vocab // blocks)
+    assert t is not None and t.shape == (blocks, 128, cols)
+    pad = blocks * cols - vocab
+    assert pad > 0 and not t[-1, :, cols - pad:].any()
+    one = torch.randn(1, 128, generator=g)
+    got = kernels.linear(one, w, kernels.pack_linear_weight(w), t)
+    assert got.shape == (1, vocab) and got.stride(1) == 1
+    exact, bound = _fp32_bound(one, w)
+    assert bool(((got.double() - exact).abs() <= bound).all())
 
 
 def test_only_narrow_packed_fp32_weights_are_transposed() -> None:

@@ -64,7 +64,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits `[N, vocab_size]` on rank 0 (None elsewhere); may share its weight with the embedding."""
 
     weight_packed: Tensor | None = None
-    weight_t: Tensor | None = None  # `[hidden, vocab shard]`, for one-row products on CPU
+    weight_t: Tensor | None = None  # `[blocks, hidden, cols]`, for one-row products on CPU
 
     def process_weights_after_loading(self) -> None:
         self.weight_packed = kernels.pack_linear_weight(self.weight.data)
