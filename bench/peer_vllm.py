@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -172,6 +173,16 @@ def run_load_client(cmd: list[str], env: dict[str, str], timeout: float,
     return how
 
 
+def _port_free(port: int) -> None:
+    """RuntimeError when something already listens on 127.0.0.1:`port`: a server left from an
+    earlier run would answer the readiness check and take the load in place of the one this
+    run starts (which then fails to bind), and its rows would be another server's."""
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is in use (a server left from an earlier run?); "
+                               "stop it or pass another port")
+
+
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -199,6 +210,7 @@ def served(server: str, concurrencies: list[int], python: Path, manifest: str,
     else:
         cmd = ["bash", "scripts/serve.sh", manifest]
         env = {**os.environ, "QWEN3_SERVE_PORT": str(port)}
+    _port_free(port)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = []
