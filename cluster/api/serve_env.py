@@ -2,7 +2,8 @@
 replicas, which read them from that process's environment: in one place.
 
 - Serve's latency knobs for the replicas and the proxy (REPLICA_ENV_VARS, PROXY_ENV_VARS).
-- HAProxy as the HTTP front where its binary is installed (HAPROXY_ENV_VARS), run through
+- HAProxy as the HTTP front where its binary is installed (HAPROXY_ENV_VARS, and its thread
+  count by the host's cores: `haproxy_threads`), run through
   cluster/api/haproxy.sh: Serve's config template has no setting for the address of HAProxy's
   stats page and Prometheus exporter (every interface, no auth), its admin socket's mode
   (0666) or TCP splicing (with which a client's close was not passed on to the ingress, so an
@@ -66,6 +67,21 @@ HAPROXY_ENV_VARS = {
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
 }
 
+# HAProxy's threads (Serve's default: 4, whatever the host): one per two cores this process may
+# run on, at most Serve's 4. HAProxy shares the cores with the replicas; on a 2-core host its 4
+# threads took 0.3 ms more at the median than one to hand a request to the ingress (4 of 4
+# alternating pairs, docs/benchmarks.md #43), and one thread forwards far more streams than
+# such a host serves.
+HAPROXY_MAX_THREADS = 4
+
+
+def haproxy_threads(cores: int | None = None) -> int:
+    """HAProxy's thread count for a host with `cores` cores (default: this process's)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+    return min(HAPROXY_MAX_THREADS, max(1, cores // 2))
+
 # Serve runs RAY_SERVE_HAPROXY_BINARY_PATH; it is pointed at this script, and the script runs
 # the binary named by HAPROXY_BINARY_ENV.
 HAPROXY_WRAPPER = Path(__file__).resolve().with_name("haproxy.sh")
@@ -115,6 +131,7 @@ def proxy_env() -> dict[str, str]:
     binary = haproxy_binary()
     if binary is not None:
         env.update(HAPROXY_ENV_VARS)
+        env["RAY_SERVE_HAPROXY_NBTHREAD"] = str(haproxy_threads())
     if starts_own_cluster():
         env.update(LOCAL_CLUSTER_ENV_VARS)
         env.update(WORKER_NICE_ENV_VARS)

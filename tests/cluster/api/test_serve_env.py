@@ -18,7 +18,7 @@ from cluster.api import serve_env
 _ENV_KEYS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_BINARY_PATH", "RAY_ADDRESS",
              "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
              "RAY_SERVE_PROXY_USE_GRPC", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP",
-             "RAY_worker_niceness", serve_env.HAPROXY_BINARY_ENV)
+             "RAY_worker_niceness", "RAY_SERVE_HAPROXY_NBTHREAD", serve_env.HAPROXY_BINARY_ENV)
 
 
 @pytest.fixture
@@ -36,6 +36,7 @@ def test_haproxy_runs_through_the_wrapper_on_a_local_cluster(clean_env) -> None:
         "RAY_SERVE_PROXY_USE_GRPC": "1",
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+        "RAY_SERVE_HAPROXY_NBTHREAD": str(serve_env.haproxy_threads()),
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_worker_niceness": "0",
         "RAY_SERVE_HAPROXY_BINARY_PATH": str(serve_env.HAPROXY_WRAPPER),
@@ -45,6 +46,11 @@ def test_haproxy_runs_through_the_wrapper_on_a_local_cluster(clean_env) -> None:
                                      "RAY_SERVE_PROXY_USE_GRPC": "1",
                                      "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                                      "RAY_worker_niceness": "0"}
+
+
+def test_haproxy_threads_one_per_two_cores_at_most_four() -> None:
+    assert [serve_env.haproxy_threads(c) for c in (1, 2, 3, 4, 8, 9, 64)] == [1, 1, 1, 2, 4, 4, 4]
+    assert 1 <= serve_env.haproxy_threads() <= serve_env.HAPROXY_MAX_THREADS
 
 
 def test_joining_a_cluster_leaves_its_addresses_alone(clean_env) -> None:
@@ -63,9 +69,10 @@ def test_values_already_in_the_environment_win(clean_env) -> None:
     clean_env.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
     clean_env.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")
     clean_env.setenv("RAY_worker_niceness", "15")  # Ray's own default, asked for
+    clean_env.setenv("RAY_SERVE_HAPROXY_NBTHREAD", "8")
     env = serve_env.proxy_env()
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and env["RAY_SERVE_PROXY_USE_GRPC"] == "0"
-    assert env["RAY_worker_niceness"] == "15"
+    assert env["RAY_worker_niceness"] == "15" and env["RAY_SERVE_HAPROXY_NBTHREAD"] == "8"
     assert "RAY_SERVE_HAPROXY_BINARY_PATH" not in env  # no HAProxy, nothing to wrap
 
 
