@@ -9,6 +9,7 @@ to the engines the offline tests start.
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -25,10 +26,32 @@ from cluster.api.serve_env import apply_proxy_env  # noqa: E402
 apply_proxy_env()
 
 
+# Where the session's fixed Serve ports are picked: below Linux's ephemeral range (32768 and
+# up by default) and clear of Ray's worker ports (10002-19999) and Serve's direct-ingress HTTP
+# ports (30000-31000). A port the kernel hands out for `bind(0)` is an ephemeral one, which any
+# outgoing connection of the session may take later: these ports are held for the whole
+# session (every Serve start in this process binds them again), and a run where a Ray
+# connection had taken one failed every HAProxy start after it ("cannot bind socket").
+_SESSION_PORTS = range(20000, 30000)
+
+
+_picked: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now on 127.0.0.1, from _SESSION_PORTS (outside the ephemeral range), not
+    given out before in this process."""
+    for port in random.sample(_SESSION_PORTS, 200):
+        if port in _picked:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _picked.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_SESSION_PORTS} for the test cluster's Serve ports")
 
 
 # Serve's fixed ports beside the HTTP front (HAProxy's stats page and exporter, the fallback
