@@ -66,6 +66,13 @@ EXCLUSIVE_MIN_HIDDEN = 1024
 IDLE_HEAD_MAX_ROWS = 2
 
 
+def process_cores() -> int:
+    """The cores this process may run on (its affinity; the machine's count where there is none)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def takes_every_core(exclusive: bool, hidden_size: int) -> bool:
     """Whether a CPU rank gives its model every core (see the module docstring): an exclusive
     engine's process, and layers at least EXCLUSIVE_MIN_HIDDEN wide."""
@@ -81,7 +88,7 @@ def model_threads(tensor_parallel_size: int, environ: Mapping[str, str] = os.env
     if environ.get("OMP_NUM_THREADS"):
         return None
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = process_cores()
     return max(1, ((cores or 1) - (0 if every_core else 1)) // tensor_parallel_size)
 
 
@@ -155,8 +162,7 @@ class ThreadScope:
         self._rows = 0
         self._runnable = (runnable or RunnableTasks()) if when_idle and threads else None
         if cores is None and self._runnable is not None:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-                else os.cpu_count()
+            cores = process_cores()
         self._cores = cores or 1
 
     def __call__(self, rows: int) -> ThreadScope:
