@@ -39,9 +39,29 @@ def base_url(ray_cluster: None) -> Iterator[str]:
     serve.start(http_options={"host": "127.0.0.1", "port": get_free_port()})
     port = _get_global_client().http_config.port  # (Serve may already run with its own)
     serve.run(build_app(args), name="qwen3-2x", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    wait_until_the_ingress_routes_to(url, args["num_replicas"])
+    yield url
     serve.delete("qwen3-2x")
     serve.shutdown()  # the next module starts Serve with its own HTTP port
+
+
+def wait_until_the_ingress_routes_to(base_url: str, replicas: int, timeout_s: float = 60) -> None:
+    """Send short prompts of their own until `replicas` replicas have answered one.
+
+    serve.run returns once the controller has every replica running, but the ingress's router
+    learns of them later (Serve's long poll), and Serve asks a replica it has not routed to in
+    10 s for its queue length with a 0.1 s deadline, falling through to the router's next
+    choice when it misses it (a replica still cold on a busy host): either way a new prefix
+    lands beside another (CI, stop 57: both conversations on one replica). The tests below
+    are about the policy once every replica is routable, so they start from there.
+    """
+    deadline, seen, sent = time.monotonic() + timeout_s, set(), 0
+    while len(seen) < replicas:
+        assert time.monotonic() < deadline, f"only {sorted(seen)} answered in {timeout_s} s"
+        sent += 1  # (a new prefix each time: a repeated one would go back where it went)
+        seen.add(replica_of(chat(base_url, system_prompt(100 + sent, words=24), "hi",
+                                 max_tokens=1)))
 
 
 def chat(base_url: str, system: str, user: str, *, key: str | None = None,
