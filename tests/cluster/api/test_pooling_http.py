@@ -21,8 +21,8 @@ import pytest
 import torch
 import yaml
 from fake_engine import FakeEngine, fetch
+from session_ports import free_port
 
-from workers.distributed import get_free_port
 from workers.tiny_model import resolve_model
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def base_url(ray_cluster: None) -> Iterator[str]:
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    serve.start(http_options={"host": "127.0.0.1", "port": get_free_port()})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     port = _get_global_client().http_config.port
     # (small Ray shares: the session's cluster has other tests' actors beside these)
     small = {"replica_num_cpus": 0.1, "max_model_len": 512, "max_num_seqs": 8,

@@ -13,8 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
-from workers.distributed import get_free_port
+from session_ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +35,7 @@ def base_url(ray_cluster: None) -> Iterator[str]:
     from cluster.api.serve_app import build_app
 
     args = dict(yaml.safe_load(MANIFEST.read_text())["applications"][0]["args"])
-    serve.start(http_options={"host": "127.0.0.1", "port": get_free_port()})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     port = _get_global_client().http_config.port  # (Serve may already run with its own)
     serve.run(build_app(args), name="qwen3-2x", route_prefix="/")
     url = f"http://127.0.0.1:{port}"

@@ -19,9 +19,9 @@ import httpx
 import openai
 import pytest
 import yaml
+from session_ports import free_port
 
 from cluster.api.prometheus import parse_prometheus
-from workers.distributed import get_free_port
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def base_url(ray_cluster: None) -> Iterator[str]:
     args = dict(manifest["applications"][0]["args"])
     args.update(api_key=API_KEY, max_ongoing_requests=MAX_ONGOING,
                 max_queued_requests=MAX_QUEUED)
-    serve.start(http_options={"host": "127.0.0.1", "port": get_free_port()})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     port = _get_global_client().http_config.port  # (Serve may already run with its own)
     serve.run(build_app(args), name="qwen3", route_prefix="/")
     yield f"http://127.0.0.1:{port}"

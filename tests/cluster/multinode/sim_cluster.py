@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from workers.distributed import get_free_port
+from session_ports import free_port  # (tests/cluster: its conftest puts it on sys.path)
 
 # The GCS's health checks of every raylet (Ray's defaults: 3000, 10000, 5).
 GCS_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 10000,
@@ -41,9 +41,10 @@ GCS_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 
 
 
 # Serve's fixed ports beside the HTTP front (HAProxy's stats page and exporter, the fallback
-# proxy), fresh for each simulated cluster: tests/cluster/conftest.py picks them once per test
-# session, and an HAProxy of an earlier cluster whose actor was killed before it stopped its
-# process (`ray.shutdown` right after `serve.shutdown`) may still hold them.
+# proxy), fresh for each simulated cluster, below the ephemeral range (session_ports.py):
+# tests/cluster/conftest.py picks them once per test session, and an HAProxy of an earlier
+# cluster whose actor was killed before it stopped its process (`ray.shutdown` right after
+# `serve.shutdown`) may still hold them.
 SERVE_SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
                     "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 
@@ -171,18 +172,18 @@ def simulated_cluster(node_cpus: tuple[int, ...] = (1, 1)) -> Iterator[Sim]:
     if ray.is_initialized():  # its HAProxy is under this process (ray.init started its raylet)
         _stop_cluster(_haproxies(os.getpid()), serve.shutdown, ray.shutdown)
     saved = {key: os.environ.get(key) for key in SERVE_SIDE_PORTS}
-    os.environ.update({key: str(get_free_port()) for key in SERVE_SIDE_PORTS})
+    os.environ.update({key: str(free_port()) for key in SERVE_SIDE_PORTS})
     # (its own dashboard port: the head binds one even without the UI, and Ray's 8265 may be
     # another cluster's on this machine: another xdist worker's, another session's)
     cluster = _started(lambda: Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "dashboard_port": get_free_port(),
+        "num_cpus": 0, "include_dashboard": False, "dashboard_port": free_port(),
         "_system_config": GCS_HEALTH_CHECKS}))
     try:
         for cpus in node_cpus:  # one at a time: each registers with the GCS before the next
             add_node(cluster, wait=False, num_cpus=cpus)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-        port = get_free_port()
+        port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         yield Sim(cluster, f"http://127.0.0.1:{port}")
     finally:
