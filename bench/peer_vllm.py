@@ -196,16 +196,15 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise TimeoutError(f"{url} did not answer in {timeout} s")
 
 
-# `vllm bench serve`'s random prompts come from its --seed (0 when left out): every concurrency
-# of a run sent the same prompts to the same server, so the C=8 and C=32 rows measured prompts
-# the C=1 run had left in both servers' prefix caches (15 of a 256-token prompt's 16 blocks
-# hit). Each concurrency now draws its own (seed = concurrency), the same for both servers.
-
-
 def served(server: str, concurrencies: list[int], python: Path, manifest: str,
            num_prompts: int = 128, port: int = 8123, client_priority: str = "top"
            ) -> list[dict[str, Any]]:
-    """`vllm bench serve` against one server (`vllm` or `ours`) at each concurrency."""
+    """`vllm bench serve` against one server (`vllm` or `ours`) at each concurrency.
+
+    Each concurrency's random prompts come from a seed of its own (`--seed` = the concurrency,
+    the same for both servers): with one seed for all, the C=8 and C=32 runs sent the prompts
+    the C=1 run had left in the server's prefix cache (15 of a 256-token prompt's 16 blocks).
+    """
     from throughput import model_path
 
     path = model_path("qwen3-tiny")
@@ -229,7 +228,7 @@ def served(server: str, concurrencies: list[int], python: Path, manifest: str,
                       "--model", "qwen3-tiny", "--tokenizer", path, "--dataset-name", "random",
                       "--random-input-len", "256", "--random-output-len", "64",
                       "--num-prompts", str(num_prompts), "--max-concurrency", str(c),
-                      "--seed", str(c),  # (the comment above `served`)
+                      "--seed", str(c),  # (the docstring says why)
                       "--ignore-eos", "--save-result", "--result-filename", str(out)]
             how = run_load_client(client, {**os.environ, **PEER_ENV}, 1800, client_priority)
             r = json.loads(out.read_text())

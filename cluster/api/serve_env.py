@@ -77,7 +77,7 @@ HAPROXY_MAX_THREADS = 4
 
 def haproxy_threads(cores: int | None = None) -> int:
     """HAProxy's thread count for a host with `cores` cores (default: this process's)."""
-    if cores is None:
+    if cores is None:  # (workers.cpu_threads.process_cores, which imports torch: not at start)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
     return min(HAPROXY_MAX_THREADS, max(1, cores // 2))
