@@ -17,6 +17,14 @@ Serve reserves one STRICT_PACK group per replica (bundle 0 the replica, bundles 
 ranks), so a replica gets all of it at once or does not start, and Ray packs the groups onto
 few nodes. The ingress is a separate deployment (tokenizing and SSE scale apart
 from the engines) that streams from LLMServer through a DeploymentHandle.
+
+With `direct_streaming: true` there is no ingress deployment: the app is one
+`DirectLLMServer` deployment whose replicas serve the OpenAI routes over their own engine
+(HAProxy or Serve's proxy picks the replica), with the same limits kept by the replica's own
+gate (`Admission`: max_ongoing_requests running, max_queued_requests waiting, an OpenAI 503
+beyond; Serve's own limits sit DIRECT_EXTRA_ONGOING above so that it never answers first).
+Invariant: one model, no pd, no request router, no failover or hand-off (the client's
+connection ends at the replica); `_check_direct_streaming` refuses the keys that ask for them.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
@@ -34,7 +42,7 @@ from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
 from cluster.api.drain import Drain, watch_drain
-from cluster.api.engine_client import ModelInfo
+from cluster.api.engine_client import EngineClient, LocalEngineClient, ModelInfo
 from cluster.api.handle_client import HandleEngineClient, pack_output
 from cluster.api.lora_models import LORA_SERVING_DEFAULTS, LoRAModels, check_lora_args, lora_modules
 from cluster.api.multi_model import ModelDispatch, deployment_name, model_entries
@@ -90,6 +98,10 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "router_imbalance_abs": 8,   # a replica this many requests above the least loaded one ...
     "router_imbalance_rel": 1.5,  # ... and this many times its load gets no prefix-routed request
     "router_session_hold_s": 5.0,  # a session between turns counts as a request this long
+    # The LLMServer replicas serve HTTP themselves (DirectLLMServer): no ingress deployment,
+    # no hop between deployments per request (~3 ms less TTFT on a 2-core host, docs/
+    # benchmarks.md); one model, no pd, no request router, no failover onto another replica.
+    "direct_streaming": False,
     **LORA_SERVING_DEFAULTS,  # lora_modules, runtime loading, the resolver (lora_models.py)
 }
 
@@ -105,17 +117,15 @@ HEAD_NODE_SHARE = 0.001  # of it per ingress replica: up to 1000 of them fit on 
 SHUTDOWN_POLL_S = 0.5
 
 
-@serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["max_ongoing_requests"],
-                  health_check_period_s=SERVING_DEFAULTS["health_check_period_s"],
-                  health_check_timeout_s=SERVING_DEFAULTS["health_check_timeout_s"],
-                  graceful_shutdown_timeout_s=SERVING_DEFAULTS["graceful_shutdown_timeout_s"],
-                  graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 class LLMServer:
-    """One engine (one TP group). Streams `RequestOutput` deltas to the ingress."""
+    """One engine (one TP group). Streams `RequestOutput` deltas to the ingress (a Serve
+    deployment of it: `llm_deployment`)."""
 
-    def __init__(self, engine_args: dict[str, Any], prefill: DeploymentHandle | None = None
-                 ) -> None:
-        """`prefill`: a pd app's decode replica's handle of the prefill deployment."""
+    def __init__(self, engine_args: dict[str, Any], prefill: DeploymentHandle | None = None,
+                 hand_off: bool = True) -> None:
+        """`prefill`: a pd app's decode replica's handle of the prefill deployment.
+        `hand_off`: a stopping replica hands its unfinished streams to another one
+        (cluster/api/drain.py); not where the replica serves HTTP itself (`DirectLLMServer`)."""
         import ray
 
         from cluster.api.prometheus import RayMetricsExporter
@@ -130,7 +140,8 @@ class LLMServer:
                                             role=config.kv_role or "colocated")
         self._export_task: asyncio.Task | None = None
         self._drain = Drain(self.engine.abort)
-        watch_drain(self._drain.begin)
+        if hand_off:
+            watch_drain(self._drain.begin)
 
     def _ensure_exporter(self) -> None:
         if self._export_task is None or self._export_task.done():
@@ -232,6 +243,111 @@ class LLMServer:
             engine.shutdown()
 
 
+# A direct replica's Serve limits sit this far above its own gate's (max_ongoing + max_queued
+# generation requests), so that /health, /metrics and /v1/models still get in while the gate is
+# full, and an overloaded replica answers with its own OpenAI 503, not Serve's plain one.
+DIRECT_EXTRA_ONGOING = 16
+
+
+class ReplicaFullError(RuntimeError):
+    """A direct replica's gate is full: HTTP 503 with Retry-After (openai_errors.map_exception)."""
+
+    status_code = 503
+    retry_after_s = DEFAULT_RETRY_AFTER_S
+
+
+class Admission:
+    """A direct replica's gate for generation requests, what Serve's handle gives the
+    ingress's calls: `ongoing` in the engine at once, up to `queued` more waiting for one of
+    their places (-1: no bound), any beyond refused (`ReplicaFullError`)."""
+
+    def __init__(self, ongoing: int, queued: int) -> None:
+        self.ongoing, self.queued = ongoing, queued
+        self._places = asyncio.Semaphore(ongoing)
+        self.held = 0  # requests running or waiting
+
+    async def stream(self, open_stream: Callable[[], AsyncIterator[Any]]) -> AsyncIterator[Any]:
+        """`open_stream()`'s items once a place is free; the place is given back when the
+        stream ends, fails or is closed."""
+        if self.queued >= 0 and self.held >= self.ongoing + self.queued:
+            raise ReplicaFullError(f"this replica has {self.ongoing} running and {self.queued} "
+                                   "queued requests (max_ongoing_requests, max_queued_requests)")
+        self.held += 1
+        try:
+            async with self._places:
+                async for item in open_stream():
+                    yield item
+        finally:
+            self.held -= 1
+
+
+class DirectLLMServer(LLMServer):
+    """An LLMServer replica that serves the OpenAI routes itself (`direct_streaming`): HAProxy
+    (or Serve's proxy) hands each HTTP request straight to a replica, whose routes tokenize,
+    stream from its own engine and write SSE in the replica's process, with no ingress
+    deployment and no hop between deployments. One model, no pd; no request router (HAProxy
+    balances the replicas), no failover or hand-off (a lost replica's streams end with it)."""
+
+    def __init__(self, engine_args: dict[str, Any], spec: dict[str, Any],
+                 api_key: str | None, limits: tuple[int, int] = (
+                     SERVING_DEFAULTS["max_ongoing_requests"],
+                     SERVING_DEFAULTS["max_queued_requests"])) -> None:
+        """`limits`: the manifest's (max_ongoing_requests, max_queued_requests), kept by the
+        replica's own gate (`Admission`)."""
+        super().__init__(engine_args, hand_off=False)
+        self.admission = Admission(*limits)
+        self._app = openai_app(DirectEngineClient(self), spec, api_key)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self._app
+
+
+class DirectEngineClient(LocalEngineClient):
+    """The routes' `EngineClient` in a `DirectLLMServer`: this replica's engine for requests,
+    health and /metrics; every replica of its deployment (a handle of its own) for a LoRA
+    adapter's load and unload, as the ingress's client does."""
+
+    def __init__(self, server: LLMServer) -> None:
+        super().__init__(server.engine)
+        self.server = server
+
+    async def model_info(self) -> ModelInfo:
+        self.server._ensure_exporter()
+        return await super().model_info()
+
+    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 request_id: str, cache_salt: str | None = None,
+                 routing_key: str | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
+        self.server._ensure_exporter()
+        opened = super().generate  # (zero-argument super() is not available in the lambda)
+        return self._named(self.server.admission.stream(
+            lambda: opened(prompt_token_ids, sampling_params, request_id, cache_salt,
+                           routing_key, lora_request)))
+
+    async def _named(self, outs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """The stream with this replica's id on its first output (the X-Replica-Id header)."""
+        first = True
+        async for out in outs:
+            if first:
+                out.replica_id, first = self.server.replica_id, False
+            yield out
+
+    def _every_replica(self) -> HandleEngineClient:
+        context = serve.get_replica_context()
+        return HandleEngineClient(serve.get_deployment_handle(context.deployment,
+                                                              context.app_name))
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        await self._every_replica().add_lora(lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        await self._every_replica().remove_lora(lora_name)
+
+    async def metrics(self) -> list[dict[str, Any]]:
+        return [await self.server.metrics()]
+
+
 @serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["ingress_max_ongoing_requests"],
                   graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 @serve.ingress()
@@ -253,6 +369,13 @@ class OpenAIIngress:
 
 def model_app(llm_server: DeploymentHandle, spec: dict[str, Any], api_key: str | None) -> Any:
     """One base model's OpenAI app (`ingress_spec`'s keys) over its LLMServer deployment."""
+    client = (PDEngineClient(*map(HandleEngineClient, llm_server))  # (prefill, decode)
+              if isinstance(llm_server, tuple) else HandleEngineClient(llm_server))
+    return openai_app(client, spec, api_key)
+
+
+def openai_app(client: EngineClient, spec: dict[str, Any], api_key: str | None) -> Any:
+    """One base model's OpenAI app (`ingress_spec`'s keys) over `client`."""
     from transformers import AutoTokenizer
 
     from workers.tiny_model import resolve_model
@@ -260,8 +383,6 @@ def model_app(llm_server: DeploymentHandle, spec: dict[str, Any], api_key: str |
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(spec["model"]))
     if spec["tool_call_parser"] is not None:
         import xgrammar  # noqa: F401 — loaded now, not on the first forced tool call (~2 s)
-    client = (PDEngineClient(*map(HandleEngineClient, llm_server))  # (prefill, decode)
-              if isinstance(llm_server, tuple) else HandleEngineClient(llm_server))
     return create_app(client, tokenizer,
                       served_model_name=spec["served_model_name"], api_key=api_key,
                       max_body_bytes=spec["max_request_body_bytes"],
@@ -303,8 +424,41 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
         raise ValueError(f"replica_placement must be one of {list(PLACEMENTS)}; got "
                          f"{serving['replica_placement']!r}")
     check_router_args(serving)
+    _check_direct_streaming(args, serving)
     check_lora_args(serving, config.enable_lora, serving["served_model_name"] or config.model)
     return config, serving
+
+
+# What a direct-streaming app has none of: an ingress deployment and a request router.
+NOT_DIRECT_KEYS = ("ingress_num_cpus", "ingress_num_replicas", "ingress_max_ongoing_requests",
+                   "ingress_graceful_shutdown_timeout_s", "ingress_on_head_node",
+                   "request_router", "router_imbalance_abs", "router_imbalance_rel",
+                   "router_session_hold_s")
+
+
+def _check_direct_streaming(args: dict[str, Any], serving: dict[str, Any]) -> None:
+    """ValueError for a `direct_streaming` that is not a bool or comes with keys it has no
+    use for; a direct replica left without `graceful_shutdown_timeout_s` gets the ingress's
+    (its streams cannot be handed to another replica: Serve waits for them this long)."""
+    direct = serving["direct_streaming"]
+    if not isinstance(direct, bool):
+        raise ValueError(f"direct_streaming must be true or false; got {direct!r}")
+    if not direct:
+        return
+    extra = sorted(set(args) & set(NOT_DIRECT_KEYS))
+    if extra:
+        raise ValueError("direct_streaming: the LLMServer replicas serve HTTP themselves, with "
+                         "no ingress deployment and no request router (HAProxy or Serve's proxy "
+                         f"picks the replica); remove {extra}, or drop direct_streaming")
+    auto = serving["autoscaling_config"] or {}
+    most = auto.get("max_replicas", 1) if auto else serving["num_replicas"]
+    if serving["allow_runtime_lora_updating"] and most != 1:
+        raise ValueError("allow_runtime_lora_updating with direct_streaming needs one replica "
+                         f"(num_replicas or autoscaling max_replicas; got {most}): each replica "
+                         "keeps the adapter names it serves, and a runtime load reaches only the "
+                         "replica it was sent to; use lora_modules or dynamic_lora_loading_path")
+    if "graceful_shutdown_timeout_s" not in args:
+        serving["graceful_shutdown_timeout_s"] = serving["ingress_graceful_shutdown_timeout_s"]
 
 
 def placement_bundles(config: EngineConfig, serving: dict[str, Any],
@@ -337,7 +491,15 @@ def check_args(args: dict[str, Any]) -> None:
 
 def _entries(args: dict[str, Any]) -> list[tuple[EngineConfig, dict[str, Any]]]:
     """(config, serving) per model, or the prefill and decode roles' with `pd`."""
-    return pd_entries(args, split_args) if "pd" in args else model_entries(args, split_args)
+    if "pd" in args:
+        entries = pd_entries(args, split_args)
+    else:
+        entries = model_entries(args, split_args)
+    if ("pd" in args or "models" in args) and any(s["direct_streaming"] for _, s in entries):
+        raise ValueError("direct_streaming serves one model from its LLMServer replicas; with "
+                         f"{'pd' if 'pd' in args else 'models'} the app needs its ingress "
+                         "deployment: drop direct_streaming")
+    return entries
 
 
 def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any],
@@ -348,7 +510,8 @@ def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any],
     auto = serving["autoscaling_config"] or {}
     replicas = (auto.get("initial_replicas") or auto.get("min_replicas") or 1 if auto
                 else serving["num_replicas"])
-    ingress = {"CPU": float(serving["ingress_num_cpus"]) * serving["ingress_num_replicas"]}
+    ingress = {"CPU": 0.0 if serving["direct_streaming"] else
+               float(serving["ingress_num_cpus"]) * serving["ingress_num_replicas"]}
     report = fit_report(bundles, int(replicas), ingress, cluster_nodes(), stages)
     if report is not None:
         logger.warning(report)
@@ -362,6 +525,10 @@ def build_app(args: dict[str, Any]) -> Application:
         prefill = llm_deployment(p, ps, "LLMServer-prefill")
         models = [((prefill, llm_deployment(d, ds, "LLMServer-decode", prefill)),
                    ingress_spec(d, ds))]
+    elif entries[0][1]["direct_streaming"]:
+        (config, serving), = entries
+        return llm_deployment(config, serving, deployment_name(config, serving, False),
+                              ingress=ingress_spec(config, serving))
     else:
         models = [(llm_deployment(config, serving, deployment_name(config, serving,
                                                                    len(entries) > 1)),
@@ -381,9 +548,11 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 def llm_deployment(config: EngineConfig, serving: dict[str, Any], name: str,
-                   prefill: Application | None = None) -> Application:
+                   prefill: Application | None = None,
+                   ingress: dict[str, Any] | None = None) -> Application:
     """One model's LLMServer deployment: its placement group, replicas and router (a pd
-    app's decode deployment: bound to the prefill deployment, `prefill`)."""
+    app's decode deployment: bound to the prefill deployment, `prefill`); with `ingress`
+    (`ingress_spec`'s keys), a DirectLLMServer deployment that is the app's ingress."""
     from cluster.engine.ray_executor import worker_env
 
     # The replica may land on any node: ask the cluster (when connected), not this process.
@@ -394,7 +563,7 @@ def llm_deployment(config: EngineConfig, serving: dict[str, Any], name: str,
     replicas: dict[str, Any] = {"num_replicas": serving["num_replicas"]}
     if serving["autoscaling_config"]:
         replicas = {"autoscaling_config": serving["autoscaling_config"]}
-    router = request_router_config(serving, config.block_size)
+    router = None if ingress is not None else request_router_config(serving, config.block_size)
     if router is not None:
         replicas["request_router_config"] = router
     # With the in-process executor the replica runs the model itself, so it starts with what a
@@ -402,14 +571,24 @@ def llm_deployment(config: EngineConfig, serving: dict[str, Any], name: str,
     llm_env = {**REPLICA_ENV_VARS, **worker_env("cuda" if use_gpu else "cpu")}
     if serving["replica_placement"] == "pack":
         replicas.update(placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK")
-    return LLMServer.options(
+    ongoing, queued = serving["max_ongoing_requests"], serving["max_queued_requests"]
+    bound_kwargs: dict[str, Any] = {}
+    if ingress is None:
+        deployment, bound = serve.deployment(LLMServer), (config.to_dict(), prefill)
+    else:  # (the replica's own gate keeps the limits: Serve's sit above them)
+        api_key = serving["api_key"] or os.environ.get(API_KEY_ENV) or None
+        deployment = serve.deployment(serve.ingress()(DirectLLMServer))
+        bound, bound_kwargs = (config.to_dict(), ingress, api_key), {"limits": (ongoing, queued)}
+        ongoing += max(queued, 0) + DIRECT_EXTRA_ONGOING
+    return deployment.options(
         name=name,
         ray_actor_options={"num_cpus": bundles[0]["CPU"], "num_gpus": bundles[0].get("GPU", 0.0),
                            "runtime_env": {"env_vars": llm_env}},
-        max_ongoing_requests=serving["max_ongoing_requests"],
-        max_queued_requests=serving["max_queued_requests"],
+        max_ongoing_requests=ongoing,
+        max_queued_requests=queued,
         graceful_shutdown_timeout_s=float(serving["graceful_shutdown_timeout_s"]),
         health_check_period_s=float(serving["health_check_period_s"]),
         health_check_timeout_s=float(serving["health_check_timeout_s"]),
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         backpressure_config=BACKPRESSURE, **replicas,
-    ).bind(config.to_dict(), prefill)
+    ).bind(*bound, **bound_kwargs)

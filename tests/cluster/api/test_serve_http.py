@@ -19,9 +19,8 @@ import httpx
 import openai
 import pytest
 import yaml
+from serve_apps import check_disconnect_mid_stream_aborts, metrics, wait_idle
 from session_ports import free_port
-
-from cluster.api.prometheus import parse_prometheus
 
 pytestmark = pytest.mark.slow
 
@@ -66,11 +65,6 @@ def offline(tiny_model_path: str) -> Any:
 def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
-
-def _metrics(base_url: str) -> dict[str, float]:
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    return {k.split("{")[0] + ("{" + k.split(",", 1)[1] if "," in k else ""): v
-            for k, v in parse_prometheus(text).items()}
 
 
 def test_models_and_health(client: openai.OpenAI, base_url: str) -> None:
@@ -254,10 +248,10 @@ def test_api_key_missing_or_wrong_is_401(base_url: str) -> None:
 def test_metrics_count_one_request_exactly(base_url: str, client: openai.OpenAI) -> None:
     rng = random.Random(5)
     prompt = [rng.randrange(1000, 100000) for _ in range(37)]  # unique: no prefix-cache hit
-    before = _metrics(base_url)
+    before = metrics(base_url)
     client.completions.create(model="qwen3-tiny", prompt=prompt, max_tokens=6,
                               extra_body={"ignore_eos": True})
-    after = _metrics(base_url)
+    after = metrics(base_url)
 
     def delta(name: str) -> float:
         return after[name] - before[name]
@@ -274,31 +268,9 @@ def test_metrics_count_one_request_exactly(base_url: str, client: openai.OpenAI)
         assert name in after
 
 
-def _wait_idle(base_url: str, timeout_s: float) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = _metrics(base_url)
-        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0:
-            return m
-        if time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
-
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(base_url: str) -> None:
-    body = {"model": "qwen3-tiny", "prompt": "Tell me a very long story.", "max_tokens": 3000,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=_auth(),
-                      timeout=30) as resp:
-        lines = resp.iter_lines()
-        got = [next(lines) for _ in range(6)]
-        assert all(not line or line.startswith("data: {") for line in got)
-        busy = _metrics(base_url)
-        assert busy["vllm:num_requests_running"] == 1 and busy["vllm:kv_cache_usage_perc"] > 0
-    # The connection is closed here; the engine must abort within a step or two.
-    idle = _wait_idle(base_url, timeout_s=10.0)
-    assert (idle["vllm:num_requests_running"], idle["vllm:kv_cache_usage_perc"]) == (0, 0.0)
-    assert idle['vllm:request_success_total{finished_reason="abort"}'] >= 1
+    check_disconnect_mid_stream_aborts(base_url, _auth())
 
 
 def _fronts(base_url: str) -> dict[str, str]:
@@ -340,10 +312,10 @@ def test_requests_whose_clients_gave_up_are_aborted_at_once(base_url: str, front
     async def go() -> None:
         await asyncio.gather(*(give_up_after(1.5) for _ in range(10)))
 
-    before = _metrics(base_url)
+    before = metrics(base_url)
     asyncio.run(go())
     closed = time.monotonic()
-    idle = _wait_idle(base_url, timeout_s=30.0)
+    idle = wait_idle(base_url, timeout_s=30.0)
     took = time.monotonic() - closed
     assert (idle["vllm:num_requests_running"], idle["vllm:kv_cache_usage_perc"]) == (0, 0.0)
     aborted = 'vllm:request_success_total{finished_reason="abort"}'
@@ -420,7 +392,7 @@ def test_overload_is_503_with_retry_after_never_a_hang(base_url: str) -> None:
         assert r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "service_unavailable"
     assert time.monotonic() - start < 110
-    _wait_idle(base_url, timeout_s=10.0)
+    wait_idle(base_url, timeout_s=10.0)
 
 
 def test_dead_worker_fails_health_and_serve_replaces_the_replica(base_url: str,
