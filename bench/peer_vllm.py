@@ -21,7 +21,8 @@ nothing for up to 0.7 s at a time (3-4 s of its 7 s waiting for a core), then ev
 tokens at once: the measured stalls were the instrument's (docs/benchmarks.md, #43).
 
     .venv/bin/python bench/peer_vllm.py --offline offline-cpu qwen3-0.6b-bf16 \
-        [--served 1 8 32 --manifest manifests/qwen3-tiny.yaml manifests/qwen3-tiny-2x.yaml]
+        [--served 1 8 32 --manifest manifests/qwen3-tiny-direct.yaml manifests/qwen3-tiny.yaml
+         manifests/qwen3-tiny-2x.yaml]
         [--servers vllm ours] [--num-prompts 128] [--rounds 3] [--client-priority top]
         [--json out.json]
 """
@@ -251,7 +252,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--offline", nargs="*", default=[], choices=sorted(OFFLINE))
     ap.add_argument("--served", nargs="*", type=int, default=[], help="concurrencies")
-    ap.add_argument("--manifest", nargs="+", default=["manifests/qwen3-tiny.yaml"])
+    ap.add_argument("--manifest", nargs="+", default=["manifests/qwen3-tiny-direct.yaml",
+                                                      "manifests/qwen3-tiny.yaml"])
     ap.add_argument("--servers", nargs="+", choices=["vllm", "ours"], default=["vllm", "ours"])
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
