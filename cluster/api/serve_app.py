@@ -30,6 +30,7 @@ connection ends at the replica); `_check_direct_streaming` refuses the keys that
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -275,8 +276,9 @@ class Admission:
         self.held += 1
         try:
             async with self._places:
-                async for item in open_stream():
-                    yield item
+                async with contextlib.aclosing(open_stream()) as stream:
+                    async for item in stream:
+                        yield item
         finally:
             self.held -= 1
 
@@ -328,10 +330,11 @@ class DirectEngineClient(LocalEngineClient):
     async def _named(self, outs: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """The stream with this replica's id on its first output (the X-Replica-Id header)."""
         first = True
-        async for out in outs:
-            if first:
-                out.replica_id, first = self.server.replica_id, False
-            yield out
+        async with contextlib.aclosing(outs):  # (a client gone: the engine aborts at once)
+            async for out in outs:
+                if first:
+                    out.replica_id, first = self.server.replica_id, False
+                yield out
 
     def _every_replica(self) -> HandleEngineClient:
         context = serve.get_replica_context()
