@@ -391,3 +391,20 @@ def _parse(model: type, body: bytes) -> Any:
     except ValidationError as e:
         msg, param = validation_error_message(e.errors(include_url=False))
         raise RequestError(msg, param=param) from None
+
+
+def create_model_app(client: EngineClient, spec: dict[str, Any], api_key: str | None) -> FastAPI:
+    """`create_app` for one base model's manifest keys (`spec`: cluster/api/serve_app.py
+    `ingress_spec`'s), its tokenizer loaded from the model's files."""
+    from transformers import AutoTokenizer
+
+    from workers.tiny_model import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(spec["model"]))
+    if spec["tool_call_parser"] is not None:
+        import xgrammar  # noqa: F401 — loaded now, not on the first forced tool call (~2 s)
+    return create_app(client, tokenizer,
+                      served_model_name=spec["served_model_name"], api_key=api_key,
+                      max_body_bytes=spec["max_request_body_bytes"],
+                      reasoning_parser=spec["reasoning_parser"],
+                      tool_call_parser=spec["tool_call_parser"], loras=spec["loras"])

@@ -7,8 +7,9 @@ every `EngineConfig` field (model, tensor_parallel_size, ...) plus the serving k
 several base models in one app, `models: [args of one model, ...]` beside the ingress's keys
 (cluster/api/multi_model.py): one LLMServer deployment per model, one ingress for all.
 
-One LLMServer replica is one tensor-parallel group: the replica actor (`replica_num_cpus`)
-and one worker actor per rank (a GPU each on CUDA, `worker_num_cpus` on CPU), all on one node.
+One LLMServer replica (cluster/api/llm_server.py) is one tensor-parallel group: the replica
+actor (`replica_num_cpus`) and one worker actor per rank (a GPU each on CUDA, `worker_num_cpus`
+on CPU), all on one node.
 `replica_placement` says how replicas find nodes. `spread` (the default): the replica actor
 has no placement group, so Serve's SPREAD strategy puts replicas on different nodes while
 nodes have room (three on two nodes: two and one; one node: all there), and the replica's
@@ -18,22 +19,15 @@ ranks), so a replica gets all of it at once or does not start, and Ray packs the
 few nodes. The ingress is a separate deployment (tokenizing and SSE scale apart
 from the engines) that streams from LLMServer through a DeploymentHandle.
 
-With `direct_streaming: true` there is no ingress deployment: the app is one
-`DirectLLMServer` deployment whose replicas serve the OpenAI routes over their own engine
-(HAProxy or Serve's proxy picks the replica), with the same limits kept by the replica's own
-gate (`Admission`: max_ongoing_requests running, max_queued_requests waiting, an OpenAI 503
-beyond; Serve's own limits sit DIRECT_EXTRA_ONGOING above so that it never answers first).
-Invariant: one model, no pd, no request router, no failover or hand-off (the client's
-connection ends at the replica); `_check_direct_streaming` refuses the keys that ask for them.
+With `direct_streaming: true` there is no ingress deployment: the app is one `DirectLLMServer`
+deployment whose replicas serve the OpenAI routes over their own engine
+(cluster/api/direct_app.py, which says what that mode keeps and gives up).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
@@ -42,26 +36,21 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
-from cluster.api.drain import Drain, watch_drain
-from cluster.api.engine_client import EngineClient, LocalEngineClient, ModelInfo
-from cluster.api.handle_client import HandleEngineClient, pack_output
+from cluster.api.direct_app import DIRECT_EXTRA_ONGOING, DirectLLMServer, check_direct_streaming
+from cluster.api.handle_client import HandleEngineClient
+from cluster.api.llm_server import LLMServer
 from cluster.api.lora_models import LORA_SERVING_DEFAULTS, LoRAModels, check_lora_args, lora_modules
 from cluster.api.multi_model import ModelDispatch, deployment_name, model_entries
-from cluster.api.openai_api import create_app
+from cluster.api.openai_api import create_model_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
-from cluster.api.pd_app import PDEngineClient, decode_after_prefill, pd_entries
-from cluster.api.pd_autoscaling import autoscaling_stats
+from cluster.api.pd_app import PDEngineClient, pd_entries
 from cluster.api.prefix_router import check_router_args, request_router_config
 from cluster.api.serve_env import REPLICA_ENV_VARS, bind_replica_grpc_to_node_ip
 from cluster.engine.config import EngineConfig
-from scheduler.lora import LoRARequest
-from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
 API_KEY_ENV = "QWEN3_SERVE_API_KEY"
-# How often a replica pushes its engine metrics into ray.util.metrics.
-METRICS_EXPORT_PERIOD_S = 5.0
 
 SERVING_DEFAULTS: dict[str, Any] = {
     "served_model_name": None,   # the name clients send as `model`; default: the `model` arg
@@ -118,239 +107,6 @@ HEAD_NODE_SHARE = 0.001  # of it per ingress replica: up to 1000 of them fit on 
 SHUTDOWN_POLL_S = 0.5
 
 
-class LLMServer:
-    """One engine (one TP group). Streams `RequestOutput` deltas to the ingress (a Serve
-    deployment of it: `llm_deployment`)."""
-
-    def __init__(self, engine_args: dict[str, Any], prefill: DeploymentHandle | None = None,
-                 hand_off: bool = True) -> None:
-        """`prefill`: a pd app's decode replica's handle of the prefill deployment.
-        `hand_off`: a stopping replica hands its unfinished streams to another one
-        (cluster/api/drain.py); not where the replica serves HTTP itself (`DirectLLMServer`)."""
-        import ray
-
-        from cluster.api.prometheus import RayMetricsExporter
-        from cluster.engine.async_llm_engine import AsyncLLMEngine
-
-        bind_replica_grpc_to_node_ip()
-        config = EngineConfig.from_dict(engine_args)
-        self.engine = AsyncLLMEngine(config, placement_group=ray.util.get_current_placement_group())
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.prefill_role = None if prefill is None else HandleEngineClient(prefill)
-        self._exporter = RayMetricsExporter(self.engine.model_name, replica_id=self.replica_id,
-                                            role=config.kv_role or "colocated")
-        self._export_task: asyncio.Task | None = None
-        self._drain = Drain(self.engine.abort)
-        if hand_off:
-            watch_drain(self._drain.begin)
-
-    def _ensure_exporter(self) -> None:
-        if self._export_task is None or self._export_task.done():
-            self._export_task = asyncio.get_running_loop().create_task(self._export_metrics())
-
-    async def _export_metrics(self) -> None:
-        while True:
-            try:
-                self._exporter.update(self.engine.metrics())
-            except Exception:  # noqa: BLE001 - metrics must never take the replica down
-                logger.exception("exporting engine metrics to Ray failed")
-            await asyncio.sleep(METRICS_EXPORT_PERIOD_S)
-
-    async def model_info(self) -> ModelInfo:
-        self._ensure_exporter()
-        return ModelInfo.of(self.engine)
-
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str, cache_salt: str | None = None,
-                       routing_key: str | None = None,
-                       resume_token_ids: list[int] | None = None,
-                       lora_request: LoRARequest | None = None,
-                       disaggregated: bool = False) -> AsyncIterator[tuple]:
-        """Stream `pack_output` tuples (not RequestOutput: it repeats the whole prompt); the
-        first names this replica; HANDOFF last when the request goes on elsewhere because this
-        replica is draining (cluster/api/drain.py). `routing_key` is the request router's
-        (prefix_router.py); `resume_token_ids`: the request comes from a lost or draining
-        replica with these outputs (cluster/api/failover.py); `lora_request`: its adapter;
-        `disaggregated`: a decode replica's request whose prompt the prefill role runs first
-        (cluster/api/pd_app.py `decode_after_prefill`)."""
-        # Serve cancels this generator when the caller goes away; the engine's generator
-        # then aborts the request in its `finally`, freeing its blocks within a step.
-        self._ensure_exporter()
-
-        async def packed() -> AsyncIterator[tuple]:
-            replica_id = self.replica_id
-            outs = (decode_after_prefill(self.prefill_role, self.engine, prompt_token_ids,
-                                         sampling_params, request_id, cache_salt, routing_key,
-                                         lora_request) if disaggregated else
-                    self.engine.generate(prompt_token_ids, sampling_params, request_id,
-                                         cache_salt=cache_salt, resume_token_ids=resume_token_ids,
-                                         lora_request=lora_request))
-            async for out in outs:
-                yield pack_output(out, replica_id)
-                replica_id = None
-
-        async for item in self._drain.stream(request_id, sampling_params.n, packed):
-            yield item
-
-    async def prefill(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                      request_id: str, cache_salt: str | None = None,
-                      routing_key: str | None = None,
-                      lora_request: LoRARequest | None = None) -> tuple[tuple, Any]:
-        """A prefill replica's part (cluster/api/pd_app.py): the request's one output packed,
-        and its prompt's KV (`KVTransferParams`, None when its first token ended it)."""
-        self._ensure_exporter()
-        last = None
-        async for out in self.engine.generate(prompt_token_ids, sampling_params, request_id,
-                                               cache_salt=cache_salt, export_kv=True,
-                                               lora_request=lora_request):
-            last = out
-        return pack_output(last, self.replica_id), last.kv_transfer_params
-
-    async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metrics: this replica's load signals
-        (cluster/api/pd_autoscaling.py; what a `pd` role's policy scales on)."""
-        return autoscaling_stats(self.engine.engine)
-
-    async def kv_events(self, cursors: dict[str, tuple[str | None, int]]) -> tuple:
-        """(this replica's id, its KV events since its cursor in `cursors`, its load, its LoRA
-        adapters): what PrefixAwareRouter polls (kvcache/events.py)."""
-        epoch, seq = cursors.get(self.replica_id, (None, 0))
-        return (self.replica_id, *self.engine.kv_events(epoch, seq), self.engine.lora_names())
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
-
-    async def add_lora(self, lora_request: LoRARequest) -> None:
-        self.engine.add_lora(lora_request)
-
-    async def remove_lora(self, lora_name: str) -> None:
-        self.engine.remove_lora(lora_name)
-
-    async def metrics(self) -> dict[str, Any]:
-        return {**self.engine.metrics(), "replica_id": self.replica_id}
-
-    async def check_health(self) -> None:
-        """Serve calls this periodically; raising makes Serve replace the replica: only when
-        the engine is dead, not while it rebuilds its workers after one died."""
-        self.engine.check_health()
-
-    async def ready(self) -> None:
-        """For /health: raises while the engine rebuilds its workers, or when it is dead."""
-        self.engine.check_ready()
-
-    def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
-
-
-# A direct replica's Serve limits sit this far above its own gate's (max_ongoing + max_queued
-# generation requests), so that /health, /metrics and /v1/models still get in while the gate is
-# full, and an overloaded replica answers with its own OpenAI 503, not Serve's plain one.
-DIRECT_EXTRA_ONGOING = 16
-
-
-class ReplicaFullError(RuntimeError):
-    """A direct replica's gate is full: HTTP 503 with Retry-After (openai_errors.map_exception)."""
-
-    status_code = 503
-    retry_after_s = DEFAULT_RETRY_AFTER_S
-
-
-class Admission:
-    """A direct replica's gate for generation requests, what Serve's handle gives the
-    ingress's calls: `ongoing` in the engine at once, up to `queued` more waiting for one of
-    their places (-1: no bound), any beyond refused (`ReplicaFullError`)."""
-
-    def __init__(self, ongoing: int, queued: int) -> None:
-        self.ongoing, self.queued = ongoing, queued
-        self._places = asyncio.Semaphore(ongoing)
-        self.held = 0  # requests running or waiting
-
-    async def stream(self, open_stream: Callable[[], AsyncIterator[Any]]) -> AsyncIterator[Any]:
-        """`open_stream()`'s items once a place is free; the place is given back when the
-        stream ends, fails or is closed."""
-        if self.queued >= 0 and self.held >= self.ongoing + self.queued:
-            raise ReplicaFullError(f"this replica has {self.ongoing} running and {self.queued} "
-                                   "queued requests (max_ongoing_requests, max_queued_requests)")
-        self.held += 1
-        try:
-            async with self._places:
-                async with contextlib.aclosing(open_stream()) as stream:
-                    async for item in stream:
-                        yield item
-        finally:
-            self.held -= 1
-
-
-class DirectLLMServer(LLMServer):
-    """An LLMServer replica that serves the OpenAI routes itself (`direct_streaming`): HAProxy
-    (or Serve's proxy) hands each HTTP request straight to a replica, whose routes tokenize,
-    stream from its own engine and write SSE in the replica's process, with no ingress
-    deployment and no hop between deployments. One model, no pd; no request router (HAProxy
-    balances the replicas), no failover or hand-off (a lost replica's streams end with it)."""
-
-    def __init__(self, engine_args: dict[str, Any], spec: dict[str, Any],
-                 api_key: str | None, limits: tuple[int, int] = (
-                     SERVING_DEFAULTS["max_ongoing_requests"],
-                     SERVING_DEFAULTS["max_queued_requests"])) -> None:
-        """`limits`: the manifest's (max_ongoing_requests, max_queued_requests), kept by the
-        replica's own gate (`Admission`)."""
-        super().__init__(engine_args, hand_off=False)
-        self.admission = Admission(*limits)
-        self._app = openai_app(DirectEngineClient(self), spec, api_key)
-
-    def __serve_build_asgi_app__(self) -> Any:
-        return self._app
-
-
-class DirectEngineClient(LocalEngineClient):
-    """The routes' `EngineClient` in a `DirectLLMServer`: this replica's engine for requests,
-    health and /metrics; every replica of its deployment (a handle of its own) for a LoRA
-    adapter's load and unload, as the ingress's client does."""
-
-    def __init__(self, server: LLMServer) -> None:
-        super().__init__(server.engine)
-        self.server = server
-
-    async def model_info(self) -> ModelInfo:
-        self.server._ensure_exporter()
-        return await super().model_info()
-
-    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 request_id: str, cache_salt: str | None = None,
-                 routing_key: str | None = None,
-                 lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
-        self.server._ensure_exporter()
-        opened = super().generate  # (zero-argument super() is not available in the lambda)
-        return self._named(self.server.admission.stream(
-            lambda: opened(prompt_token_ids, sampling_params, request_id, cache_salt,
-                           routing_key, lora_request)))
-
-    async def _named(self, outs: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """The stream with this replica's id on its first output (the X-Replica-Id header)."""
-        first = True
-        async with contextlib.aclosing(outs):  # (a client gone: the engine aborts at once)
-            async for out in outs:
-                if first:
-                    out.replica_id, first = self.server.replica_id, False
-                yield out
-
-    def _every_replica(self) -> HandleEngineClient:
-        context = serve.get_replica_context()
-        return HandleEngineClient(serve.get_deployment_handle(context.deployment,
-                                                              context.app_name))
-
-    async def add_lora(self, lora_request: LoRARequest) -> None:
-        await self._every_replica().add_lora(lora_request)
-
-    async def remove_lora(self, lora_name: str) -> None:
-        await self._every_replica().remove_lora(lora_name)
-
-    async def metrics(self) -> list[dict[str, Any]]:
-        return [await self.server.metrics()]
-
-
 @serve.deployment(max_ongoing_requests=SERVING_DEFAULTS["ingress_max_ongoing_requests"],
                   graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 @serve.ingress()
@@ -374,23 +130,7 @@ def model_app(llm_server: DeploymentHandle, spec: dict[str, Any], api_key: str |
     """One base model's OpenAI app (`ingress_spec`'s keys) over its LLMServer deployment."""
     client = (PDEngineClient(*map(HandleEngineClient, llm_server))  # (prefill, decode)
               if isinstance(llm_server, tuple) else HandleEngineClient(llm_server))
-    return openai_app(client, spec, api_key)
-
-
-def openai_app(client: EngineClient, spec: dict[str, Any], api_key: str | None) -> Any:
-    """One base model's OpenAI app (`ingress_spec`'s keys) over `client`."""
-    from transformers import AutoTokenizer
-
-    from workers.tiny_model import resolve_model
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(spec["model"]))
-    if spec["tool_call_parser"] is not None:
-        import xgrammar  # noqa: F401 — loaded now, not on the first forced tool call (~2 s)
-    return create_app(client, tokenizer,
-                      served_model_name=spec["served_model_name"], api_key=api_key,
-                      max_body_bytes=spec["max_request_body_bytes"],
-                      reasoning_parser=spec["reasoning_parser"],
-                      tool_call_parser=spec["tool_call_parser"], loras=spec["loras"])
+    return create_model_app(client, spec, api_key)
 
 
 def ingress_spec(config: EngineConfig, serving: dict[str, Any]) -> dict[str, Any]:
@@ -427,41 +167,9 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
         raise ValueError(f"replica_placement must be one of {list(PLACEMENTS)}; got "
                          f"{serving['replica_placement']!r}")
     check_router_args(serving)
-    _check_direct_streaming(args, serving)
+    check_direct_streaming(args, serving)
     check_lora_args(serving, config.enable_lora, serving["served_model_name"] or config.model)
     return config, serving
-
-
-# What a direct-streaming app has none of: an ingress deployment and a request router.
-NOT_DIRECT_KEYS = ("ingress_num_cpus", "ingress_num_replicas", "ingress_max_ongoing_requests",
-                   "ingress_graceful_shutdown_timeout_s", "ingress_on_head_node",
-                   "request_router", "router_imbalance_abs", "router_imbalance_rel",
-                   "router_session_hold_s")
-
-
-def _check_direct_streaming(args: dict[str, Any], serving: dict[str, Any]) -> None:
-    """ValueError for a `direct_streaming` that is not a bool or comes with keys it has no
-    use for; a direct replica left without `graceful_shutdown_timeout_s` gets the ingress's
-    (its streams cannot be handed to another replica: Serve waits for them this long)."""
-    direct = serving["direct_streaming"]
-    if not isinstance(direct, bool):
-        raise ValueError(f"direct_streaming must be true or false; got {direct!r}")
-    if not direct:
-        return
-    extra = sorted(set(args) & set(NOT_DIRECT_KEYS))
-    if extra:
-        raise ValueError("direct_streaming: the LLMServer replicas serve HTTP themselves, with "
-                         "no ingress deployment and no request router (HAProxy or Serve's proxy "
-                         f"picks the replica); remove {extra}, or drop direct_streaming")
-    auto = serving["autoscaling_config"] or {}
-    most = auto.get("max_replicas", 1) if auto else serving["num_replicas"]
-    if serving["allow_runtime_lora_updating"] and most != 1:
-        raise ValueError("allow_runtime_lora_updating with direct_streaming needs one replica "
-                         f"(num_replicas or autoscaling max_replicas; got {most}): each replica "
-                         "keeps the adapter names it serves, and a runtime load reaches only the "
-                         "replica it was sent to; use lora_modules or dynamic_lora_loading_path")
-    if "graceful_shutdown_timeout_s" not in args:
-        serving["graceful_shutdown_timeout_s"] = serving["ingress_graceful_shutdown_timeout_s"]
 
 
 def placement_bundles(config: EngineConfig, serving: dict[str, Any],

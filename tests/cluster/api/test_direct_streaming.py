@@ -35,7 +35,8 @@ def _manifest_args() -> dict[str, Any]:
 # --- the app's shape and the manifest's checks (no Ray) ---------------------------------------
 
 def test_the_app_is_one_llm_deployment_that_serves_http() -> None:
-    from cluster.api.serve_app import DIRECT_EXTRA_ONGOING, DirectLLMServer, build_app
+    from cluster.api.direct_app import DIRECT_EXTRA_ONGOING, DirectLLMServer
+    from cluster.api.serve_app import build_app
 
     app = build_app({**_manifest_args(), "api_key": "k"})
     deployment = app._bound_deployment
@@ -95,7 +96,7 @@ def test_one_replica_may_load_adapters_at_runtime() -> None:
 # --- the replica's admission gate -------------------------------------------------------------
 
 def test_the_gate_runs_ongoing_queues_queued_and_refuses_the_rest_with_a_503() -> None:
-    from cluster.api.serve_app import Admission
+    from cluster.api.direct_app import Admission
 
     async def go() -> None:
         gate = Admission(ongoing=1, queued=1)
@@ -147,7 +148,7 @@ def test_the_gate_runs_ongoing_queues_queued_and_refuses_the_rest_with_a_503() -
 
 
 def test_an_unbounded_queue_never_refuses() -> None:
-    from cluster.api.serve_app import Admission
+    from cluster.api.direct_app import Admission
 
     async def go() -> list[list[int]]:
         gate = Admission(ongoing=1, queued=-1)

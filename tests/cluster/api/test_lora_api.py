@@ -221,7 +221,7 @@ class _FakeStreams:
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         from cluster.api.drain import HANDOFF
-        from cluster.api.serve_app import pack_output
+        from cluster.api.handle_client import pack_output
         from scheduler import CompletionOutput, RequestOutput
 
         self.calls.append((args, kwargs))
@@ -245,7 +245,7 @@ class _FakeStreams:
 
 
 def test_a_resumed_request_keeps_its_adapter() -> None:
-    from cluster.api.serve_app import HandleEngineClient
+    from cluster.api.handle_client import HandleEngineClient
     from scheduler import SamplingParams
 
     handle = _FakeStreams()
