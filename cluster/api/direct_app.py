@@ -15,8 +15,9 @@ Invariants:
 - One model, no pd, no request router, no failover or drain hand-off (the client's connection
   ends at the replica); `check_direct_streaming` refuses the keys that ask for them, and
   serve_app refuses `models` and `pd` with it.
-- A runtime LoRA load or unload reaches every replica (a handle of its own deployment), but the
-  names a replica serves are its own: runtime loading needs one replica.
+- The adapter names a replica serves are its own (its routes' registry), so a runtime LoRA load
+  or unload, which reaches the replica it was sent to, needs a deployment of one replica;
+  `lora_modules` and `dynamic_lora_loading_path` work at any count.
 """
 
 from __future__ import annotations
@@ -26,10 +27,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ray import serve
-
 from cluster.api.engine_client import LocalEngineClient, ModelInfo
-from cluster.api.handle_client import HandleEngineClient
 from cluster.api.llm_server import LLMServer
 from cluster.api.openai_api import create_model_app
 from cluster.api.openai_errors import DEFAULT_RETRY_AFTER_S
@@ -95,9 +93,8 @@ class DirectLLMServer(LLMServer):
 
 
 class DirectEngineClient(LocalEngineClient):
-    """The routes' `EngineClient` in a `DirectLLMServer`: this replica's engine for requests,
-    health and /metrics; every replica of its deployment (a handle of its own) for a LoRA
-    adapter's load and unload, as the ingress's client does."""
+    """The routes' `EngineClient` in a `DirectLLMServer`: this replica's engine, through its
+    gate, with the replica's id on each stream and its metrics export kept running."""
 
     def __init__(self, server: LLMServer) -> None:
         super().__init__(server.engine)
@@ -125,17 +122,6 @@ class DirectEngineClient(LocalEngineClient):
                 if first:
                     out.replica_id, first = self.server.replica_id, False
                 yield out
-
-    def _every_replica(self) -> HandleEngineClient:
-        context = serve.get_replica_context()
-        return HandleEngineClient(serve.get_deployment_handle(context.deployment,
-                                                              context.app_name))
-
-    async def add_lora(self, lora_request: LoRARequest) -> None:
-        await self._every_replica().add_lora(lora_request)
-
-    async def remove_lora(self, lora_name: str) -> None:
-        await self._every_replica().remove_lora(lora_name)
 
     async def metrics(self) -> list[dict[str, Any]]:
         return [await self.server.metrics()]
@@ -167,7 +153,8 @@ def check_direct_streaming(args: dict[str, Any], serving: dict[str, Any]) -> Non
     if serving["allow_runtime_lora_updating"] and most != 1:
         raise ValueError("allow_runtime_lora_updating with direct_streaming needs one replica "
                          f"(num_replicas or autoscaling max_replicas; got {most}): each replica "
-                         "keeps the adapter names it serves, and a runtime load reaches only the "
-                         "replica it was sent to; use lora_modules or dynamic_lora_loading_path")
+                         "keeps the adapter names it serves, and a runtime load registers its name "
+                         "on the replica it was sent to only; use lora_modules or "
+                         "dynamic_lora_loading_path")
     if "graceful_shutdown_timeout_s" not in args:
         serving["graceful_shutdown_timeout_s"] = serving["ingress_graceful_shutdown_timeout_s"]

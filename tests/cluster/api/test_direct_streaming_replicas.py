@@ -1,6 +1,7 @@
 """Direct streaming with two replicas (tp 1 each, the model in the replica): HAProxy, or Serve's
 proxy where the session has no HAProxy, spreads concurrent requests over both replicas, each
-answering from its own engine with the same greedy text."""
+answering from its own engine with the same greedy text; an adapter of `lora_modules` is served
+by each."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 ARGS = {"model": "qwen3-tiny", "tensor_parallel_size": 1, "device": "cpu",
         "executor": "inprocess", "direct_streaming": True, "num_replicas": 2,
-        "replica_num_cpus": 0.4, "swap_space": 0.1, "max_num_seqs": 16}
+        "replica_num_cpus": 0.4, "swap_space": 0.1, "max_num_seqs": 16, "enable_lora": True,
+        "lora_modules": [{"name": "tiny-lora", "path": "qwen3-tiny-lora"}]}
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +53,23 @@ def test_concurrent_requests_reach_both_replicas_with_the_same_greedy_text(base_
             break
         assert time.monotonic() < deadline, f"8 requests at once all went to {replicas}"
         time.sleep(1.0)
+
+
+def test_an_adapter_of_lora_modules_is_served_by_every_replica(base_url: str) -> None:
+    def complete(model: str) -> httpx.Response:
+        return httpx.post(f"{base_url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": "The capital of France is", "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True})
+
+    models = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
+    assert [(m["id"], m["parent"]) for m in models] == [("qwen3-tiny", None),
+                                                      ("tiny-lora", "qwen3-tiny")]
+    base = complete("qwen3-tiny").json()["choices"][0]["text"]
+    seen: dict[str, str] = {}
+    deadline = time.monotonic() + 30
+    while len(seen) < 2:  # (leastconn with one request at a time: any replica, so ask again)
+        resp = complete("tiny-lora")
+        assert resp.status_code == 200, resp.text
+        seen[resp.headers["x-replica-id"]] = resp.json()["choices"][0]["text"]
+        assert time.monotonic() < deadline, f"every adapter request went to {set(seen)}"
+    assert len(set(seen.values())) == 1 and base not in seen.values()
