@@ -228,6 +228,11 @@ def _report_fit(bundles: list[dict[str, float]], serving: dict[str, Any],
         logger.warning(report)
 
 
+def api_key(serving: dict[str, Any]) -> str | None:
+    """The key clients must send: the manifest's `api_key`, else API_KEY_ENV's; None: no auth."""
+    return serving["api_key"] or os.environ.get(API_KEY_ENV) or None
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve app builder named by the manifests (`cluster.api.serve_app:build_app`)."""
     entries = _entries(dict(args or {}))
@@ -255,7 +260,7 @@ def build_app(args: dict[str, Any]) -> Application:
         max_ongoing_requests=serving["ingress_max_ongoing_requests"],
         graceful_shutdown_timeout_s=float(serving["ingress_graceful_shutdown_timeout_s"]),
         backpressure_config=BACKPRESSURE,
-    ).bind(models, serving["api_key"] or os.environ.get(API_KEY_ENV) or None)
+    ).bind(models, api_key(serving))
 
 
 def llm_deployment(config: EngineConfig, serving: dict[str, Any], name: str,
@@ -287,9 +292,9 @@ def llm_deployment(config: EngineConfig, serving: dict[str, Any], name: str,
     if ingress is None:
         deployment, bound = serve.deployment(LLMServer), (config.to_dict(), prefill)
     else:  # (the replica's own gate keeps the limits: Serve's sit above them)
-        api_key = serving["api_key"] or os.environ.get(API_KEY_ENV) or None
         deployment = serve.deployment(serve.ingress()(DirectLLMServer))
-        bound, bound_kwargs = (config.to_dict(), ingress, api_key), {"limits": (ongoing, queued)}
+        bound = (config.to_dict(), ingress, api_key(serving))
+        bound_kwargs = {"limits": (ongoing, queued)}
         ongoing += max(queued, 0) + DIRECT_EXTRA_ONGOING
     return deployment.options(
         name=name,
